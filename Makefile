@@ -1,0 +1,34 @@
+# The two commands: `make demo` and `make test`. Both create or reuse .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# torch==2.13.0 is pinned: on the project's CPU machines pip takes a CPU build from
+# local disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+DEVICE ?= cpu
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench inspect clean
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.stamp
+
+demo: setup
+	$(PY) -m rlk_ops demo --device $(DEVICE)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+inspect: setup
+	$(PY) -m rlk_ops inspect
+
+bench: setup
+	$(PY) benchmarks/dispatch.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Kernel backends (imported lazily by kernels/dispatch.py): cpu, c10d, fa4, triton, flashinfer."""

@@ -1,0 +1,44 @@
+"""Deterministic collectives over torch.distributed (gloo on CPU, NCCL on GPUs).
+
+* all_gather moves bytes only: exact, independent of the world size.
+* reduce_scatter is all_to_all (bytes only) followed by a sum of the received
+  blocks in ascending rank order in fp32 (fp64 for fp64). NCCL's own reduce-scatter
+  picks ring/tree algorithms and orders at run time; this one has a single order.
+  The result still depends on the world size (a different number of terms).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def process_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def all_gather(x, dim, group_name):
+    pg = process_group(group_name)
+    ws = dist.get_world_size(pg)
+    x = x.contiguous()
+    if ws == 1:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(ws)]
+    dist.all_gather(parts, x, group=pg)
+    return torch.cat(parts, dim)
+
+
+def reduce_scatter(x, dim, group_name):
+    pg = process_group(group_name)
+    ws = dist.get_world_size(pg)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if ws == 1:
+        return x.to(acc).to(x.dtype).contiguous()
+    send = torch.stack([c.contiguous() for c in x.chunk(ws, dim)])  # [ws, *block]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    total = recv[0].to(acc)
+    for r in range(1, ws):
+        total = total + recv[r].to(acc)
+    return total.to(x.dtype)

@@ -1,0 +1,16 @@
+"""CPU reference backend: deterministic and batch-invariant by construction.
+
+Kernels are plain functions named like their ops (the dispatch point looks them up
+by name). ``numerics`` holds the fixed-order reductions and transcendental functions
+every kernel here is built from.
+"""
+from rlk_ops.kernels.cpu.attention import attention_bwd, attention_fwd, paged_attention
+from rlk_ops.kernels.cpu.linear import linear, linear_bias_bwd, linear_bwd
+from rlk_ops.kernels.cpu.norm import qk_rmsnorm, qk_rmsnorm_bwd
+from rlk_ops.kernels.cpu.paged_kv import paged_kv_append, paged_kv_gather
+from rlk_ops.kernels.cpu.rope import rope, rope_bwd
+
+__all__ = [
+    "attention_bwd", "attention_fwd", "paged_attention", "linear", "linear_bias_bwd", "linear_bwd",
+    "qk_rmsnorm", "qk_rmsnorm_bwd", "paged_kv_append", "paged_kv_gather", "rope", "rope_bwd",
+]

@@ -1,0 +1,41 @@
+"""CPU reference per-head RMSNorm in Qwen3's order.
+
+Forward is Qwen3RMSNorm exactly (so it is bitwise equal to the Hugging Face module):
+``w * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)``. ``mean`` reduces over the
+contiguous last dim: per row, in an order fixed by head_dim (see numerics.rowsum).
+"""
+from __future__ import annotations
+
+import torch
+
+from rlk_ops.kernels.cpu import numerics as nx
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x32 = x.to(_acc(x.dtype)).contiguous()
+    return x32, x32.pow(2).mean(-1, keepdim=True)
+
+
+def qk_rmsnorm(x, weight, eps):
+    x32, var = _normalized(x)
+    xhat = x32 * torch.rsqrt(var + eps)
+    return weight * xhat.to(x.dtype)
+
+
+def qk_rmsnorm_bwd(dy, x, weight, eps):
+    """Gradient of the forward (the final rounding treated as identity).
+    dweight sums over every token and head: a fixed-order rowsum over rows."""
+    d = x.shape[-1]
+    x32, var = _normalized(x)
+    rstd = torch.rsqrt(var + eps)
+    xhat = x32 * rstd
+    dy32 = dy.to(x32.dtype)
+    dw = nx.rowsum((dy32 * xhat.to(x.dtype).to(x32.dtype)).reshape(-1, d).t())
+    g = dy32 * weight.to(x32.dtype)
+    proj = nx.rowsum(g * xhat)[..., None] / d
+    dx = rstd * (g - xhat * proj)
+    return dx.to(x.dtype), dw.to(weight.dtype)

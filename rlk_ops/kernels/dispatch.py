@@ -1,0 +1,179 @@
+"""The one dispatch point: which backend runs an rlk op, strict mode, provenance.
+
+Every op body calls ``kernel_for(op, device)``. It returns the kernel function of
+the requested backend and records what ran (``meta/provenance.py``). When the
+requested backend cannot run here:
+
+* strict mode (the default) raises ``StrictModeError`` naming the op, the backend
+  and why it is unavailable: a silent fallback would break the determinism claim;
+* non-strict mode falls back to the CPU reference kernel (moving tensors to the CPU
+  and back) and records ``fallback=True`` with the reason.
+
+Backends are imported lazily: ``import rlk_ops`` needs no CUDA package.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rlk_ops.meta import provenance
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend cannot run on this machine (missing package, GPU, or control)."""
+
+
+class StrictModeError(RuntimeError):
+    """Strict mode refused to run an op on anything but its deterministic backend."""
+
+
+# Where each backend's kernels live: backend -> module (imported on first use).
+# A kernel is the module attribute named like the op.
+_BACKEND_MODULES = {
+    "cpu": "rlk_ops.kernels.cpu",
+    "fa4": "rlk_ops.kernels.fa4",
+    "triton": "rlk_ops.kernels.triton",
+    "flashinfer": "rlk_ops.kernels.flashinfer",
+    "c10d": "rlk_ops.kernels.c10d",
+}
+
+# Default backend per device type. CUDA backends are filled in per op as they exist.
+_COLLECTIVES = {"all_gather": "c10d", "reduce_scatter": "c10d"}
+_DEFAULTS: dict[str, dict[str, str]] = {
+    "cpu": dict(_COLLECTIVES),
+    "cuda": {
+        **_COLLECTIVES,
+        "attention_fwd": "fa4",
+        "attention_bwd": "fa4",
+        "paged_attention": "fa4",
+    },
+}
+_DEFAULT_CUDA = "triton"
+
+_strict = os.environ.get("RLK_STRICT", "1").lower() not in ("0", "false", "no", "off")
+_overrides: dict[str, str] = {}
+_cache: dict[tuple[str, str], Callable] = {}
+
+
+# ----------------------------------------------------------------- strict mode
+def strict_mode() -> bool:
+    return _strict
+
+
+def set_strict_mode(enabled: bool) -> None:
+    global _strict
+    _strict = bool(enabled)
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    global _strict
+    old, _strict = _strict, bool(enabled)
+    try:
+        yield
+    finally:
+        _strict = old
+
+
+# ------------------------------------------------------------ backend choice
+def requested_backend(op: str, device_type: str) -> str:
+    if op in _overrides:
+        return _overrides[op]
+    if device_type == "cpu":
+        return _DEFAULTS["cpu"].get(op, "cpu")
+    return _DEFAULTS.get(device_type, {}).get(op, _DEFAULT_CUDA)
+
+
+@contextlib.contextmanager
+def use_backend(**op_to_backend: str) -> Iterator[None]:
+    """Request a backend per op for the block, e.g. ``use_backend(paged_attention="flashinfer")``."""
+    for op, backend in op_to_backend.items():
+        if backend not in _BACKEND_MODULES:
+            raise ValueError(f"use_backend: unknown backend {backend!r} for {op}; known: {sorted(_BACKEND_MODULES)}")
+    old = dict(_overrides)
+    _overrides.update(op_to_backend)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(old)
+
+
+def _load(op: str, backend: str) -> Callable:
+    key = (op, backend)
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    module_name = _BACKEND_MODULES.get(backend)
+    if module_name is None:
+        raise BackendUnavailable(f"unknown backend {backend!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise BackendUnavailable(f"{module_name} cannot be imported: {e}") from e
+    check = getattr(module, "check_available", None)
+    if check is not None:
+        check(op)  # raises BackendUnavailable with the reason
+    fn = getattr(module, op, None)
+    if fn is None:
+        raise BackendUnavailable(f"backend {backend!r} has no kernel for rlk::{op}")
+    _cache[key] = fn
+    return fn
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
+def _cpu_fallback(fn: Callable, device: torch.device, mutated: tuple[int, ...]) -> Callable:
+    def run(*args):
+        cpu_args = [_to_cpu(a) for a in args]
+        out = fn(*cpu_args)
+        for i in mutated:
+            args[i].copy_(cpu_args[i])
+        return _to_device(out, device)
+
+    return run
+
+
+def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> Callable:
+    """The kernel that runs ``rlk::op`` on ``device``; records provenance.
+
+    ``mutated`` lists the argument positions the op writes in place (needed to run
+    the CPU reference on copies of non-CPU tensors)."""
+    requested = requested_backend(op, device.type)
+    try:
+        fn = _load(op, requested)
+        actual, fallback, reason = requested, False, None
+    except BackendUnavailable as e:
+        if requested == "cpu":
+            raise
+        reason = f"backend {requested!r} unavailable: {e}"
+        if _strict:
+            raise StrictModeError(
+                f"rlk::{op} on {device}: {reason}. Strict mode (the default) never falls back, "
+                f"because another backend does not compute the same bits. Install/enable the backend, "
+                f"or allow a recorded fallback with rlk_ops.set_strict_mode(False)."
+            ) from e
+        fn = _load(op, "cpu")
+        actual, fallback = "cpu", True
+    if actual == "cpu" and device.type != "cpu":
+        fn = _cpu_fallback(fn, device, mutated)  # the reference runs on CPU copies
+    provenance.record(op, requested, actual, fallback, reason, str(device))
+    return fn

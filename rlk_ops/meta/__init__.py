@@ -1,0 +1,1 @@
+"""What is known about an op without running it: specs, contract, provenance, drift."""

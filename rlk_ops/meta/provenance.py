@@ -1,0 +1,118 @@
+"""Provenance: which backend actually ran each rlk op, and on what.
+
+The dispatch point (``kernels/dispatch.py``) records one entry per distinct
+(op, requested backend, actual backend, fallback, device) with a call count. Records
+are cheap (a dict update per call) and always on; ``capture()`` scopes them.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import platform
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+
+# GPU architectures on which this project has verified the CUDA backends' invariance
+# claims (results/h200/*.json). Anything else is recorded as unverified.
+VERIFIED_ARCHS = {"sm90"}
+
+
+@dataclass
+class CallRecord:
+    op: str
+    requested_backend: str
+    actual_backend: str
+    fallback: bool
+    fallback_reason: str | None
+    device: str
+    calls: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ProvenanceLog:
+    def __init__(self) -> None:
+        self._records: dict[tuple, CallRecord] = {}
+        self._lock = threading.Lock()
+
+    def record(self, op: str, requested: str, actual: str, fallback: bool,
+               reason: str | None, device: str) -> None:
+        key = (op, requested, actual, fallback, device)
+        rec = self._records.get(key)
+        if rec is None:
+            with self._lock:
+                rec = self._records.setdefault(
+                    key, CallRecord(op, requested, actual, fallback, reason, device))
+        rec.calls += 1
+
+    def records(self) -> list[CallRecord]:
+        return list(self._records.values())
+
+    def snapshot(self) -> list[dict]:
+        return [r.as_dict() for r in self._records.values()]
+
+    def fallbacks(self) -> list[CallRecord]:
+        return [r for r in self._records.values() if r.fallback]
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+_stack: list[ProvenanceLog] = [ProvenanceLog()]
+
+
+def current() -> ProvenanceLog:
+    return _stack[-1]
+
+
+def record(op: str, requested: str, actual: str, fallback: bool, reason: str | None, device: str) -> None:
+    _stack[-1].record(op, requested, actual, fallback, reason, device)
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect the provenance of the rlk op calls made inside the block."""
+    log = ProvenanceLog()
+    _stack.append(log)
+    try:
+        yield log
+    finally:
+        _stack.remove(log)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_arch(device: torch.device | int | None = None) -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def environment() -> dict:
+    """Versions and hardware that determine what the recorded backends compute."""
+    arch = gpu_arch()
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "rlk_ops": _version("rlk-ops"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "nvidia_cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "flashinfer": _version("flashinfer-python"),
+        "triton": _version("triton"),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if arch else None,
+        "gpu_arch": arch,
+        "gpu_arch_verified": (arch in VERIFIED_ARCHS) if arch else None,
+    }
+    return env

@@ -1,0 +1,143 @@
+"""Determinism specs: one registry of every ``rlk`` op, what it guarantees on each
+backend, and its tags. Tests enumerate it, so an op that is defined without a spec
+(or a spec without an op, fake or opcheck sample) fails the suite.
+
+The four properties (each a tested, bitwise claim; see README "What deterministic
+means here"):
+
+* ``run_to_run``      same inputs, same bits, every call.
+* ``batch_invariant`` a row's output does not depend on batch size, batch
+                      composition, padding or which physical pages hold its KV.
+* ``prefill_decode_invariant`` (attention) query row i gets the same bits in full
+                      prefill, chunked prefill at any offset, and paged decode.
+* ``world_size_invariant`` (collectives and sharded ops) the result does not depend
+                      on how many ranks share the work.
+
+``None`` means "not applicable to this op".
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeterminismSpec:
+    run_to_run: bool
+    batch_invariant: bool | None
+    prefill_decode_invariant: bool | None = None
+    world_size_invariant: bool | None = None
+    notes: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    stage: str
+    schema: str
+    mutates: tuple[str, ...] = ()
+    differentiable: bool = False
+    backward: tuple[str, ...] = ()  # ops the backward of this op calls
+    backends: dict[str, DeterminismSpec] = field(default_factory=dict)
+    extra_tags: tuple[torch.Tag, ...] = ()
+
+    @property
+    def qualname(self) -> str:
+        return f"rlk::{self.name}"
+
+    @property
+    def tags(self) -> tuple[torch.Tag, ...]:
+        return (torch.Tag.pt2_compliant_tag, *self.extra_tags)
+
+    @property
+    def deterministic(self) -> bool:
+        return torch.Tag.nondeterministic_bitwise not in self.extra_tags
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "qualname": self.qualname,
+            "stage": self.stage,
+            "schema": self.schema,
+            "mutates": list(self.mutates),
+            "differentiable": self.differentiable,
+            "backward": list(self.backward),
+            "tags": [str(t).split(".")[-1] for t in self.tags],
+            "backends": {k: v.as_dict() for k, v in self.backends.items()},
+        }
+
+
+# The CPU reference backend: everything is by construction (kernels/cpu/numerics.py).
+_CPU_ROW = DeterminismSpec(True, True, notes="per-row fixed-order reductions (kernels/cpu/numerics.py)")
+_CPU_ATTN = DeterminismSpec(
+    True, True, True,
+    notes="online softmax over 128-key blocks aligned to absolute position 0, ascending, fp32",
+)
+_CPU_COPY = DeterminismSpec(True, True, notes="pure data movement")
+_CPU_GRAD = DeterminismSpec(
+    True, None,
+    notes="sums over tokens in a fixed order for a given batch; the batch is an input of a gradient",
+)
+_C10D_AG = DeterminismSpec(True, True, world_size_invariant=True, notes="moves bytes only: exact")
+_C10D_RS = DeterminismSpec(
+    True, True, world_size_invariant=False,
+    notes="all_to_all, then an fp32 sum in ascending rank order; the order depends on the world size",
+)
+
+REGISTRY: dict[str, OpSpec] = {}
+
+
+def _add(spec: OpSpec) -> None:
+    REGISTRY[spec.name] = spec
+
+
+_add(OpSpec("qk_rmsnorm", "norm", "(Tensor x, Tensor weight, float eps) -> Tensor",
+            differentiable=True, backward=("qk_rmsnorm_bwd",), backends={"cpu": _CPU_ROW}))
+_add(OpSpec("qk_rmsnorm_bwd", "norm", "(Tensor dy, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+            backends={"cpu": _CPU_GRAD}))
+_add(OpSpec("rope", "rope", "(Tensor x, Tensor positions, float theta, int rotary_dim) -> Tensor",
+            differentiable=True, backward=("rope_bwd",), backends={"cpu": _CPU_ROW}))
+_add(OpSpec("rope_bwd", "rope", "(Tensor dy, Tensor positions, float theta, int rotary_dim) -> Tensor",
+            backends={"cpu": _CPU_ROW}))
+_add(OpSpec("paged_kv_append", "kv_cache",
+            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
+            mutates=("k_cache", "v_cache"), backends={"cpu": _CPU_COPY}))
+_add(OpSpec("paged_kv_gather", "kv_cache",
+            "(Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens) -> (Tensor, Tensor)",
+            backends={"cpu": _CPU_COPY}))
+_ATTN_ARGS = ("int causal, float softmax_scale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+              "int max_seqlen_q, int max_seqlen_k")
+_add(OpSpec("attention_fwd", "attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_ARGS}) -> (Tensor, Tensor)",
+            differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN}))
+_add(OpSpec("attention_bwd", "attention",
+            f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_ATTN_ARGS})"
+            " -> (Tensor, Tensor, Tensor)",
+            backends={"cpu": DeterminismSpec(True, None, notes="dq per row; dk/dv sum over query rows in a fixed order")}))
+_add(OpSpec("paged_attention", "attention",
+            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
+            " -> (Tensor, Tensor)",
+            backends={"cpu": _CPU_ATTN}))
+_add(OpSpec("linear", "projection", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+            differentiable=True, backward=("linear_bwd", "linear_bias_bwd"), backends={"cpu": _CPU_ROW}))
+_add(OpSpec("linear_bwd", "projection", "(Tensor dy, Tensor x, Tensor weight) -> (Tensor, Tensor)",
+            backends={"cpu": _CPU_GRAD}))
+_add(OpSpec("linear_bias_bwd", "projection", "(Tensor dy) -> Tensor", backends={"cpu": _CPU_GRAD}))
+_add(OpSpec("all_gather", "collective", "(Tensor x, int dim, str group_name) -> Tensor",
+            differentiable=True, backward=("reduce_scatter",), backends={"c10d": _C10D_AG}))
+_add(OpSpec("reduce_scatter", "collective", "(Tensor x, int dim, str group_name) -> Tensor",
+            differentiable=True, backward=("all_gather",), backends={"c10d": _C10D_RS}))
+
+
+def spec(name: str) -> OpSpec:
+    try:
+        return REGISTRY[name.removeprefix("rlk::").split(".")[0]]
+    except KeyError:
+        raise KeyError(f"no rlk op named {name!r}; known: {sorted(REGISTRY)}") from None
+
+
+def all_specs() -> list[OpSpec]:
+    return list(REGISTRY.values())

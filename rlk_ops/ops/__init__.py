@@ -1,0 +1,11 @@
+"""One module per stage: public function, op definition, fake, autograd, validation.
+Importing this package registers every ``torch.ops.rlk`` op."""
+from rlk_ops.ops import (  # noqa: F401 - imported for registration
+    attention,
+    collectives,
+    linear,
+    paged_attention,
+    paged_kv,
+    qk_rmsnorm,
+    rope,
+)

@@ -1,0 +1,119 @@
+"""Input validation shared by the op modules.
+
+Every error names the op, the argument, the expected and the actual value. Two kinds:
+
+* metadata checks (shapes, dtypes, devices, scalar arguments) read no tensor data;
+  they run in the op body and in its fake, so they also fire under torch.compile;
+* value checks (page ids, slots, cu_seqlens, positions, seq_lens) read tensor data.
+  They run inside the op body, before any work or write. On CPU they always run; on
+  CUDA they cost a device-to-host copy of small int tensors and run unless
+  ``RLK_VALUE_CHECKS=0`` (see README, "Where checks run").
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+VALUE_CHECKS = os.environ.get("RLK_VALUE_CHECKS", "1").lower() not in ("0", "false", "no", "off")
+
+
+class RlkInputError(ValueError):
+    """Bad input to an rlk op. The message names the argument, expected and actual value."""
+
+
+def fail(op: str, msg: str) -> None:
+    raise RlkInputError(f"rlk::{op}: {msg}")
+
+
+def shape_str(t: torch.Tensor) -> str:
+    return str(list(t.shape))
+
+
+def ndim(op: str, name: str, t: torch.Tensor, n: int, layout: str) -> None:
+    if t.dim() != n:
+        fail(op, f"{name} must be {n}-D {layout}, got shape {shape_str(t)}")
+
+
+def float_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        fail(op, f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}")
+
+
+def int_dtype(op: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        fail(op, f"{name} must be {dtype}, got {t.dtype}")
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        fail(op, f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def same_device(op: str, tensors: dict[str, torch.Tensor | None]) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            fail(op, f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must share a device")
+
+
+def dim_eq(op: str, what: str, actual, expected) -> None:
+    if actual != expected:
+        fail(op, f"{what} must be {expected}, got {actual}")
+
+
+def first_bad(mask: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first True element of ``mask`` (row-major)."""
+    idx = mask.nonzero()[0]
+    return tuple(int(i) for i in idx)
+
+
+def fmt_index(name: str, idx: tuple[int, ...]) -> str:
+    return f"{name}[{', '.join(str(i) for i in idx)}]"
+
+
+def value_checks_enabled(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" or VALUE_CHECKS
+
+
+def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout: str) -> None:
+    """positions: int64 with x's leading shape (all dims but the last two), >= 0."""
+    if positions.dtype != torch.int64:
+        fail(op, f"positions must be torch.int64, got {positions.dtype}")
+    lead = tuple(x.shape[:-2])
+    if tuple(positions.shape) != lead:
+        fail(op, f"positions must have x's leading shape {list(lead)} (x is {x_layout} {shape_str(x)}), "
+                 f"got {shape_str(positions)}")
+
+
+def check_positions_values(op: str, positions: torch.Tensor) -> None:
+    if positions.numel() and value_checks_enabled(positions):
+        neg = positions < 0
+        if bool(neg.any()):
+            i = first_bad(neg)
+            fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} is negative; positions must be >= 0")
+
+
+def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    """cu_seqlens: int32 [B+1], starts at 0, non-decreasing, ends at the token count."""
+    if cu.dtype != torch.int32:
+        fail(op, f"{name} must be torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        fail(op, f"{name} must be 1-D [batch + 1] with at least 2 entries, got shape {shape_str(cu)}")
+    if not value_checks_enabled(cu):
+        return
+    vals = cu.cpu()
+    if int(vals[0]) != 0:
+        fail(op, f"{name}[0] must be 0, got {int(vals[0])}")
+    lens = vals[1:] - vals[:-1]
+    if bool((lens < 0).any()):
+        i = first_bad(lens < 0)[0]
+        fail(op, f"{name} must be non-decreasing, but {name}[{i + 1}] = {int(vals[i + 1])} < "
+                 f"{name}[{i}] = {int(vals[i])}")
+    if int(vals[-1]) != total:
+        fail(op, f"{name}[-1] must equal the packed token count {total}, got {int(vals[-1])}")
+    longest = int(lens.max())
+    if longest > max_seqlen:
+        fail(op, f"{max_name} = {max_seqlen} is smaller than the longest sequence in {name} ({longest})")

@@ -1,0 +1,176 @@
+"""rlk::attention_fwd / rlk::attention_bwd: training-side attention (dense or packed varlen).
+
+Dense:   q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]  -> out [B, Sq, Hq, D], lse [B, Hq, Sq]
+Varlen:  q [T, Hq, D],     k/v [Tk, Hkv, D], cu_seqlens_q/k int32 [B+1]
+                                               -> out [T, Hq, D],     lse [Hq, T]
+
+* GQA: Hq % Hkv == 0; q head h reads kv head h // (Hq / Hkv).
+* causal is bottom-right aligned: query i of a sequence with Sq queries and Sk keys
+  sits at absolute position Sk - Sq + i (so Sq <= Sk is required).
+* lse is the natural-log sum of exp of the scaled scores, fp32 (fp64 for fp64 inputs).
+* softmax_scale None means head_dim ** -0.5. max_seqlen None (0 in the op) means
+  "derive from cu_seqlens inside the op"; pass them under torch.compile.
+
+The backward is its own op, ``rlk::attention_bwd`` (deterministic on every backend;
+it also takes the gradient of lse, so (out, lse) states can be merged downstream).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.ops import _validate as V
+from rlk_ops.ops._library import autograd, define, fake, impl
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              softmax_scale: float | None = None, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention; returns (out, lse)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.rlk.attention_fwd(q, k, v, int(bool(causal)), scale, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_q or 0, max_seqlen_k or 0)
+
+
+define("attention_fwd")
+
+
+@impl("attention_fwd")
+def _attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    op = "attention_fwd"
+    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    check_varlen_values(op, q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return kernel_for(op, q.device)(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k)
+
+
+@fake("attention_fwd")
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    check_attention("attention_fwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens_q), dtype=lse_dtype(q))
+
+
+define("attention_bwd")
+
+
+@impl("attention_bwd")
+def _attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k):
+    op = "attention_bwd"
+    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    _check_bwd(op, dout, q, out, lse, dlse, cu_seqlens_q)
+    check_varlen_values(op, q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return kernel_for(op, q.device)(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@fake("attention_bwd")
+def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k):
+    check_attention("attention_bwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    _check_bwd("attention_bwd", dout, q, out, lse, dlse, cu_seqlens_q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, cu_q, cu_k, max_q, max_k = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (causal, scale, max_q, max_k)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    causal, scale, max_q, max_k = ctx.args
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale, cu_q, cu_k,
+                                             max_q, max_k)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+autograd("attention_fwd", _backward, _setup_context)
+
+
+# ------------------------------------------------------------------ validation
+def lse_shape(q, cu_seqlens_q):
+    if cu_seqlens_q is None:
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return (q.shape[1], q.shape[0])
+
+
+def lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def check_heads(op, hq, hkv):
+    if hkv == 0 or hq % hkv:
+        V.fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
+
+
+def check_attention(op, q, k, v, causal, softmax_scale, cu_q, cu_k):
+    varlen = cu_q is not None or cu_k is not None
+    if (cu_q is None) != (cu_k is None):
+        V.fail(op, "cu_seqlens_q and cu_seqlens_k must be given together (packed varlen) or both be None")
+    n, layout = (3, "[T, H, D]") if varlen else (4, "[B, S, H, D]")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        V.ndim(op, name, t, n, layout + (" (varlen: cu_seqlens given)" if varlen else ""))
+        V.float_dtype(op, name, t)
+    V.same_dtype(op, "k", k, "q", q)
+    V.same_dtype(op, "v", v, "q", q)
+    if v.shape != k.shape:
+        V.fail(op, f"v must have k's shape {V.shape_str(k)}, got {V.shape_str(v)}")
+    if k.shape[-1] != q.shape[-1]:
+        V.fail(op, f"k's head_dim ({k.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
+    check_heads(op, q.shape[-2], k.shape[-2])
+    if not varlen:
+        if k.shape[0] != q.shape[0]:
+            V.fail(op, f"k must have q's batch size {q.shape[0]}, got {k.shape[0]}")
+        if causal and q.shape[1] > k.shape[1]:
+            V.fail(op, f"causal attention needs at least as many keys as queries (bottom-right aligned): "
+                       f"q has {q.shape[1]} queries, k has {k.shape[1]} keys")
+    else:
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            V.int_dtype(op, name, cu, torch.int32)
+            V.ndim(op, name, cu, 1, "[batch + 1]")
+        if cu_q.shape != cu_k.shape:
+            V.fail(op, f"cu_seqlens_k must have cu_seqlens_q's shape {V.shape_str(cu_q)}, got {V.shape_str(cu_k)}")
+    if not math.isfinite(softmax_scale):
+        V.fail(op, f"softmax_scale must be finite, got {softmax_scale}")
+    if causal not in (0, 1):
+        V.fail(op, f"causal must be 0 or 1, got {causal}")
+    V.same_device(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})
+
+
+def check_varlen_values(op, q, k, causal, cu_q, cu_k, max_q, max_k):
+    if cu_q is None:
+        return
+    V.check_cu_seqlens(op, "cu_seqlens_q", cu_q, q.shape[0], max_q or q.shape[0], "max_seqlen_q")
+    V.check_cu_seqlens(op, "cu_seqlens_k", cu_k, k.shape[0], max_k or k.shape[0], "max_seqlen_k")
+    if causal and V.value_checks_enabled(cu_q):
+        lq = (cu_q[1:] - cu_q[:-1]).cpu()
+        lk = (cu_k[1:] - cu_k[:-1]).cpu()
+        bad = lq > lk
+        if bool(bad.any()):
+            i = V.first_bad(bad)[0]
+            V.fail(op, f"causal attention needs at least as many keys as queries: sequence {i} has "
+                       f"{int(lq[i])} queries but {int(lk[i])} keys")
+
+
+def _check_bwd(op, dout, q, out, lse, dlse, cu_q):
+    for name, t in (("dout", dout), ("out", out)):
+        if t.shape != q.shape:
+            V.fail(op, f"{name} must have q's shape {V.shape_str(q)}, got {V.shape_str(t)}")
+        V.same_dtype(op, name, t, "q", q)
+    want = tuple(lse_shape(q, cu_q))
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is None:
+            continue
+        if tuple(t.shape) != want:
+            V.fail(op, f"{name} must have shape {list(want)}, got {V.shape_str(t)}")
+        if t.dtype != lse_dtype(q):
+            V.fail(op, f"{name} must be {lse_dtype(q)}, got {t.dtype}")
+    V.same_device(op, {"q": q, "dout": dout, "out": out, "lse": lse, "dlse": dlse})

@@ -1,0 +1,64 @@
+"""rlk::paged_attention: rollout-side attention over the paged KV cache.
+
+    q          [B, Sq, Hq, D]   the newest Sq tokens of each sequence (decode: Sq = 1)
+    k_cache, v_cache [num_pages, page_size, Hkv, D]   (already holding those tokens)
+    page_table [B, max_pages] int32;  seq_lens [B] int32 (>= Sq, cached tokens incl. new)
+    -> out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32 natural log
+
+Causal, bottom-right aligned: query i sits at position seq_lens[b] - Sq + i. Each
+row's result is bitwise the row ``attention_fwd`` computes for the same token in
+full prefill (prefill/decode invariance), whatever the page size or placement.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.ops import _validate as V
+from rlk_ops.ops._library import define, fake, impl
+from rlk_ops.ops.attention import check_heads, lse_dtype
+from rlk_ops.ops.paged_kv import check_cache, check_page_table, check_page_values
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor, softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the newest Sq tokens of each sequence over its paged KV; (out, lse)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
+
+
+define("paged_attention")
+
+
+@impl("paged_attention")
+def _paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    op = "paged_attention"
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    check_page_values(op, k_cache, page_table, seq_lens, min_len=q.shape[1])
+    return kernel_for(op, q.device)(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+
+
+@fake("paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=lse_dtype(q))
+
+
+def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    op = "paged_attention"
+    V.ndim(op, "q", q, 4, "[B, Sq, Hq, D]")
+    V.float_dtype(op, "q", q)
+    check_cache(op, k_cache, v_cache)
+    V.same_dtype(op, "k_cache", k_cache, "q", q)
+    if k_cache.shape[-1] != q.shape[-1]:
+        V.fail(op, f"k_cache's head_dim ({k_cache.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
+    check_heads(op, q.shape[2], k_cache.shape[2])
+    check_page_table(op, k_cache, page_table, seq_lens)
+    if page_table.shape[0] != q.shape[0]:
+        V.fail(op, f"page_table must have one row per sequence of q ({q.shape[0]}), got {page_table.shape[0]}")
+    if not math.isfinite(softmax_scale):
+        V.fail(op, f"softmax_scale must be finite, got {softmax_scale}")
+    V.same_device(op, {"q": q, "k_cache": k_cache})

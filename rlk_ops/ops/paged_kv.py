@@ -1,0 +1,174 @@
+"""rlk::paged_kv_append (in place) and rlk::paged_kv_gather: the paged KV cache.
+
+    k_cache, v_cache  [num_pages, page_size, H_kv, D]   (FlashInfer NHD), contiguous
+    k, v              [T, H_kv, D]                      rows to write, cache dtype
+    slot_mapping      [T] int64: slot = page * page_size + offset; -1 skips the row
+    page_table        [B, max_pages] int32: sequence b's logical page j -> physical page
+    seq_lens          [B] int32: KV length of each sequence (new tokens included)
+
+append writes row t to slot slot_mapping[t]. It validates everything first, so a
+rejected append leaves the cache untouched. gather returns the logical
+``[B, max_pages * page_size, H_kv, D]`` view of each sequence, zero past seq_len.
+Only the first ceil(seq_lens[b] / page_size) entries of page_table[b] are read or
+validated; the rest of the row is padding and may hold anything.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.ops import _validate as V
+from rlk_ops.ops._library import define, fake, impl
+
+
+def paged_kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Write K/V rows into their slots, in place."""
+    torch.ops.rlk.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_kv_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical per-sequence K and V, zero past seq_len."""
+    return torch.ops.rlk.paged_kv_gather(k_cache, v_cache, page_table, seq_lens)
+
+
+define("paged_kv_append")
+
+
+@impl("paged_kv_append")
+def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
+    op = "paged_kv_append"
+    _check_append(k_cache, v_cache, k, v, slot_mapping)
+    if V.value_checks_enabled(slot_mapping):
+        _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
+
+
+@fake("paged_kv_append")
+def _paged_kv_append_fake(k_cache, v_cache, k, v, slot_mapping):
+    _check_append(k_cache, v_cache, k, v, slot_mapping)
+
+
+define("paged_kv_gather")
+
+
+@impl("paged_kv_gather")
+def _paged_kv_gather(k_cache, v_cache, page_table, seq_lens):
+    op = "paged_kv_gather"
+    check_cache(op, k_cache, v_cache)
+    check_page_table(op, k_cache, page_table, seq_lens)
+    check_page_values(op, k_cache, page_table, seq_lens)
+    return kernel_for(op, k_cache.device)(k_cache, v_cache, page_table, seq_lens)
+
+
+@fake("paged_kv_gather")
+def _paged_kv_gather_fake(k_cache, v_cache, page_table, seq_lens):
+    op = "paged_kv_gather"
+    check_cache(op, k_cache, v_cache)
+    check_page_table(op, k_cache, page_table, seq_lens)
+    _, ps, h, d = k_cache.shape
+    shape = (page_table.shape[0], page_table.shape[1] * ps, h, d)
+    return k_cache.new_empty(shape), v_cache.new_empty(shape)
+
+
+# ------------------------------------------------------------------ validation
+def check_cache(op, k_cache, v_cache):
+    V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, H_kv, D]")
+    V.ndim(op, "v_cache", v_cache, 4, "[num_pages, page_size, H_kv, D]")
+    if v_cache.shape != k_cache.shape:
+        V.fail(op, f"v_cache must have k_cache's shape {V.shape_str(k_cache)}, got {V.shape_str(v_cache)}")
+    V.float_dtype(op, "k_cache", k_cache)
+    V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    V.same_device(op, {"k_cache": k_cache, "v_cache": v_cache})
+
+
+def _check_append(k_cache, v_cache, k, v, slot_mapping):
+    op = "paged_kv_append"
+    check_cache(op, k_cache, v_cache)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not c.is_contiguous():
+            V.fail(op, f"{name} must be contiguous (slots address it as [num_pages * page_size, H_kv, D])")
+    _, _, h, d = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        V.ndim(op, name, t, 3, "[T, H_kv, D]")
+        if tuple(t.shape[1:]) != (h, d):
+            V.fail(op, f"{name} must be [T, {h}, {d}] to match the cache's [H_kv, D], got {V.shape_str(t)}")
+        V.same_dtype(op, name, t, "k_cache", k_cache)
+    if v.shape[0] != k.shape[0]:
+        V.fail(op, f"v must have k's token count {k.shape[0]}, got {v.shape[0]}")
+    V.int_dtype(op, "slot_mapping", slot_mapping, torch.int64)
+    V.ndim(op, "slot_mapping", slot_mapping, 1, "[T]")
+    if slot_mapping.shape[0] != k.shape[0]:
+        V.fail(op, f"slot_mapping must have one slot per row of k ({k.shape[0]}), got {slot_mapping.shape[0]}")
+    V.same_device(op, {"k_cache": k_cache, "k": k, "v": v, "slot_mapping": slot_mapping})
+
+
+def _check_slots(op, slot_mapping, n_slots):
+    if slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.cpu()
+    bad = (slots < -1) | (slots >= n_slots)
+    if bool(bad.any()):
+        i = V.first_bad(bad)[0]
+        V.fail(op, f"slot_mapping[{i}] = {int(slots[i])} is out of range for {n_slots} slots "
+                   f"(valid: 0..{n_slots - 1}, or -1 to skip)")
+    used = slots[slots >= 0]
+    if used.numel() != torch.unique(used).numel():
+        seen: dict[int, int] = {}
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0 and s in seen:
+                V.fail(op, f"slot_mapping[{i}] = {s} duplicates slot_mapping[{seen[s]}]; "
+                           f"two rows would write the same slot")
+            seen[s] = i
+
+
+def check_page_table(op, k_cache, page_table, seq_lens):
+    V.int_dtype(op, "page_table", page_table, torch.int32)
+    V.ndim(op, "page_table", page_table, 2, "[batch, max_pages]")
+    V.int_dtype(op, "seq_lens", seq_lens, torch.int32)
+    V.ndim(op, "seq_lens", seq_lens, 1, "[batch]")
+    if seq_lens.shape[0] != page_table.shape[0]:
+        V.fail(op, f"seq_lens must have one entry per page_table row ({page_table.shape[0]}), "
+                   f"got {seq_lens.shape[0]}")
+    V.same_device(op, {"k_cache": k_cache, "page_table": page_table, "seq_lens": seq_lens})
+
+
+def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
+    """seq_lens within [min_len, capacity]; used page ids in range and distinct per row."""
+    if not V.value_checks_enabled(page_table) or page_table.shape[0] == 0:
+        return
+    num_pages, ps = k_cache.shape[0], k_cache.shape[1]
+    table = page_table.cpu()
+    lens = seq_lens.cpu().to(torch.int64)
+    capacity = table.shape[1] * ps
+    for b, n in enumerate(lens.tolist()):
+        if n < 0:
+            V.fail(op, f"seq_lens[{b}] = {n} is negative")
+        if n > capacity:
+            V.fail(op, f"seq_lens[{b}] = {n} exceeds the page_table capacity {table.shape[1]} pages x "
+                       f"page_size {ps} = {capacity}")
+        if min_len is not None and n < min_len:
+            V.fail(op, f"seq_lens[{b}] = {n} is shorter than the {min_len} new query tokens; "
+                       f"seq_lens counts the cached tokens including the new ones")
+    used = torch.arange(table.shape[1]).view(1, -1) < ((lens + ps - 1) // ps).view(-1, 1)
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        b, j = V.first_bad(bad)
+        kind = "negative" if int(table[b, j]) < 0 else "out of range"
+        V.fail(op, f"page_table[{b}, {j}] = {int(table[b, j])} is {kind} for {num_pages} pages")
+    # duplicates inside one sequence: sort used ids, unused entries get distinct negatives
+    sentinel = -1 - torch.arange(table.shape[1], dtype=table.dtype).view(1, -1)
+    ids = torch.where(used, table, sentinel).sort(dim=1).values
+    dup_rows = (ids[:, 1:] == ids[:, :-1]).any(dim=1)
+    if bool(dup_rows.any()):
+        b = int(dup_rows.nonzero()[0])
+        first: dict[int, int] = {}
+        for j in range(math.ceil(int(lens[b]) / ps)):
+            p = int(table[b, j])
+            if p in first:
+                V.fail(op, f"page_table[{b}, {j}] = {p} duplicates page_table[{b}, {first[p]}]; "
+                           f"a sequence cannot hold the same page twice")
+            first[p] = j
