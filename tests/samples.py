@@ -1,0 +1,63 @@
+"""One small sample input per rlk op, used by opcheck and the registry coverage test.
+
+Every op in ``rlk_ops.meta.specs.REGISTRY`` must have an entry here (test_registry
+enforces it), so a new op cannot skip opcheck.
+"""
+import torch
+
+
+def _paged(dtype=torch.float32, page_size=4, h_kv=2, d=8):
+    num_pages = 6
+    k_cache = torch.randn(num_pages, page_size, h_kv, d, dtype=dtype)
+    v_cache = torch.randn(num_pages, page_size, h_kv, d, dtype=dtype)
+    page_table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 6], dtype=torch.int32)
+    return k_cache, v_cache, page_table, seq_lens
+
+
+def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
+    f32 = torch.float32
+    x = torch.randn(5, 3, 8)
+    w = torch.randn(8)
+    pos = torch.arange(5, dtype=torch.int64) * 7
+    q = torch.randn(2, 6, 4, 8)
+    k = torch.randn(2, 9, 2, 8)
+    v = torch.randn(2, 9, 2, 8)
+    out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0)
+    qv = torch.randn(11, 4, 8)
+    kvv = torch.randn(13, 2, 8)
+    vvv = torch.randn(13, 2, 8)
+    cu_q = torch.tensor([0, 5, 11], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    outv, lsev = torch.ops.rlk.attention_fwd(qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7)
+    k_cache, v_cache, page_table, seq_lens = _paged()
+    xl = torch.randn(3, 5, 16)
+    wl = torch.randn(12, 16)
+    bl = torch.randn(12)
+    dyl = torch.randn(3, 5, 12)
+    s = {
+        "qk_rmsnorm": [(x, w, 1e-6)],
+        "qk_rmsnorm_bwd": [(torch.randn_like(x), x, w, 1e-6)],
+        "rope": [(x, pos, 1e6, 8), (x, pos, 1e4, 4)],
+        "rope_bwd": [(torch.randn_like(x), pos, 1e6, 8)],
+        "paged_kv_append": [(k_cache.clone(), v_cache.clone(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
+                             torch.tensor([5, -1, 17], dtype=torch.int64))],
+        "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens)],
+        "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0), (q, k, v, 0, 0.3, None, None, 0, 0),
+                          (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7)],
+        "attention_bwd": [(torch.randn_like(out), q, k, v, out, lse, None, 1, 0.3, None, None, 0, 0),
+                          (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0),
+                          (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7)],
+        "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3)],
+        "linear": [(xl, wl, bl), (xl, wl, None)],
+        "linear_bwd": [(dyl, xl, wl)],
+        "linear_bias_bwd": [(dyl,)],
+    }
+    if group_name is not None:
+        s["all_gather"] = [(torch.randn(3, 4), 0, group_name), (torch.randn(3, 4), -1, group_name)]
+        s["reduce_scatter"] = [(torch.randn(4, 6, dtype=f32), 1, group_name)]
+    return s
+
+
+# which arguments opcheck should mark requires_grad (float tensors of differentiable ops)
+DIFFERENTIABLE = {"qk_rmsnorm", "rope", "attention_fwd", "linear", "all_gather", "reduce_scatter"}

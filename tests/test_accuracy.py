@@ -1,0 +1,190 @@
+"""Accuracy against float64 math, and gradcheck in float64 for every differentiable op."""
+import math
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops.kernels.cpu import numerics as nx
+
+from conftest import TOL, ref_attention, rel_err
+
+
+# ------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_log_accuracy(dtype):
+    eps = torch.finfo(dtype).eps
+    x = torch.cat([torch.linspace(-87.0, 0.0, 20001, dtype=dtype), torch.randn(5000, dtype=dtype) * 4])
+    ref = torch.exp(x.double())
+    err = ((nx.exp(x).double() - ref).abs() / (ref * eps)).max().item()
+    assert err < 2.0, err
+    specials = nx.exp(torch.tensor([0.0, -math.inf, math.inf, -1e4, math.nan], dtype=dtype))
+    assert specials[0] == 1.0 and specials[1] == 0.0 and specials[2] == math.inf and specials[3] == 0.0
+    assert torch.isnan(specials[4])
+    y = torch.rand(5000, dtype=dtype) * 1e5 + 1e-3
+    ref = torch.log(y.double())
+    assert ((nx.log(y).double() - ref).abs() / (ref.abs().clamp_min(1e-300) * eps)).max().item() < 2.0
+    assert nx.log(torch.tensor([1.0, 0.0], dtype=dtype)).tolist() == [0.0, -math.inf]
+
+
+def test_sincos_accuracy():
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    angle = (torch.arange(0, 40000, 7).double()[:, None] * inv_freq).float()
+    s, c = nx.sincos(angle)
+    assert (s - torch.sin(angle.double())).abs().max().item() < 1e-15
+    assert (c - torch.cos(angle.double())).abs().max().item() < 1e-15
+
+
+def test_numerics_bits_do_not_depend_on_position():
+    """The scalar-tail / vector-body split of ATen loops must not change a value."""
+    x = torch.randn(1000) * 5 - 3
+    full_exp, full_log = nx.exp(x), nx.log(x.abs() + 0.1)
+    s_full, c_full = nx.sincos(x * 1000)
+    for i in (0, 1, 7, 15, 16, 17, 31, 999):
+        assert torch.equal(nx.exp(x[i:i + 1]), full_exp[i:i + 1])
+        assert torch.equal(nx.log(x[i:i + 1].abs() + 0.1), full_log[i:i + 1])
+        s, c = nx.sincos(x[i:i + 1] * 1000)
+        assert torch.equal(s, s_full[i:i + 1]) and torch.equal(c, c_full[i:i + 1])
+
+
+def test_rowsum_single_row_large_does_not_split():
+    x = torch.randn(1, 50000)
+    rows = torch.cat([x, torch.randn(3, 50000)])
+    assert torch.equal(nx.rowsum(x), nx.rowsum(rows)[:1])
+
+
+# ------------------------------------------------------------------ ops vs float64
+def hf_qwen3_rmsnorm(x, weight, eps):
+    """Qwen3RMSNorm.forward, written out as in Hugging Face transformers."""
+    input_dtype = x.dtype
+    hidden_states = x.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_qk_rmsnorm_is_the_qwen3_formula_bitwise(dtype):
+    x = torch.randn(7, 5, 16, 128, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(128)).to(dtype)
+    assert torch.equal(rlk_ops.qk_rmsnorm(x, w, 1e-6), hf_qwen3_rmsnorm(x, w, 1e-6))
+
+
+def _rope_ref(x, positions, theta, rotary_dim):
+    # The contract (and Hugging Face) forms the angle position * inv_freq in fp32;
+    # at position 3e4 that product alone is off by up to ~1e-3 rad from exact math.
+    # Measure the op against float64 math from that same fp32 angle.
+    inv = (1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)).float()
+    ang = (positions.float()[..., None] * inv).double()
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    xd = x.double()
+    h = rotary_dim // 2
+    x1, x2 = xd[..., :h], xd[..., h:rotary_dim]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xd[..., rotary_dim:]], -1)
+
+
+@pytest.mark.parametrize("dtype,rotary_dim", [(torch.bfloat16, 128), (torch.float32, 128), (torch.float32, 64)])
+def test_rope_accuracy(dtype, rotary_dim):
+    x = torch.randn(50, 4, 128, dtype=dtype)
+    positions = torch.randint(0, 30000, (50,))
+    y = rlk_ops.rope(x, positions, 1e6, rotary_dim)
+    assert rel_err(y, _rope_ref(x, positions, 1e6, rotary_dim)) < TOL[dtype]
+    assert torch.equal(y[..., rotary_dim:], x[..., rotary_dim:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_accuracy(dtype, causal):
+    q = torch.randn(2, 150, 8, 64, dtype=dtype)
+    k = torch.randn(2, 200, 2, 64, dtype=dtype)
+    v = torch.randn(2, 200, 2, 64, dtype=dtype)
+    out, lse = rlk_ops.attention(q, k, v, causal=causal)
+    ref_out, ref_lse = ref_attention(q, k, v, causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert lse.shape == (2, 8, 150)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-5
+
+
+def test_varlen_attention_accuracy():
+    lens_q, lens_k = [5, 130, 1], [9, 130, 300]
+    q = torch.randn(sum(lens_q), 4, 32)
+    k = torch.randn(sum(lens_k), 2, 32)
+    v = torch.randn(sum(lens_k), 2, 32)
+    cu_q = torch.tensor([0, 5, 135, 136], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 139, 439], dtype=torch.int32)
+    out, lse = rlk_ops.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130, max_seqlen_k=300)
+    assert lse.shape == (4, sum(lens_q))
+    for i in range(3):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        ro, rl = ref_attention(q[None, qs], k[None, ks], v[None, ks])
+        assert rel_err(out[qs], ro[0]) < TOL[torch.float32]
+        assert (lse[:, qs].double() - rl[0]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_accuracy(dtype):
+    x = torch.randn(33, 300, dtype=dtype)
+    w = torch.randn(70, 300, dtype=dtype) / 17
+    b = torch.randn(70, dtype=dtype)
+    ref = x.double() @ w.double().t() + b.double()
+    assert rel_err(rlk_ops.linear(x, w, b), ref) < TOL[dtype]
+
+
+def test_paged_attention_accuracy():
+    q = torch.randn(2, 3, 4, 16)
+    k_cache = torch.randn(10, 8, 2, 16)
+    v_cache = torch.randn(10, 8, 2, 16)
+    page_table = torch.tensor([[3, 7, 1], [9, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32)
+    out, lse = rlk_ops.paged_attention(q, k_cache, v_cache, page_table, seq_lens)
+    for b in range(2):
+        n = int(seq_lens[b])
+        keys = torch.cat([k_cache[int(p)] for p in page_table[b]])[:n]
+        vals = torch.cat([v_cache[int(p)] for p in page_table[b]])[:n]
+        ro, rl = ref_attention(q[b:b + 1], keys[None], vals[None])
+        assert rel_err(out[b], ro[0]) < TOL[torch.float32]
+        assert (lse[b].double() - rl[0]).abs().max().item() < 1e-5
+
+
+# ------------------------------------------------------------------ gradcheck (float64)
+def _d(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def test_gradcheck_qk_rmsnorm():
+    assert torch.autograd.gradcheck(lambda x, w: rlk_ops.qk_rmsnorm(x, w, 1e-6), (_d(3, 2, 8), _d(8)))
+
+
+def test_gradcheck_rope():
+    pos = torch.tensor([0, 5, 1000], dtype=torch.int64)
+    assert torch.autograd.gradcheck(lambda x: rlk_ops.rope(x, pos, 1e4, 6), (_d(3, 2, 8),))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_attention_dense(causal):
+    def f(q, k, v):
+        out, lse = rlk_ops.attention(q, k, v, causal=causal)
+        return out, lse
+
+    assert torch.autograd.gradcheck(f, (_d(1, 3, 4, 4), _d(1, 5, 2, 4), _d(1, 5, 2, 4)))
+
+
+def test_gradcheck_attention_crosses_key_blocks():
+    q, k, v = _d(1, 2, 2, 2), _d(1, 130, 1, 2), _d(1, 130, 1, 2)
+    assert torch.autograd.gradcheck(lambda q, k, v: rlk_ops.attention(q, k, v), (q, k, v))
+
+
+def test_gradcheck_attention_varlen():
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 7], dtype=torch.int32)
+
+    def f(q, k, v):
+        return rlk_ops.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=4)
+
+    assert torch.autograd.gradcheck(f, (_d(5, 2, 4), _d(7, 1, 4), _d(7, 1, 4)))
+
+
+def test_gradcheck_linear():
+    assert torch.autograd.gradcheck(rlk_ops.linear, (_d(2, 3, 5), _d(4, 5), _d(4)))
+    assert torch.autograd.gradcheck(lambda x, w: rlk_ops.linear(x, w), (_d(3, 5), _d(4, 5)))

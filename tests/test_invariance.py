@@ -1,0 +1,189 @@
+"""The CPU reference's bitwise claims (torch.equal): run-to-run, batch invariance,
+prefill/decode invariance, chunked prefill, varlen == dense, paged == dense."""
+import math
+
+import pytest
+import torch
+
+import rlk_ops
+
+from conftest import bitwise_equal
+
+DT = torch.bfloat16
+B, S, HQ, HKV, D = 4, 300, 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, S, HQ, D, generator=g).to(DT)
+    k = torch.randn(B, S, HKV, D, generator=g).to(DT)
+    v = torch.randn(B, S, HKV, D, generator=g).to(DT)
+    return q, k, v
+
+
+@pytest.fixture(scope="module")
+def prefill(qkv):
+    return rlk_ops.attention(*qkv)
+
+
+def test_run_to_run(qkv, prefill):
+    out, lse = rlk_ops.attention(*qkv)
+    assert bitwise_equal(out, prefill[0]) and bitwise_equal(lse, prefill[1])
+
+
+def test_batch_invariance_b1_vs_b4(qkv, prefill):
+    q, k, v = qkv
+    for b in range(B):
+        out, lse = rlk_ops.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1])
+        assert bitwise_equal(out[0], prefill[0][b]) and bitwise_equal(lse[0], prefill[1][b])
+
+
+@pytest.mark.parametrize("p", [0, 1, 127, 128, 129, 255, 256, S - 1])
+def test_decode_row_equals_prefill_row(qkv, prefill, p):
+    q, k, v = qkv
+    out, lse = rlk_ops.attention(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1])
+    assert bitwise_equal(out[:, 0], prefill[0][:, p])
+    assert bitwise_equal(lse[:, :, 0], prefill[1][:, :, p])
+
+
+@pytest.mark.parametrize("start,stop", [(0, 77), (77, 200), (100, 129), (131, 300), (250, 251)])
+def test_chunked_prefill_equals_prefill(qkv, prefill, start, stop):
+    q, k, v = qkv
+    out, lse = rlk_ops.attention(q[:, start:stop], k[:, :stop], v[:, :stop])
+    assert bitwise_equal(out, prefill[0][:, start:stop])
+    assert bitwise_equal(lse, prefill[1][:, :, start:stop])
+
+
+def test_varlen_equals_dense(qkv, prefill):
+    q, k, v = qkv
+    lens = [S, 129, 1, 200]  # sequence b is the first lens[b] tokens of batch row b
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    qp = torch.cat([q[b, :n] for b, n in enumerate(lens)])
+    kp = torch.cat([k[b, :n] for b, n in enumerate(lens)])
+    vp = torch.cat([v[b, :n] for b, n in enumerate(lens)])
+    out, lse = rlk_ops.attention(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        assert bitwise_equal(out[rows], prefill[0][b, :n])  # causal: a prefix's rows do not see the rest
+        assert bitwise_equal(lse[:, rows], prefill[1][b, :, :n])
+
+
+def _fill_cache(k, v, page_size, generator, extra_pages=5):
+    """Write each sequence's K/V into shuffled, non-contiguous pages."""
+    bsz, s = k.shape[:2]
+    per_seq = math.ceil(s / page_size)
+    num_pages = bsz * per_seq + extra_pages
+    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=generator).to(DT)  # stale garbage
+    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=generator).to(DT)
+    perm = torch.randperm(num_pages, generator=generator)
+    page_table = torch.full((bsz, per_seq + 2), -7, dtype=torch.int32)  # padding may hold anything
+    for b in range(bsz):
+        pages = perm[b * per_seq:(b + 1) * per_seq]
+        page_table[b, :per_seq] = pages.int()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:s]
+        rlk_ops.paged_kv_append(k_cache, v_cache, k[b], v[b], slots)
+    return k_cache, v_cache, page_table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_paged_decode_and_chunks_equal_prefill(qkv, prefill, page_size):
+    q, k, v = qkv
+    g = torch.Generator().manual_seed(page_size)
+    k_cache, v_cache, page_table = _fill_cache(k, v, page_size, g)
+    for p in (0, 127, 128, 129, S - 1):
+        seq_lens = torch.full((B,), p + 1, dtype=torch.int32)
+        out, lse = rlk_ops.paged_attention(q[:, p:p + 1], k_cache, v_cache, page_table, seq_lens)
+        assert bitwise_equal(out[:, 0], prefill[0][:, p]), p
+        assert bitwise_equal(lse[:, :, 0], prefill[1][:, :, p]), p
+    start, stop = 61, 250  # a chunk that starts and ends off the 128 grid
+    seq_lens = torch.full((B,), stop, dtype=torch.int32)
+    out, lse = rlk_ops.paged_attention(q[:, start:stop], k_cache, v_cache, page_table, seq_lens)
+    assert bitwise_equal(out, prefill[0][:, start:stop])
+    assert bitwise_equal(lse, prefill[1][:, :, start:stop])
+
+
+def test_paged_decode_mixed_lengths_batch_invariant(qkv, prefill):
+    """Each sequence at its own length in one decode batch == alone == prefill."""
+    q, k, v = qkv
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache, page_table = _fill_cache(k, v, 16, g)
+    pos = [5, 299, 128, 64]
+    seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
+    qd = torch.stack([q[b, p] for b, p in enumerate(pos)])[:, None]
+    out, lse = rlk_ops.paged_attention(qd, k_cache, v_cache, page_table, seq_lens)
+    for b, p in enumerate(pos):
+        solo, solo_lse = rlk_ops.paged_attention(qd[b:b + 1], k_cache, v_cache, page_table[b:b + 1], seq_lens[b:b + 1])
+        assert bitwise_equal(out[b], solo[0]) and bitwise_equal(out[b, 0], prefill[0][b, p])
+        assert bitwise_equal(lse[b, :, 0], prefill[1][b, :, p]) and bitwise_equal(lse[b], solo_lse[0])
+
+
+def test_attention_backward_run_to_run(qkv):
+    q, k, v = (t[:2, :200].clone().requires_grad_() for t in qkv)
+    grads = []
+    for _ in range(2):
+        out, lse = rlk_ops.attention(q, k, v)
+        dq, dk, dv = torch.autograd.grad((out.float().square().sum() + lse.sum()), (q, k, v))
+        grads.append((dq, dk, dv))
+    for a, b in zip(*grads):
+        assert bitwise_equal(a, b)
+
+
+def test_dq_batch_invariant(qkv):
+    """dq of a row depends only on its sequence (dk/dv sum over rows: not claimed)."""
+    q, k, v = (t[:, :150].clone().requires_grad_() for t in qkv)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DT)
+    out, _ = rlk_ops.attention(q, k, v)
+    (dq_all,) = torch.autograd.grad(out, q, dout)
+    q1, k1, v1 = (t[1:2].detach().clone().requires_grad_() for t in (q, k, v))
+    out1, _ = rlk_ops.attention(q1, k1, v1)
+    (dq_one,) = torch.autograd.grad(out1, q1, dout[1:2])
+    assert bitwise_equal(dq_one[0], dq_all[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qk_rmsnorm_batch_invariant(dtype):
+    x = torch.randn(37, 16, 128, dtype=dtype)
+    w = torch.randn(128, dtype=dtype)
+    full = rlk_ops.qk_rmsnorm(x, w, 1e-6)
+    for i in (0, 5, 36):
+        assert bitwise_equal(rlk_ops.qk_rmsnorm(x[i:i + 1], w, 1e-6), full[i:i + 1])
+        assert bitwise_equal(rlk_ops.qk_rmsnorm(x[i, :1], w, 1e-6), full[i, :1])
+    assert bitwise_equal(rlk_ops.qk_rmsnorm(x, w, 1e-6), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_batch_invariant(dtype):
+    x = torch.randn(41, 4, 128, dtype=dtype)
+    pos = torch.randint(0, 40000, (41,))
+    full = rlk_ops.rope(x, pos, 1e6)
+    for i in (0, 13, 40):
+        assert bitwise_equal(rlk_ops.rope(x[i:i + 1], pos[i:i + 1], 1e6), full[i:i + 1])
+    # same token inside a dense [B, S] batch
+    dense = rlk_ops.rope(x[None, :40].expand(3, 40, 4, 128).contiguous(), pos[None, :40].expand(3, 40), 1e6)
+    assert bitwise_equal(dense[2], full[:40])
+    assert bitwise_equal(rlk_ops.rope(x, pos, 1e6), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_batch_invariant(dtype):
+    w = torch.randn(96, 256, dtype=dtype) / 16
+    b = torch.randn(96, dtype=dtype)
+    x = torch.randn(2048, 256, dtype=dtype)
+    full = rlk_ops.linear(x, w, b)
+    for m in (1, 3, 16, 257):
+        assert bitwise_equal(rlk_ops.linear(x[:m], w, b), full[:m])
+    assert bitwise_equal(rlk_ops.linear(x[-1:], w, b), full[-1:])
+    assert bitwise_equal(rlk_ops.linear(x, w, b), full)
+    # and it really differs from a BLAS product somewhere (the reason this op exists)
+    assert full.shape == (2048, 96)
+
+
+def test_linear_backward_run_to_run():
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(32, 128, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    dy = torch.randn(64, 32)
+    g1 = torch.autograd.grad(rlk_ops.linear(x, w, b), (x, w, b), dy)
+    g2 = torch.autograd.grad(rlk_ops.linear(x, w, b), (x, w, b), dy)
+    assert all(bitwise_equal(a, c) for a, c in zip(g1, g2))

@@ -1,0 +1,183 @@
+"""Bad input gets a clear error naming the argument, expected and actual value.
+Never a crash, a hang, a wrong answer, or a corrupted KV cache."""
+import re
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops import RlkInputError
+
+F = torch.float32
+
+
+def _cache(num_pages=8, ps=4, h=2, d=8, dtype=F):
+    return torch.randn(num_pages, ps, h, d, dtype=dtype), torch.randn(num_pages, ps, h, d, dtype=dtype)
+
+
+def _paged(q_len=1, table=((3, 1, 0),), lens=(9,), num_pages=8):
+    kc, vc = _cache(num_pages)
+    q = torch.randn(len(lens), q_len, 4, 8)
+    return q, kc, vc, torch.tensor(table, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def pa(**kw):
+    return lambda: rlk_ops.paged_attention(*_paged(**kw))
+
+
+def append(k_rows=3, slots=(0, 5, 9), kdtype=F, h=2, cache_kw=None, slot_dtype=torch.int64):
+    kc, vc = _cache(**(cache_kw or {}))
+    k = torch.randn(k_rows, h, 8, dtype=kdtype)
+    return lambda: rlk_ops.paged_kv_append(kc, vc, k, k.clone(), torch.tensor(slots, dtype=slot_dtype))
+
+
+def attn(qs=(2, 5, 4, 8), ks=(2, 7, 2, 8), causal=True, dtype_k=F, **kw):
+    q, k = torch.randn(*qs), torch.randn(*ks, dtype=dtype_k)
+    return lambda: rlk_ops.attention(q, k, k.clone(), causal=causal, **kw)
+
+
+def varlen(cu_q=(0, 3, 5), cu_k=(0, 4, 6), tq=5, tk=6, dtype=torch.int32, **kw):
+    q, k = torch.randn(tq, 4, 8), torch.randn(tk, 2, 8)
+    cq = None if cu_q is None else torch.tensor(cu_q, dtype=dtype)
+    ck = None if cu_k is None else torch.tensor(cu_k, dtype=dtype)
+    return lambda: rlk_ops.attention(q, k, k.clone(), cu_seqlens_q=cq, cu_seqlens_k=ck, **kw)
+
+
+def rope(x_shape=(5, 2, 8), pos=None, theta=1e6, rotary_dim=None):
+    x = torch.randn(*x_shape)
+    p = torch.arange(x_shape[0]) if pos is None else pos
+    return lambda: rlk_ops.rope(x, p, theta, rotary_dim)
+
+
+def norm(w_shape=(8,), w_dtype=F, eps=1e-6, x_dtype=F):
+    x = torch.ones(3, 2, 8).to(x_dtype)
+    return lambda: rlk_ops.qk_rmsnorm(x, torch.ones(*w_shape, dtype=w_dtype), eps)
+
+
+def lin(w_shape=(4, 8), b_shape=None, w_dtype=F):
+    x = torch.randn(3, 8)
+    b = None if b_shape is None else torch.randn(*b_shape)
+    return lambda: rlk_ops.linear(x, torch.randn(*w_shape, dtype=w_dtype), b)
+
+
+CASES = [
+    # paged KV / page tables
+    ("page id out of range", pa(table=((3, 11, 0),)), r"page_table\[0, 1\] = 11 is out of range for 8 pages"),
+    ("page id negative", pa(table=((3, -2, 0),)), r"page_table\[0, 1\] = -2 is negative for 8 pages"),
+    ("duplicate page in a sequence", pa(table=((3, 5, 3),)), r"page_table\[0, 2\] = 3 duplicates page_table\[0, 0\]"),
+    ("seq_lens beyond capacity", pa(lens=(13,)), r"seq_lens\[0\] = 13 exceeds the page_table capacity 3 pages"),
+    ("seq_lens shorter than new tokens", pa(q_len=4, lens=(3,)), r"seq_lens\[0\] = 3 is shorter than the 4 new"),
+    ("seq_lens negative", pa(lens=(-1,)), r"seq_lens\[0\] = -1 is negative"),
+    ("page_table wrong dtype", lambda: rlk_ops.paged_attention(*_paged()[:3], torch.tensor([[0, 1, 2]]),
+                                                              torch.tensor([9], dtype=torch.int32)),
+     r"page_table must be torch.int32, got torch.int64"),
+    ("page_table rows != batch", lambda: rlk_ops.paged_attention(torch.randn(2, 1, 4, 8), *_paged()[1:]),
+     r"page_table must have one row per sequence of q \(2\), got 1"),
+    ("seq_lens length mismatch", lambda: rlk_ops.paged_attention(*_paged()[:4], torch.tensor([9, 9], dtype=torch.int32)),
+     r"seq_lens must have one entry per page_table row \(1\), got 2"),
+    ("paged q head_dim mismatch", lambda: rlk_ops.paged_attention(torch.randn(1, 1, 4, 16), *_paged()[1:]),
+     r"k_cache's head_dim \(8\) must equal q's head_dim \(16\)"),
+    ("paged GQA not divisible", lambda: rlk_ops.paged_attention(torch.randn(1, 1, 3, 8), *_paged()[1:]),
+     r"q heads \(3\) must be a multiple of kv heads \(2\)"),
+    ("gather page out of range", lambda: rlk_ops.paged_kv_gather(*_paged(table=((3, 99, 0),))[1:]),
+     r"page_table\[0, 1\] = 99 is out of range"),
+    ("slot out of range", append(slots=(0, 5, 32)), r"slot_mapping\[2\] = 32 is out of range for 32 slots"),
+    ("slot below -1", append(slots=(0, -3, 1)), r"slot_mapping\[1\] = -3 is out of range"),
+    ("slot duplicated", append(slots=(4, 7, 4)), r"slot_mapping\[2\] = 4 duplicates slot_mapping\[0\]"),
+    ("slot_mapping wrong length", append(slots=(0, 1)), r"slot_mapping must have one slot per row of k \(3\), got 2"),
+    ("slot_mapping wrong dtype", append(slot_dtype=torch.int32), r"slot_mapping must be torch.int64, got torch.int32"),
+    ("append dtype mismatch", append(kdtype=torch.bfloat16), r"k must have the dtype of k_cache \(torch.float32\)"),
+    ("append heads mismatch", append(h=3), r"k must be \[T, 2, 8\] to match the cache's \[H_kv, D\], got \[3, 3, 8\]"),
+    ("k/v cache shape mismatch", lambda: rlk_ops.paged_kv_append(torch.zeros(4, 4, 2, 8), torch.zeros(4, 2, 2, 8),
+                                                                 torch.zeros(1, 2, 8), torch.zeros(1, 2, 8),
+                                                                 torch.zeros(1, dtype=torch.int64)),
+     r"v_cache must have k_cache's shape \[4, 4, 2, 8\], got \[4, 2, 2, 8\]"),
+    ("non-contiguous cache", lambda: rlk_ops.paged_kv_append(torch.zeros(4, 8, 2, 4).transpose(1, 3),
+                                                             torch.zeros(4, 8, 2, 4).transpose(1, 3),
+                                                             torch.zeros(1, 2, 8), torch.zeros(1, 2, 8),
+                                                             torch.zeros(1, dtype=torch.int64)),
+     r"k_cache must be contiguous"),
+    # attention
+    ("attention dtype mismatch", attn(dtype_k=torch.bfloat16), r"k must have the dtype of q \(torch.float32\), got torch.bfloat16"),
+    ("attention head_dim mismatch", attn(ks=(2, 7, 2, 16)), r"k's head_dim \(16\) must equal q's head_dim \(8\)"),
+    ("GQA heads not divisible", attn(qs=(2, 5, 3, 8)), r"q heads \(3\) must be a multiple of kv heads \(2\)"),
+    ("causal more queries than keys", attn(qs=(2, 9, 4, 8)), r"q has 9 queries, k has 7 keys"),
+    ("attention batch mismatch", attn(ks=(3, 7, 2, 8)), r"k must have q's batch size 2, got 3"),
+    ("attention wrong ndim", attn(qs=(5, 4, 8)), r"q must be 4-D \[B, S, H, D\], got shape \[5, 4, 8\]"),
+    ("softmax_scale nan", attn(softmax_scale=float("nan")), r"softmax_scale must be finite, got nan"),
+    ("attention int dtype", lambda: rlk_ops.attention(torch.ones(1, 2, 2, 4, dtype=torch.int32),
+                                                      torch.ones(1, 2, 2, 4, dtype=torch.int32),
+                                                      torch.ones(1, 2, 2, 4, dtype=torch.int32)),
+     r"q must be bfloat16, float16, float32 or float64, got torch.int32"),
+    ("cu_seqlens decreasing", varlen(cu_q=(0, 4, 3), tq=3, cu_k=(0, 4, 6)),
+     r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 3 < cu_seqlens_q\[1\] = 4"),
+    ("cu_seqlens wrong total", varlen(cu_q=(0, 3, 4)), r"cu_seqlens_q\[-1\] must equal the packed token count 5, got 4"),
+    ("cu_seqlens not starting at 0", varlen(cu_k=(1, 4, 6)), r"cu_seqlens_k\[0\] must be 0, got 1"),
+    ("cu_seqlens wrong dtype", varlen(dtype=torch.int64), r"cu_seqlens_q must be torch.int32, got torch.int64"),
+    ("only one cu_seqlens", varlen(cu_k=None), r"cu_seqlens_q and cu_seqlens_k must be given together"),
+    ("cu_seqlens shape mismatch", varlen(cu_k=(0, 6)), r"cu_seqlens_k must have cu_seqlens_q's shape \[3\], got \[2\]"),
+    ("varlen causal more queries", varlen(cu_q=(0, 4, 5), cu_k=(0, 2, 6)),
+     r"sequence 0 has 4 queries but 2 keys"),
+    ("max_seqlen too small", varlen(max_seqlen_q=2), r"max_seqlen_q = 2 is smaller than the longest sequence in cu_seqlens_q \(3\)"),
+    # rope
+    ("positions not int64", rope(pos=torch.arange(5, dtype=torch.int32)), r"positions must be torch.int64, got torch.int32"),
+    ("positions negative", rope(pos=torch.tensor([0, 1, -4, 2, 3])), r"positions\[2\] = -4 is negative"),
+    ("positions wrong shape", rope(pos=torch.arange(6)), r"positions must have x's leading shape \[5\]"),
+    ("positions too large", rope(pos=torch.tensor([0, 1, 2, 3, 10**8])), r"positions\[4\] = 100000000 exceeds"),
+    ("odd rotary_dim", rope(rotary_dim=5), r"rotary_dim must be even and in \(0, head_dim=8\], got 5"),
+    ("rotary_dim too large", rope(rotary_dim=10), r"rotary_dim must be even and in \(0, head_dim=8\], got 10"),
+    ("theta <= 0", rope(theta=0.0), r"theta must be a finite number > 0, got 0.0"),
+    ("rope 1-D x", rope(x_shape=(8,), pos=torch.arange(1)), r"x must be \[..., heads, head_dim\]"),
+    # norm
+    ("eps < 0", norm(eps=-1e-6), r"eps must be a finite number >= 0, got -1e-06"),
+    ("norm weight shape", norm(w_shape=(16,)), r"weight must have shape \[8\] \(x's head_dim\), got \[16\]"),
+    ("norm weight dtype", norm(w_dtype=torch.float64), r"weight must have the dtype of x \(torch.float32\), got torch.float64"),
+    ("norm int input", norm(x_dtype=torch.int64, w_dtype=torch.int64), r"x must be bfloat16, float16, float32 or float64"),
+    # linear
+    ("linear weight shape", lin(w_shape=(4, 9)), r"weight must be \[out_features, 8\] \(x's in_features\), got \[4, 9\]"),
+    ("linear bias shape", lin(b_shape=(5,)), r"bias must have shape \[4\] \(weight's out_features\), got \[5\]"),
+    ("linear dtype mismatch", lin(w_dtype=torch.bfloat16), r"weight must have the dtype of x \(torch.float32\)"),
+    ("linear 1-D weight", lin(w_shape=(8,)), r"weight must be 2-D \[out_features, in_features\], got shape \[8\]"),
+    # devices
+    ("mixed devices", lambda: rlk_ops.attention(torch.randn(1, 2, 2, 4, device="meta"), torch.randn(1, 2, 2, 4),
+                                                torch.randn(1, 2, 2, 4)),
+     r"is on .* but q is on meta"),
+]
+
+
+def test_at_least_30_distinct_bad_inputs():
+    assert len({name for name, _, _ in CASES}) == len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name,call,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_rejected_with_a_clear_message(name, call, pattern):
+    with pytest.raises(RlkInputError, match=pattern) as info:
+        call()
+    assert str(info.value).startswith("rlk::"), "errors name the op"
+
+
+@pytest.mark.parametrize("slots", [(0, 5, 5), (0, 1, 999), (3, 4, -2)])
+def test_rejected_append_leaves_cache_untouched(slots):
+    k_cache, v_cache = _cache()
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(RlkInputError):
+        rlk_ops.paged_kv_append(k_cache, v_cache, k, k, torch.tensor(slots))
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+def test_padding_past_used_pages_is_not_validated():
+    """Only ceil(seq_len / page_size) entries are read; the rest may hold anything."""
+    q, kc, vc, _, _ = _paged()
+    table = torch.tensor([[3, 1, 0, -99, 10**6]], dtype=torch.int32)
+    out, _ = rlk_ops.paged_attention(q, kc, vc, table, torch.tensor([9], dtype=torch.int32))
+    ref, _ = rlk_ops.paged_attention(q, kc, vc, table[:, :3].contiguous(), torch.tensor([9], dtype=torch.int32))
+    assert torch.equal(out, ref)
+
+
+def test_collectives_need_an_initialized_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RlkInputError, match=re.escape("torch.distributed is not initialized")):
+        rlk_ops.all_gather(torch.zeros(2))
