@@ -23,13 +23,13 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
     q = torch.randn(2, 6, 4, 8)
     k = torch.randn(2, 9, 2, 8)
     v = torch.randn(2, 9, 2, 8)
-    out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0)
+    out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0, "disabled")
     qv = torch.randn(11, 4, 8)
     kvv = torch.randn(13, 2, 8)
     vvv = torch.randn(13, 2, 8)
     cu_q = torch.tensor([0, 5, 11], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
-    outv, lsev = torch.ops.rlk.attention_fwd(qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7)
+    outv, lsev = torch.ops.rlk.attention_fwd(qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")
     k_cache, v_cache, page_table, seq_lens = _paged()
     xl = torch.randn(3, 5, 16)
     wl = torch.randn(12, 16)
@@ -43,12 +43,12 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
         "paged_kv_append": [(k_cache.clone(), v_cache.clone(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
                              torch.tensor([5, -1, 17], dtype=torch.int64))],
         "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens)],
-        "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0), (q, k, v, 0, 0.3, None, None, 0, 0),
-                          (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7)],
-        "attention_bwd": [(torch.randn_like(out), q, k, v, out, lse, None, 1, 0.3, None, None, 0, 0),
-                          (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0),
-                          (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7)],
-        "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3)],
+        "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0, "disabled"), (q, k, v, 0, 0.3, None, None, 0, 0, "disabled"),
+                          (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")],
+        "attention_bwd": [(torch.randn_like(out), q, k, v, out, lse, None, 1, 0.3, None, None, 0, 0, "disabled"),
+                          (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0, "disabled"),
+                          (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")],
+        "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3, "disabled")],
         "linear": [(xl, wl, bl), (xl, wl, None)],
         "linear_bwd": [(dyl, xl, wl)],
         "linear_bias_bwd": [(dyl,)],

@@ -110,7 +110,7 @@ _add(OpSpec("paged_kv_gather", "kv_cache",
             "(Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens) -> (Tensor, Tensor)",
             backends={"cpu": _CPU_COPY}))
 _ATTN_ARGS = ("int causal, float softmax_scale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-              "int max_seqlen_q, int max_seqlen_k")
+              "int max_seqlen_q, int max_seqlen_k, str split_kv")
 _add(OpSpec("attention_fwd", "attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_ARGS}) -> (Tensor, Tensor)",
             differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN}))
 _add(OpSpec("attention_bwd", "attention",
@@ -118,7 +118,8 @@ _add(OpSpec("attention_bwd", "attention",
             " -> (Tensor, Tensor, Tensor)",
             backends={"cpu": DeterminismSpec(True, None, notes="dq per row; dk/dv sum over query rows in a fixed order")}))
 _add(OpSpec("paged_attention", "attention",
-            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
+            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale, "
+            "str split_kv)"
             " -> (Tensor, Tensor)",
             backends={"cpu": _CPU_ATTN}))
 _add(OpSpec("linear", "projection", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",

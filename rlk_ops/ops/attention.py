@@ -10,6 +10,8 @@ Varlen:  q [T, Hq, D],     k/v [Tk, Hkv, D], cu_seqlens_q/k int32 [B+1]
 * lse is the natural-log sum of exp of the scaled scores, fp32 (fp64 for fp64 inputs).
 * softmax_scale None means head_dim ** -0.5. max_seqlen None (0 in the op) means
   "derive from cu_seqlens inside the op"; pass them under torch.compile.
+* split_kv is the split-KV policy (meta/contract.py): "disabled" is single pass;
+  "canonical:C" splits keys into C-token chunks merged in a fixed order.
 
 The backward is its own op, ``rlk::attention_bwd`` (deterministic on every backend;
 it also takes the gradient of lse, so (out, lse) states can be merged downstream).
@@ -21,6 +23,7 @@ import math
 import torch
 
 from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.meta.contract import SplitKVPolicy
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import autograd, define, fake, impl
 
@@ -28,28 +31,28 @@ from rlk_ops.ops._library import autograd, define, fake, impl
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               softmax_scale: float | None = None, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              max_seqlen_k: int | None = None, split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention; returns (out, lse)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.rlk.attention_fwd(q, k, v, int(bool(causal)), scale, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_q or 0, max_seqlen_k or 0)
+                                       max_seqlen_q or 0, max_seqlen_k or 0, str(split_kv))
 
 
 define("attention_fwd")
 
 
 @impl("attention_fwd")
-def _attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, split_kv):
     op = "attention_fwd"
-    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, split_kv)
     check_varlen_values(op, q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return kernel_for(op, q.device)(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k)
+                                    max_seqlen_q, max_seqlen_k, split_kv)
 
 
 @fake("attention_fwd")
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    check_attention("attention_fwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, split_kv):
+    check_attention("attention_fwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, split_kv)
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens_q), dtype=lse_dtype(q))
 
 
@@ -58,38 +61,38 @@ define("attention_bwd")
 
 @impl("attention_bwd")
 def _attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                   max_seqlen_q, max_seqlen_k):
+                   max_seqlen_q, max_seqlen_k, split_kv):
     op = "attention_bwd"
-    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    check_attention(op, q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, split_kv)
     _check_bwd(op, dout, q, out, lse, dlse, cu_seqlens_q)
     check_varlen_values(op, q, k, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return kernel_for(op, q.device)(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q,
-                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, split_kv)
 
 
 @fake("attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k):
-    check_attention("attention_bwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+                        max_seqlen_q, max_seqlen_k, split_kv):
+    check_attention("attention_bwd", q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, split_kv)
     _check_bwd("attention_bwd", dout, q, out, lse, dlse, cu_seqlens_q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, cu_q, cu_k, max_q, max_k = inputs
+    q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, split_kv = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (causal, scale, max_q, max_k)
+    ctx.args = (causal, scale, max_q, max_k, split_kv)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    causal, scale, max_q, max_k = ctx.args
+    causal, scale, max_q, max_k, split_kv = ctx.args
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, causal, scale, cu_q, cu_k,
-                                             max_q, max_k)
-    return dq, dk, dv, None, None, None, None, None, None
+                                             max_q, max_k, split_kv)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 autograd("attention_fwd", _backward, _setup_context)
@@ -111,7 +114,19 @@ def check_heads(op, hq, hkv):
         V.fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
 
 
-def check_attention(op, q, k, v, causal, softmax_scale, cu_q, cu_k):
+def check_split_kv(op, split_kv, allowed=("disabled", "canonical")):
+    try:
+        policy = SplitKVPolicy.parse(split_kv)
+    except ValueError as e:
+        V.fail(op, str(e))
+    if policy.kind not in allowed:
+        V.fail(op, f"split_kv {split_kv!r} is not allowed here (allowed: {', '.join(allowed)})" +
+               ("; 'auto' depends on the batch and is never strict" if policy.kind == "auto" else ""))
+    return policy
+
+
+def check_attention(op, q, k, v, causal, softmax_scale, cu_q, cu_k, split_kv="disabled"):
+    check_split_kv(op, split_kv)
     varlen = cu_q is not None or cu_k is not None
     if (cu_q is None) != (cu_k is None):
         V.fail(op, "cu_seqlens_q and cu_seqlens_k must be given together (packed varlen) or both be None")

@@ -5,6 +5,10 @@
     page_table [B, max_pages] int32;  seq_lens [B] int32 (>= Sq, cached tokens incl. new)
     -> out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32 natural log
 
+split_kv is the split-KV policy (meta/contract.py): "disabled" (single pass, the
+default), "fixed:N" (backends that prove it batch-invariant) or "canonical:C".
+"auto" is not batch-invariant and is refused here.
+
 Causal, bottom-right aligned: query i sits at position seq_lens[b] - Sq + i. Each
 row's result is bitwise the row ``attention_fwd`` computes for the same token in
 full prefill (prefill/decode invariance), whatever the page size or placement.
@@ -18,37 +22,39 @@ import torch
 from rlk_ops.kernels.dispatch import kernel_for
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import define, fake, impl
-from rlk_ops.ops.attention import check_heads, lse_dtype
+from rlk_ops.ops.attention import check_heads, check_split_kv, lse_dtype
 from rlk_ops.ops.paged_kv import check_cache, check_page_table, check_page_values
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                    seq_lens: torch.Tensor, softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    seq_lens: torch.Tensor, softmax_scale: float | None = None,
+                    split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest Sq tokens of each sequence over its paged KV; (out, lse)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
+    return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale, str(split_kv))
 
 
 define("paged_attention")
 
 
 @impl("paged_attention")
-def _paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+def _paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv):
     op = "paged_attention"
-    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv)
     check_page_values(op, k_cache, page_table, seq_lens, min_len=q.shape[1])
-    return kernel_for(op, q.device)(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    return kernel_for(op, q.device)(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv)
 
 
 @fake("paged_attention")
-def _paged_attention_fake(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
-    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+def _paged_attention_fake(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv):
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv)
     b, sq, hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=lse_dtype(q))
 
 
-def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv):
     op = "paged_attention"
+    check_split_kv(op, split_kv, allowed=("disabled", "fixed", "canonical"))
     V.ndim(op, "q", q, 4, "[B, Sq, Hq, D]")
     V.float_dtype(op, "q", q)
     check_cache(op, k_cache, v_cache)

@@ -213,7 +213,15 @@ def _varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, in
     return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
 
 
-def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _single_pass_only(op: str, split_kv: str) -> None:
+    if split_kv != "disabled":
+        raise ValueError(f"rlk::{op}: split_kv {split_kv!r} is not implemented by the cpu backend "
+                         f"(supported: disabled)")
+
+
+def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  split_kv="disabled"):
+    _single_pass_only("attention_fwd", split_kv)
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         out, lse = _forward(q, k, v, q_pos, k_len, bool(causal), softmax_scale)
@@ -233,7 +241,8 @@ def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, ma
 
 
 def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                  max_seqlen_q, max_seqlen_k):
+                  max_seqlen_q, max_seqlen_k, split_kv="disabled"):
+    _single_pass_only("attention_bwd", split_kv)
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         return _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, bool(causal), softmax_scale)
@@ -259,7 +268,8 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_pages: int) ->
     return cache[pages.reshape(-1)].reshape(bsz, n_pages * ps, h, d)
 
 
-def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
+    _single_pass_only("paged_attention", split_kv)
     bsz, sq, _, _ = q.shape
     ps = k_cache.shape[1]
     k_len = seq_lens.to(torch.int64)

@@ -1,0 +1,78 @@
+"""The attention contract: what must be equal on both sides for bitwise equality.
+
+``SplitKVPolicy`` names how a query row's keys may be split across workers:
+
+* ``disabled``     one pass over the keys in ascending 128-key blocks (the single-pass
+                   definition training uses). Strict.
+* ``fixed:N``      split into N-token pieces (FlashInfer ``fixed_split_size``): batch-
+                   invariant, but its merge order differs from single pass, so it is not
+                   train == rollout unless training uses the same split. Strict only on a
+                   backend that proves batch invariance for it.
+* ``auto``         the kernel picks the split from the batch: not batch-invariant.
+                   Rejected in strict mode; runs only as a diagnostic lane.
+* ``canonical:C``  C-token chunks aligned to absolute position 0, merged in ascending
+                   order with one fixed fp32 formula, on both sides (train == rollout).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+_POLICY = re.compile(r"^(disabled|auto|fixed:(\d+)|canonical:(\d+))$")
+
+
+@dataclass(frozen=True)
+class SplitKVPolicy:
+    kind: str  # disabled | fixed | auto | canonical
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, text: "str | SplitKVPolicy") -> "SplitKVPolicy":
+        if isinstance(text, SplitKVPolicy):
+            return text
+        m = _POLICY.match(str(text).strip())
+        if not m:
+            raise ValueError(f"split_kv must be 'disabled', 'auto', 'fixed:N' or 'canonical:C', got {text!r}")
+        kind = m.group(1).split(":")[0]
+        size = m.group(2) or m.group(3)
+        size = int(size) if size else None
+        if kind == "canonical" and (size <= 0 or size % 128):
+            raise ValueError(f"split_kv canonical:C needs C a positive multiple of 128, got {size}")
+        if kind == "fixed" and size <= 0:
+            raise ValueError(f"split_kv fixed:N needs N > 0, got {size}")
+        return cls(kind, size)
+
+    def __str__(self) -> str:
+        return self.kind if self.size is None else f"{self.kind}:{self.size}"
+
+    @property
+    def strict(self) -> bool:
+        """Allowed in strict mode (the result does not depend on the batch)."""
+        return self.kind != "auto"
+
+
+@dataclass(frozen=True)
+class AttentionContract:
+    """The numerics both sides must share. ``fields()`` is what reports and the
+    binding check compare."""
+    dtype: str = "bfloat16"
+    causal: bool = True
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
+    head_dim: int = 128
+    split_kv: str = "disabled"
+    accumulation: str = "fp32"
+    lse: str = "natural_log"
+    key_block: int = 128
+    p_rounding: str = "input_dtype"  # P is fed to the PV product in the input dtype
+
+    def __post_init__(self):
+        object.__setattr__(self, "split_kv", str(SplitKVPolicy.parse(self.split_kv)))
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
+
+    def fields(self) -> dict:
+        d = asdict(self)
+        d["softmax_scale"] = self.scale
+        return d
