@@ -19,6 +19,29 @@ def _demo(args) -> int:
     return 0 if report["mismatched_tokens"] == 0 else 1
 
 
+def _inspect(args) -> int:
+    import torch
+
+    from rlk_ops.compile import Qwen3Attention, inspect_boundary
+    from rlk_ops.compile.boundary import dumps
+    from rlk_ops.compile.examples import decode_batch, init_block, packed_batch
+
+    block = init_block(Qwen3Attention())  # Qwen3-8B TP=2 shard: hidden 4096, 16 q / 4 kv heads, head_dim 128
+    cfg = block.config
+    x, pos, cu = packed_batch([5, 11], cfg.hidden_size)
+    reports = {"training": inspect_boundary(block, x, pos, cu)}
+    with torch.no_grad():
+        reports["decode"] = inspect_boundary(block.forward_rollout, *decode_batch(block, [7, 130]))
+    if args.json:
+        print(dumps(reports))
+    else:
+        for name, rep in reports.items():
+            print(rep.table(f"== Qwen3Attention {name} graph (hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
+                            f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) =="))
+            print()
+    return 0 if all(r.graph_breaks == 0 and not r.leaks for r in reports.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlk_ops")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--json", default=None, help="write the report here")
     p.set_defaults(func=_demo)
+    p = sub.add_parser("inspect", help="FX boundary report of the default block's training and decode graphs")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     return args.func(args)
 

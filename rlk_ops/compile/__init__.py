@@ -1,0 +1,5 @@
+"""The Qwen3 attention block on rlk ops, and FX boundary inspection."""
+from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
+from rlk_ops.compile.boundary import BoundaryReport, inspect_boundary
+
+__all__ = ["Qwen3Attention", "Qwen3AttentionConfig", "inspect_boundary", "BoundaryReport"]

@@ -1,0 +1,122 @@
+"""The Qwen3 attention block built only from rlk ops.
+
+    x -> rlk::linear (fused QKV) -> rlk::qk_rmsnorm (q_norm, k_norm) -> rlk::rope
+      -> training: rlk::attention_fwd on a packed varlen batch
+         rollout:  rlk::paged_kv_append + rlk::paged_attention (chunked prefill, decode)
+      -> rlk::linear (o_proj)
+
+Parameters carry Hugging Face Qwen3 names (``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj``, ``q_norm``, ``k_norm``), so the ``self_attn.*`` entries of an HF Qwen3
+state dict load directly. Defaults are the Qwen3-8B TP=2 local shard.
+
+Why one fused QKV ``rlk::linear`` over ``cat([Wq, Wk, Wv])`` instead of three: with
+three projections of the same ``x``, autograd sums three partial dx in the backward
+graph with ``aten.add``, a compute node outside any rlk op that Inductor fuses into
+one fp32 sum (eager rounds each add to bf16), so compiled and eager gradients would
+differ. The concatenation is a copy (exact); its backward is a split (views). A
+row's result is the same either way (each output element reduces over K alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import rlk_ops
+
+
+@dataclass(frozen=True)
+class Qwen3AttentionConfig:
+    hidden_size: int = 4096
+    num_heads: int = 16
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    rotary_dim: int | None = None  # None: the whole head_dim (Qwen3)
+    attention_bias: bool = False
+    split_kv: str = "disabled"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+class _Norm(nn.Module):
+    """Holds an RMSNorm weight under HF's name (``q_norm.weight``)."""
+
+    def __init__(self, dim: int, **factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3AttentionConfig | None = None, *, dtype=torch.bfloat16, device=None, **overrides):
+        super().__init__()
+        cfg = config or Qwen3AttentionConfig()
+        if overrides:
+            cfg = Qwen3AttentionConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        f = {"dtype": dtype, "device": device}
+        h, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(h, hq * d, bias=cfg.attention_bias, **f)
+        self.k_proj = nn.Linear(h, hkv * d, bias=cfg.attention_bias, **f)
+        self.v_proj = nn.Linear(h, hkv * d, bias=cfg.attention_bias, **f)
+        self.o_proj = nn.Linear(hq * d, h, bias=False, **f)
+        self.q_norm = _Norm(d, **f)
+        self.k_norm = _Norm(d, **f)
+
+    # ------------------------------------------------------------------ shared
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [N, hidden], positions [N] -> q [N, Hq, D], k, v [N, Hkv, D] (normed, rotated)."""
+        cfg = self.config
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        qkv = rlk_ops.linear(x, weight, bias)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        n = x.shape[0]
+        q = rlk_ops.qk_rmsnorm(q.reshape(n, hq, d), self.q_norm.weight, cfg.rms_norm_eps)
+        k = rlk_ops.qk_rmsnorm(k.reshape(n, hkv, d), self.k_norm.weight, cfg.rms_norm_eps)
+        q = rlk_ops.rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
+        k = rlk_ops.rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+        return q, k, v.reshape(n, hkv, d)
+
+    # ---------------------------------------------------------------- training
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int = 0, return_attention: bool = False):
+        """Training forward on a packed varlen batch.
+
+        hidden_states [T, hidden], positions [T] int64, cu_seqlens int32 [B+1]
+        (max_seqlen 0: derived inside the op). Returns [T, hidden]; with
+        ``return_attention`` also the attention output [T, Hq, D] and lse [Hq, T]."""
+        q, k, v = self._qkv(hidden_states, positions)
+        attn, lse = rlk_ops.attention(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                      max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                      split_kv=self.config.split_kv)
+        out = rlk_ops.linear(attn.reshape(attn.shape[0], -1), self.o_proj.weight)
+        return (out, attn, lse) if return_attention else out
+
+    forward_train = forward
+
+    # ----------------------------------------------------------------- rollout
+    def forward_rollout(self, hidden_states: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                        slot_mapping: torch.Tensor, return_attention: bool = False):
+        """Rollout forward over the paged cache: chunked prefill (Sq > 1) or decode (Sq = 1).
+
+        hidden_states [B, Sq, hidden] are the newest Sq tokens of each sequence,
+        positions [B, Sq] int64, slot_mapping [B*Sq] int64 (where their K/V go),
+        page_table int32 [B, max_pages], seq_lens int32 [B] (cached tokens including
+        these). Appends the new K/V, then attends. Returns [B, Sq, hidden] (and the
+        attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``)."""
+        b, sq, hidden = hidden_states.shape
+        q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+        rlk_ops.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
+        attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+                                            seq_lens, split_kv=self.config.split_kv)
+        out = rlk_ops.linear(attn.reshape(b * sq, -1), self.o_proj.weight).reshape(b, sq, hidden)
+        return (out, attn, lse) if return_attention else out

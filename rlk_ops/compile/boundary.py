@@ -1,0 +1,223 @@
+"""FX boundary inspection: which rlk ops a compiled function runs, forward and backward.
+
+``inspect_boundary(fn, *args)`` compiles ``fn`` with a capturing backend (AOT
+autograd, then the graphs run as captured), calls it, runs one backward when an
+output requires grad, and reports per graph the ordered rlk op nodes (op, tags,
+determinism spec, input/output shapes and dtypes), graph breaks, the number of
+compiled graphs, and *leaks*: compute nodes that are not rlk ops. Inductor may fuse
+and reorder any such node, so each one is a place where compiled and eager, or
+training and rollout, can stop agreeing bit for bit.
+
+Not leaks (they move or relabel bytes, never round): views and reshapes, getitem,
+shape arithmetic, copies/concatenation/splits, tensor creation, and the wrappers
+AOT puts around mutating ops (``auto_functionalized_v2``, whose real op is its
+first argument, and the ``copy_`` that writes the result back to the cache).
+"""
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from rlk_ops.meta.specs import REGISTRY
+
+_aten = torch.ops.aten
+# ATen ops that only move, copy or relabel bytes (exact), or create tensors.
+_MOVEMENT = {
+    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze",
+    "slice", "select", "split", "split_with_sizes", "narrow", "alias", "as_strided", "unbind",
+    "cat", "stack", "clone", "contiguous", "detach", "copy", "copy_", "lift_fresh_copy",
+    "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "full", "new_empty", "new_zeros",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_assert_tensor_metadata",
+}
+
+
+@dataclass
+class RlkNode:
+    index: int
+    op: str
+    via: str | None  # e.g. "auto_functionalized_v2" for a mutating op
+    tags: list[str]
+    spec: dict
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass
+class Leak:
+    graph: str
+    node: str
+    target: str
+    outputs: list[str]
+
+
+@dataclass
+class BoundaryReport:
+    forward: list[RlkNode] = field(default_factory=list)
+    backward: list[RlkNode] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)
+    graphs: int = 0
+    graph_breaks: int = 0
+    recompiles: int = 0
+    movement_nodes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def forward_ops(self) -> list[str]:
+        return [n.op for n in self.forward]
+
+    @property
+    def backward_ops(self) -> list[str]:
+        return [n.op for n in self.backward]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def table(self, title: str = "") -> str:
+        lines = [title] if title else []
+        lines.append(f"graphs: {self.graphs}  graph breaks: {self.graph_breaks}  recompiles: {self.recompiles}  "
+                     f"leaks: {len(self.leaks)}")
+        for name, nodes in (("forward", self.forward), ("backward", self.backward)):
+            if not nodes:
+                lines.append(f"  {name} graph: none")
+                continue
+            lines.append(f"  {name} graph: {len(nodes)} rlk ops   (spec flags: run-to-run, batch-invariant, "
+                         f"prefill/decode-invariant; y/n/- = yes/no/not applicable)")
+            lines.append(f"    {'#':>3}  {'op':<31} {'tags':<28} {'spec per backend':<22} outputs")
+            for n in nodes:
+                tags = ",".join(_TAG_SHORT.get(t, t) for t in n.tags) or "-"
+                specs = " ".join(f"{b}:{_flags(s)}" for b, s in n.spec.get("backends", {}).items())
+                op = n.op + (" [mutates]" if n.via else "")
+                lines.append(f"    {n.index:>3}  {op:<31} {tags:<28} {specs:<22} {' '.join(n.outputs)}")
+        for leak in self.leaks:
+            lines.append(f"  LEAK in {leak.graph}: {leak.target} ({leak.node}) -> {' '.join(leak.outputs)}")
+        return "\n".join(lines)
+
+
+_TAG_SHORT = {"pt2_compliant_tag": "pt2_compliant", "nondeterministic_bitwise": "NONDETERMINISTIC"}
+
+
+def _flags(spec: dict) -> str:
+    def f(v):
+        return "-" if v is None else ("y" if v else "n")
+
+    return f(spec["run_to_run"]) + f(spec["batch_invariant"]) + f(spec["prefill_decode_invariant"])
+
+
+def _describe(val) -> list[str]:
+    if isinstance(val, torch.Tensor):
+        shape = "x".join(str(s) for s in val.shape)
+        return [f"{str(val.dtype).replace('torch.', '')}[{shape}]"]
+    if isinstance(val, (list, tuple)):
+        return [d for v in val for d in _describe(v)]
+    return []
+
+
+def _arg_vals(args) -> list:
+    vals = []
+    for a in args:
+        if isinstance(a, torch.fx.Node):
+            vals.append(a.meta.get("val"))
+        elif isinstance(a, (list, tuple)):
+            vals.extend(_arg_vals(a))
+    return vals
+
+
+def _is_shape_math(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport) -> list[RlkNode]:
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        via = None
+        if isinstance(target, torch._ops.HigherOrderOperator) and "auto_functionalized" in target.name():
+            via, target = target.name(), node.args[0]
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "rlk":
+            name = target._schema.name.split("::")[1]
+            spec = REGISTRY[name].as_dict()
+            kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
+            nodes.append(RlkNode(
+                index=len(nodes), op=f"rlk::{name}", via=via,
+                tags=[str(t).split(".")[-1] for t in target.tags],
+                spec={"backends": spec["backends"], "mutates": spec["mutates"]},
+                inputs=[d for v in kw_vals for d in _describe(v)],
+                outputs=_describe(node.meta.get("val"))))
+            continue
+        if target is operator.getitem or _is_shape_math(node):
+            continue
+        name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and name in _MOVEMENT:
+            report.movement_nodes[name] = report.movement_nodes.get(name, 0) + 1
+            continue
+        report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
+    return nodes
+
+
+def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
+                     more_calls: tuple[tuple, ...] = (), **kwargs) -> BoundaryReport:
+    """Compile ``fn`` (no fullgraph requirement, so breaks are counted rather than
+    raised), run it on ``args`` and, if ``backward`` and an output requires grad,
+    run one backward of the sum of its outputs (this accumulates ``.grad`` on leaves).
+    ``more_calls`` are further argument tuples (e.g. other sequence lengths): the
+    graphs compiled for them beyond the first call's are counted as ``recompiles``;
+    the reported rlk nodes are those of the first call's graphs."""
+    report = BoundaryReport()
+    fw_graphs: list[torch.fx.GraphModule] = []
+    bw_graphs: list[torch.fx.GraphModule] = []
+
+    def fw_compiler(gm, _inputs):
+        fw_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def bw_compiler(gm, _inputs):
+        bw_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    aot_backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+    dynamo_graphs = []
+
+    def backend(gm, example_inputs):
+        # Dynamo may call the backend again after restarting its analysis (e.g. when
+        # AOT specialises a dynamic dim); only compilations that finish are graphs.
+        compiled_fn = aot_backend(gm, example_inputs)
+        dynamo_graphs.append(gm)
+        return compiled_fn
+
+    counters = torch._dynamo.utils.counters
+    breaks_before = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
+    out = compiled(*args, **kwargs)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    if backward and any(o.requires_grad for o in outs):
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    first_fw, first_bw = list(fw_graphs), list(bw_graphs)
+    report.graphs = len(dynamo_graphs)
+    report.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
+    for more in more_calls:
+        out = compiled(*more, **kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        if backward and any(o.requires_grad for o in outs):
+            sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    report.recompiles = len(dynamo_graphs) - report.graphs
+    for gm in first_fw:
+        report.forward.extend(analyse_graph(gm, "forward", report))
+    for gm in first_bw:
+        report.backward.extend(analyse_graph(gm, "backward", report))
+    for i, n in enumerate(report.forward):
+        n.index = i
+    for i, n in enumerate(report.backward):
+        n.index = i
+    return report
+
+
+def dumps(reports: dict[str, BoundaryReport]) -> str:
+    return json.dumps({k: v.to_json() for k, v in reports.items()}, indent=2)
