@@ -7,16 +7,20 @@ import sys
 
 
 def _demo(args) -> int:
+    import rlk_ops
     from rlk_ops.rollout import demo
 
-    report = demo.run(device=args.device, sequences=args.sequences)
-    print(f"train vs rollout ({report['device']}): {report['sequences']} sequences, {report['tokens']} tokens, "
-          f"page_size {report['page_size']}, prefill chunk {report['chunk']}, {report['decode_steps']} decode steps")
-    print(f"mismatched tokens: {report['mismatched_tokens']} / {report['tokens']}")
+    if args.no_strict:
+        rlk_ops.set_strict_mode(False)
+    report = demo.run(device=args.device, layers=args.layers, sequences=args.sequences, split_kv=args.split_kv,
+                      chunk=args.chunk, page_size=args.page_size, max_running=args.max_running, seed=args.seed,
+                      greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet)
+    print(demo.summary(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["mismatched_tokens"] == 0 else 1
+    ok = report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    return 0 if ok else 1
 
 
 def _inspect(args) -> int:
@@ -47,7 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train-vs-rollout bitwise check")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--split-kv", default="disabled", help="disabled | fixed:N | auto | canonical:C")
+    p.add_argument("--chunk", type=int, default=96, help="prefill chunk size (tokens)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-running", type=int, default=4, help="sequences decoding at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="greedy instead of the seeded sampler")
+    p.add_argument("--no-backward", action="store_true", help="skip the training backward check")
+    p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, help="write the report here")
     p.set_defaults(func=_demo)
     p = sub.add_parser("inspect", help="FX boundary report of the default block's training and decode graphs")

@@ -1,80 +1,240 @@
-"""The train-vs-rollout bitwise check (``python -m rlk_ops demo``).
+"""The train-vs-rollout bitwise check (``python -m rlk_ops demo``, ``make demo``).
 
-Pipeline per sequence: q/k/v -> qk_rmsnorm -> rope -> attention. The training side
-runs one full prefill per sequence; the rollout side appends K/V into a shuffled
-paged cache in prefill chunks (not a multiple of 128) and then decodes the remaining
-tokens one at a time, batched across sequences. Every token's attention output and
-LSE must be bitwise equal.
+1. Rollout: a small Qwen3-style model (random weights from a seed) serves B requests
+   with different prompt lengths: chunked prefill (chunk not a multiple of 128), then
+   decode with continuous batching (at most ``max_running`` at once; sequences finish
+   at different steps and waiting ones join), pages handed out from a shuffled free
+   list. Every generated token's log-prob is recorded, with each layer's attention
+   output and LSE for every processed position.
+2. Training: the same token sequences re-scored in ONE packed, teacher-forced varlen
+   forward (optionally followed by a backward, twice, to show its gradients are
+   run-to-run deterministic).
+3. Comparison: every generated token's rollout log-prob vs training log-prob, bitwise;
+   per-layer attention out / LSE; drift statistics.
+4. Negative control, same run: the rollout replayed on the same tokens through a plain
+   PyTorch path (rollout/plain.py). It must show mismatches: proof that the check can fail.
 """
 from __future__ import annotations
 
-import math
+import sys
+import time
 
 import torch
 
 import rlk_ops
+from rlk_ops.meta import provenance
+from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
+from rlk_ops.meta.drift import drift_stats
+from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, token_logprobs
+from rlk_ops.rollout.plain import plain_forward_rollout, plain_log_softmax
 
 
-def run(device: str = "cpu", sequences: int = 8, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-        page_size: int = 16, chunk: int = 100, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    dt = torch.bfloat16
-    lens = [int(x) for x in torch.randint(40, 300, (sequences,), generator=g)]
-    decode_steps = 16
-    norm_w = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dt).to(device)
-    seqs = []
-    for n in lens:
-        q = torch.randn(n, heads, head_dim, generator=g).to(dt).to(device)
-        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dt).to(device)
-        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dt).to(device)
-        pos = torch.arange(n, device=device)
-        q = rlk_ops.rope(rlk_ops.qk_rmsnorm(q, norm_w), pos)
-        k = rlk_ops.rope(rlk_ops.qk_rmsnorm(k, norm_w), pos)
-        seqs.append((q, k, v))
-    # training: full prefill, one sequence at a time
-    train = [rlk_ops.attention(q[None], k[None], v[None]) for q, k, v in seqs]
-    # rollout: shuffled pages, chunked prefill of all but the last decode_steps tokens, then batched decode
-    pages_per = [math.ceil(n / page_size) for n in lens]
-    num_pages = sum(pages_per) + 7
-    perm = torch.randperm(num_pages, generator=g)
-    k_cache = torch.zeros(num_pages, page_size, kv_heads, head_dim, dtype=dt, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    page_table = torch.zeros(sequences, max(pages_per), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(pages_per):
-        page_table[b, :n] = perm[start:start + n].int()
-        start += n
-    page_table = page_table.to(device)
-    rollout_out = [torch.empty_like(q) for q, _, _ in seqs]
-    rollout_lse = [torch.empty(heads, q.shape[0], device=device) for q, _, _ in seqs]
+class Progress:
+    def __init__(self, total: int, label: str, stream=sys.stderr, enabled: bool = True):
+        self.total, self.done, self.label, self.stream, self.enabled = total, 0, label, stream, enabled
+        self._last = -1
 
-    def slots(b, lo, hi):
-        p = torch.arange(lo, hi)
-        return (page_table[b].cpu().long()[p // page_size] * page_size + p % page_size).to(device)
+    def __call__(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if not self.stream.isatty():  # logs: one line when the phase is done
+            if self.done == self.total:
+                self.stream.write(f"{self.label}: {self.done}/{self.total} tokens\n")
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        if filled != self._last or self.done == self.total:
+            self._last = filled
+            end = "\n" if self.done >= self.total else ""
+            self.stream.write(f"\r{self.label:<22} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}{end}")
+            self.stream.flush()
 
-    for b, (q, k, v) in enumerate(seqs):
-        prompt = lens[b] - decode_steps
-        for lo in range(0, prompt, chunk):
-            hi = min(prompt, lo + chunk)
-            rlk_ops.paged_kv_append(k_cache, v_cache, k[lo:hi], v[lo:hi], slots(b, lo, hi))
-            seq_lens = torch.tensor([hi], dtype=torch.int32, device=device)
-            o, lse = rlk_ops.paged_attention(q[None, lo:hi], k_cache, v_cache, page_table[b:b + 1], seq_lens)
-            rollout_out[b][lo:hi], rollout_lse[b][:, lo:hi] = o[0], lse[0]
-    for step in range(decode_steps):
-        pos = [n - decode_steps + step for n in lens]
-        for b, (_, k, v) in enumerate(seqs):
-            rlk_ops.paged_kv_append(k_cache, v_cache, k[pos[b]:pos[b] + 1], v[pos[b]:pos[b] + 1],
-                                    slots(b, pos[b], pos[b] + 1))
-        q_step = torch.stack([seqs[b][0][p] for b, p in enumerate(pos)])[:, None]
-        seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=device)
-        o, lse = rlk_ops.paged_attention(q_step, k_cache, v_cache, page_table, seq_lens)
-        for b, p in enumerate(pos):
-            rollout_out[b][p], rollout_lse[b][:, p] = o[b, 0], lse[b, :, 0]
-    tokens = sum(lens)
-    mismatched = 0
-    for b in range(sequences):
-        out_eq = (rollout_out[b] == train[b][0][0]).all(-1).all(-1)
-        lse_eq = (rollout_lse[b] == train[b][1][0]).all(0)
-        mismatched += int((~(out_eq & lse_eq)).sum())
-    return {"tokens": tokens, "mismatched_tokens": mismatched, "sequences": sequences, "lengths": lens,
-            "page_size": page_size, "chunk": chunk, "decode_steps": decode_steps, "device": device}
+
+def make_requests(n: int, vocab: int, seed: int, min_prompt: int = 20, max_prompt: int = 200,
+                  min_new: int = 8, max_new: int = 16) -> list[Request]:
+    g = torch.Generator().manual_seed(seed + 17)
+    reqs = []
+    for i in range(n):
+        plen = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=g))
+        new = int(torch.randint(min_new, max_new + 1, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (plen,), generator=g).tolist()
+        reqs.append(Request(i, prompt, new))
+    return reqs
+
+
+def rescore(model: TinyQwen3, results, device) -> tuple[list[torch.Tensor], Trace, list[int]]:
+    """One packed teacher-forced forward over every sequence (all tokens but the last
+    generated one, which the rollout never fed back). Returns per-sequence log-probs
+    of the generated tokens, the trace, and each sequence's start row."""
+    seqs = [r.tokens[:-1] for r in results]
+    starts, total = [], 0
+    for s in seqs:
+        starts.append(total)
+        total += len(s)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
+    cu = torch.tensor([*starts, total], dtype=torch.int32, device=device)
+    trace = Trace()
+    with torch.no_grad():
+        logits = model.forward_train(tokens, positions, cu, max(len(s) for s in seqs), trace=trace)
+    logps = []
+    for r, st in zip(results, starts):
+        rows = torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + st  # logits that predict each generated token
+        logps.append(token_logprobs(logits[rows], torch.tensor(r.generated)))
+    return logps, trace, starts
+
+
+def _compare(results, train_logps, trace, starts, num_layers):
+    """Bitwise comparison of every generated token's log-prob and every position's
+    per-layer attention (out, lse); drift statistics."""
+    roll_lp = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
+    train_lp = torch.cat(train_logps)
+    bad_tokens = int((roll_lp != train_lp).sum())
+    r_out, t_out, r_lse, t_lse = [], [], [], []
+    for r, st in zip(results, starts):
+        positions = sorted(r.attn)
+        for layer in range(num_layers):
+            r_out.append(torch.stack([r.attn[p][layer] for p in positions]))
+            r_lse.append(torch.stack([r.lse[p][layer] for p in positions]))
+            rows = torch.tensor(positions) + st
+            t_out.append(trace.attn[layer][rows].cpu())
+            t_lse.append(trace.lse[layer][rows].cpu())
+    r_out, t_out = torch.cat(r_out), torch.cat(t_out)
+    r_lse, t_lse = torch.cat(r_lse), torch.cat(t_lse)
+    pos_bad = int(((r_out != t_out).flatten(1).any(1) | (r_lse != t_lse).flatten(1).any(1)).sum())
+    return {
+        "tokens": int(train_lp.numel()),
+        "mismatched_tokens": bad_tokens,
+        "attention_positions": int(r_out.shape[0]),
+        "mismatched_attention_positions": pos_bad,
+        "drift": {"dlogp": drift_stats(roll_lp, train_lp), "out": drift_stats(r_out, t_out),
+                  "lse": drift_stats(r_lse, t_lse)},
+    }
+
+
+def _backward_check(model, results, device) -> dict:
+    """Training backward on the packed batch (a policy-gradient style loss), twice:
+    are the weight gradients bitwise equal run to run?"""
+    seqs = [r.tokens[:-1] for r in results]
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(device)
+    targets = torch.tensor([t for r in results for t in r.tokens[1:]], device=device)
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        logits = model.forward_train(tokens, positions, cu, int(lens.max()))
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+        (-logp.mean()).backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads[0])))
+    return {"ran": True, "grads_bitwise_run_to_run": same, "grad_norm": norm, "parameters": len(grads[0])}
+
+
+def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
+        page_size: int = 16, max_running: int = 4, seed: int = 0, greedy: bool = False, backward: bool = True,
+        negative_control: bool = True, progress: bool = True) -> dict:
+    policy = SplitKVPolicy.parse(split_kv)
+    if not policy.strict and rlk_ops.strict_mode():
+        raise rlk_ops.StrictModeError(f"split_kv {split_kv!r} is not batch-invariant; strict mode (the default) "
+                                      f"refuses it")
+    t0 = time.perf_counter()
+    cfg = TinyQwen3Config(num_layers=layers, split_kv=str(policy))
+    model = TinyQwen3(cfg, device=device, seed=seed)
+    requests = make_requests(sequences, cfg.vocab_size, seed)
+    sampler = Sampler(None if greedy else seed)
+    with provenance.capture() as roll_log:
+        engine = RolloutEngine(model, cache_for(model, requests, page_size, max_running, device, seed),
+                               max_running=max_running, chunk=chunk, sampler=sampler,
+                               on_token=Progress(sum(r.max_new_tokens for r in requests), "rollout", enabled=progress))
+        results = engine.run(requests)
+    t_roll = time.perf_counter()
+    with provenance.capture() as train_log:
+        train_logps, trace, starts = rescore(model, results, device)
+    t_train = time.perf_counter()
+    report = _compare(results, train_logps, trace, starts, layers)
+    records = [dict(r.as_dict(), side="rollout") for r in roll_log.records()] + \
+              [dict(r.as_dict(), side="training") for r in train_log.records()]
+    fallbacks = [r for r in records if r["fallback"]]
+    if fallbacks and rlk_ops.strict_mode():  # cannot happen through dispatch; kept as a last guard
+        raise rlk_ops.StrictModeError(f"fallbacks recorded in strict mode: {fallbacks}")
+    report.update({
+        "sequences": sequences,
+        "prompt_lengths": [len(r.prompt) for r in results],
+        "generated_lengths": [len(r.generated) for r in results],
+        "scheduling": {
+            "steps": len(engine.log), "chunk": chunk, "page_size": page_size, "max_running": max_running,
+            "prefill_chunks": sum(len(s.prefill) for s in engine.log),
+            "decode_batch_sizes": sorted({len(s.decode) for s in engine.log if s.decode}),
+            "admitted_steps": [r.admitted_step for r in results],
+            "finished_steps": [r.finished_step for r in results],
+        },
+        "contract": AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim, split_kv=str(policy)).fields(),
+        "provenance": {"strict": rlk_ops.strict_mode(), "records": records, "fallbacks": len(fallbacks),
+                       "environment": provenance.environment()},
+        "model": {"layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                  "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "seed": seed,
+                  "sampler": "greedy" if greedy else f"gumbel(seed={seed})"},
+        "device": device,
+        "seconds": {"rollout": round(t_roll - t0, 2), "training": round(t_train - t_roll, 2)},
+    })
+    if backward:
+        report["training_backward"] = _backward_check(model, results, device)
+    if negative_control:
+        forced = [Request(r.seq_id, r.prompt, len(r.generated), forced=r.generated) for r in results]
+        plain = RolloutEngine(model, cache_for(model, forced, page_size, max_running, device, seed),
+                              max_running=max_running, chunk=chunk, forward=plain_forward_rollout,
+                              logprobs=plain_log_softmax,
+                              on_token=Progress(sum(r.max_new_tokens for r in forced), "negative control",
+                                                enabled=progress))
+        plain_results = plain.run(forced)
+        nc = _compare(plain_results, train_logps, trace, starts, layers)
+        nc["path"] = "plain PyTorch rollout (F.linear, HF-style RoPE, SDPA over padded batch K/V, F.silu, " \
+                     "torch.log_softmax) vs the rlk training forward, same tokens and scheduling"
+        report["negative_control"] = nc
+    report["seconds"]["total"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def summary(report: dict) -> str:
+    d = report["drift"]
+    lines = [
+        f"train vs rollout on {report['device']}: {report['sequences']} sequences, prompts "
+        f"{min(report['prompt_lengths'])}-{max(report['prompt_lengths'])} tokens, "
+        f"{report['tokens']} generated tokens",
+        f"  scheduling: chunked prefill (chunk {report['scheduling']['chunk']}), page size "
+        f"{report['scheduling']['page_size']}, up to {report['scheduling']['max_running']} running, decode batch "
+        f"sizes {report['scheduling']['decode_batch_sizes']}, {report['scheduling']['steps']} steps",
+        f"  contract: {report['contract']['dtype']}, causal, scale {report['contract']['softmax_scale']:.4g}, "
+        f"split-KV {report['contract']['split_kv']}, {report['contract']['accumulation']} accumulation, "
+        f"{report['contract']['lse']} LSE; strict={report['provenance']['strict']}, "
+        f"fallbacks={report['provenance']['fallbacks']}",
+        "",
+        f"  {'comparison':<34} {'tokens':>7} {'mismatched':>11} {'max |dlogp|':>12} {'max |d out|':>12} "
+        f"{'max |d lse|':>12}",
+        f"  {'rlk rollout vs rlk training':<34} {report['tokens']:>7} {report['mismatched_tokens']:>11} "
+        f"{d['dlogp']['max']:>12.3g} {d['out']['max']:>12.3g} {d['lse']['max']:>12.3g}",
+    ]
+    nc = report.get("negative_control")
+    if nc:
+        lines.append(f"  {'negative control (plain rollout)':<34} {nc['tokens']:>7} {nc['mismatched_tokens']:>11} "
+                     f"{nc['drift']['dlogp']['max']:>12.3g} {nc['drift']['out']['max']:>12.3g} "
+                     f"{nc['drift']['lse']['max']:>12.3g}")
+    lines.append(f"  attention positions compared: {report['attention_positions']} x {report['model']['layers']} "
+                 f"layers, mismatched: {report['mismatched_attention_positions']}")
+    tb = report.get("training_backward")
+    if tb:
+        lines.append(f"  training backward: gradients bitwise equal run to run: {tb['grads_bitwise_run_to_run']}")
+    ok = report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    lines.append("")
+    lines.append("RESULT: " + ("PASS - rollout and training log-probs are bitwise identical" if ok else
+                               "FAIL - rollout and training disagree"))
+    if nc and nc["mismatched_tokens"] == 0:
+        lines.append("WARNING: the negative control found no mismatch; the check did not show it can fail")
+    lines.append(f"({report['seconds']['total']} s)")
+    return "\n".join(lines)

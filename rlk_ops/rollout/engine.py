@@ -1,0 +1,177 @@
+"""The rollout loop: chunked prefill, then decode with continuous batching.
+
+Each step: admit waiting requests while fewer than ``max_running`` run; every
+running sequence still in its prompt prefills one chunk (``chunk`` tokens, alone:
+B=1); every sequence past its prompt decodes one token, all together (B = number of
+decoding sequences, which changes as sequences finish and join). A finished
+sequence releases its pages at once, so a waiting one can take them.
+
+Tokens are chosen greedily or by a seeded Gumbel-max sampler keyed by (sequence,
+position), so the choice never depends on the batch. With ``forced`` tokens a request
+replays given tokens instead (used to score the negative control on the same tokens).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlk_ops.rollout.cache import PagedKVCache
+from rlk_ops.rollout.model import Trace, log_softmax
+
+
+@dataclass
+class Request:
+    seq_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    forced: list[int] | None = None
+
+
+@dataclass
+class SeqResult:
+    seq_id: int
+    prompt: list[int]
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    attn: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # position -> per-layer [Hq, D]
+    lse: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # position -> per-layer [Hq]
+    admitted_step: int = -1
+    finished_step: int = -1
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class Sampler:
+    """Greedy (``seed=None``) or Gumbel-max with noise drawn from a generator seeded by
+    (seed, sequence, position): the same choice whatever else is in the batch."""
+
+    def __init__(self, seed: int | None = 0, temperature: float = 1.0):
+        self.seed, self.temperature = seed, temperature
+
+    def __call__(self, seq_id: int, position: int, logp: torch.Tensor) -> int:
+        if self.seed is None:
+            return int(logp.argmax())
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + seq_id * 10_007 + position)
+        u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
+        return int((logp.double() / self.temperature - torch.log(-torch.log(u))).argmax())
+
+
+@dataclass
+class StepLog:
+    step: int
+    prefill: list[tuple[int, int, int]]  # (seq, start, stop)
+    decode: list[int]                     # seqs decoded together
+    admitted: list[int]
+    finished: list[int]
+
+
+class RolloutEngine:
+    def __init__(self, model, cache: PagedKVCache, *, max_running: int = 4, chunk: int = 96,
+                 sampler: Sampler | None = None, forward: Callable | None = None,
+                 logprobs: Callable | None = None, on_token: Callable[[int], None] | None = None):
+        if chunk <= 0 or max_running <= 0:
+            raise ValueError(f"chunk and max_running must be > 0, got {chunk} and {max_running}")
+        self.model, self.cache = model, cache
+        self.max_running, self.chunk = max_running, chunk
+        self.sampler = sampler or Sampler()
+        self.forward = forward or type(model).forward_rollout  # called as forward(model, ...)
+        self.logprobs = logprobs or log_softmax
+        self.on_token = on_token
+        self.log: list[StepLog] = []
+
+    def _run(self, seqs: list[SeqResult], tokens: list[list[int]], starts: list[int]):
+        """Forward the given new tokens of each sequence (same count each); returns
+        log-probs [B, Sq, vocab] and records the per-layer attention trace."""
+        dev = self.cache.device
+        slots = torch.cat([self.cache.reserve(s.seq_id, len(t)) for s, t in zip(seqs, tokens)])
+        tok = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        pos = torch.tensor([[st + j for j in range(len(t))] for st, t in zip(starts, tokens)], dtype=torch.int64,
+                           device=dev)
+        trace = Trace()
+        with torch.no_grad():
+            logits = self.forward(self.model, tok, pos, self.cache, [s.seq_id for s in seqs], slots, trace=trace)
+        row = 0
+        for s, st, t in zip(seqs, starts, tokens):
+            for j in range(len(t)):
+                s.attn[st + j] = [a[row].cpu() for a in trace.attn]
+                s.lse[st + j] = [lse[row].cpu() for lse in trace.lse]
+                row += 1
+        b, sq, v = logits.shape
+        return self.logprobs(logits.reshape(b * sq, v)).reshape(b, sq, v)
+
+    def _emit(self, s: SeqResult, req: Request, logp_row: torch.Tensor) -> None:
+        position = len(s.tokens)
+        if req.forced is not None:
+            token = req.forced[len(s.generated)]
+        else:
+            token = self.sampler(s.seq_id, position, logp_row)
+        s.generated.append(token)
+        s.logprobs.append(float(logp_row[token]))
+        if self.on_token:
+            self.on_token(1)
+
+    def run(self, requests: list[Request]) -> list[SeqResult]:
+        for r in requests:
+            if not r.prompt or r.max_new_tokens < 1:
+                raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and max_new_tokens >= 1")
+            if r.forced is not None and len(r.forced) < r.max_new_tokens:
+                raise ValueError(f"request {r.seq_id}: {len(r.forced)} forced tokens < max_new_tokens {r.max_new_tokens}")
+        waiting = deque(requests)
+        running: list[tuple[Request, SeqResult]] = []
+        done: dict[int, SeqResult] = {}
+        step = 0
+        while waiting or running:
+            log = StepLog(step, [], [], [], [])
+            while waiting and len(running) < self.max_running:
+                req = waiting.popleft()
+                self.cache.add(req.seq_id)
+                res = SeqResult(req.seq_id, list(req.prompt), admitted_step=step)
+                running.append((req, res))
+                log.admitted.append(req.seq_id)
+            decoding = []
+            for req, res in running:
+                cached = self.cache.length(res.seq_id)
+                if cached < len(res.prompt):  # chunked prefill, one chunk per step
+                    stop = min(len(res.prompt), cached + self.chunk)
+                    logp = self._run([res], [res.prompt[cached:stop]], [cached])
+                    log.prefill.append((res.seq_id, cached, stop))
+                    if stop == len(res.prompt):
+                        self._emit(res, req, logp[0, -1])
+                else:
+                    decoding.append((req, res))
+            if decoding:
+                seqs = [res for _, res in decoding]
+                logp = self._run(seqs, [[res.tokens[-1]] for res in seqs], [len(res.tokens) - 1 for res in seqs])
+                for i, (req, res) in enumerate(decoding):
+                    self._emit(res, req, logp[i, 0])
+                log.decode = [res.seq_id for res in seqs]
+            still = []
+            for req, res in running:
+                if len(res.generated) >= req.max_new_tokens:
+                    res.finished_step = step
+                    self.cache.release(res.seq_id)
+                    done[res.seq_id] = res
+                    log.finished.append(res.seq_id)
+                else:
+                    still.append((req, res))
+            running = still
+            self.log.append(log)
+            step += 1
+        return [done[r.seq_id] for r in requests]
+
+
+def cache_for(model, requests: list[Request], page_size: int, max_running: int, device="cpu", seed: int = 0,
+              spare_pages: int = 4) -> PagedKVCache:
+    """A cache big enough for the ``max_running`` longest requests at once."""
+    cfg = model.config
+    need = sorted((math.ceil((len(r.prompt) + r.max_new_tokens) / page_size) for r in requests), reverse=True)
+    num_pages = sum(need[:max_running]) + spare_pages
+    dtype = model.embed_tokens.weight.dtype
+    return PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                        device=device, seed=seed)

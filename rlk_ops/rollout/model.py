@@ -1,0 +1,161 @@
+"""A small Qwen3-style causal LM on rlk ops, for the train-vs-rollout check.
+
+    embedding -> N x [RMSNorm -> Qwen3Attention -> +residual -> RMSNorm -> SwiGLU MLP -> +residual]
+              -> RMSNorm -> lm_head -> log-softmax
+
+Random weights from a seed (nothing is downloaded). Two entry points share them:
+``forward_train`` (one packed, teacher-forced varlen batch) and ``forward_rollout``
+(newest tokens of a batch of sequences over the paged cache).
+
+The model-level glue is chosen so that it cannot break batch invariance either:
+residual adds and the SwiGLU product are elementwise single IEEE operations; SiLU and
+log-softmax use ``numerics.exp`` / ``numerics.log`` (``torch.nn.functional.silu``
+and ``torch.log_softmax`` on CPU evaluate exp differently in the vector body and the
+scalar tail of a row, and on CUDA ``log_softmax``'s reduction split depends on the
+number of rows), so log-probs are computed by the CPU reference path on every device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import rlk_ops
+from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
+from rlk_ops.kernels.cpu import numerics as nx
+
+
+@dataclass(frozen=True)
+class TinyQwen3Config:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    split_kv: str = "disabled"
+
+    def attention(self) -> Qwen3AttentionConfig:
+        return Qwen3AttentionConfig(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                                    self.rope_theta, self.rms_norm_eps, split_kv=self.split_kv)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) in fp32 with position-independent exp, rounded once."""
+    x32 = x.float()
+    return (x32 / (1.0 + nx.exp(-x32))).to(x.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[token] per row, fp32, on the CPU reference (see module doc)."""
+    z = logits.detach().float().cpu()
+    m = z.amax(-1, keepdim=True)
+    lse = m.squeeze(-1) + nx.log(nx.rowsum(nx.exp(z - m)))
+    return z.gather(-1, tokens.cpu().long()[:, None]).squeeze(-1) - lse
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    z = logits.detach().float().cpu()
+    m = z.amax(-1, keepdim=True)
+    return z - (m + nx.log(nx.rowsum(nx.exp(z - m)))[..., None])
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim, eps, **f):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **f))
+        self.eps = eps
+
+    def forward(self, x):
+        return rlk_ops.qk_rmsnorm(x, self.weight, self.eps)  # Qwen3RMSNorm over the last dim
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden, inter, **f):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False, **f)
+        self.up_proj = nn.Linear(hidden, inter, bias=False, **f)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, **f)
+
+    def forward(self, x):
+        gate_up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return rlk_ops.linear(silu(gate) * up, self.down_proj.weight)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: TinyQwen3Config, **f):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.self_attn = Qwen3Attention(cfg.attention(), **f)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size, **f)
+
+
+@dataclass
+class Trace:
+    """Per-layer attention output and lse of every token a forward processed."""
+    attn: list[torch.Tensor] = field(default_factory=list)  # per layer: [N, Hq, D]
+    lse: list[torch.Tensor] = field(default_factory=list)   # per layer: [N, Hq]
+
+
+class TinyQwen3(nn.Module):
+    def __init__(self, cfg: TinyQwen3Config | None = None, *, dtype=torch.bfloat16, device="cpu", seed: int = 0):
+        super().__init__()
+        self.config = cfg = cfg or TinyQwen3Config()
+        f = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **f)
+        self.layers = nn.ModuleList(_Layer(cfg, **f) for _ in range(cfg.num_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **f)
+        self._init(seed)
+
+    def _init(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    val = 1 + 0.1 * torch.randn(p.shape, generator=g)
+                elif name.startswith("embed_tokens"):
+                    val = torch.randn(p.shape, generator=g)
+                else:
+                    val = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+                p.copy_(val)
+
+    # ---------------------------------------------------------------- training
+    def forward_train(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int = 0, trace: Trace | None = None) -> torch.Tensor:
+        """tokens/positions [T] (packed), cu_seqlens int32 [B+1] -> logits [T, vocab]."""
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            out, attn, lse = layer.self_attn(layer.input_layernorm(h), positions, cu_seqlens, max_seqlen,
+                                             return_attention=True)
+            if trace is not None:
+                trace.attn.append(attn.detach())
+                trace.lse.append(lse.detach().t())
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return rlk_ops.linear(self.norm(h), self.lm_head.weight)
+
+    # ----------------------------------------------------------------- rollout
+    def forward_rollout(self, tokens: torch.Tensor, positions: torch.Tensor, cache, seqs: list[int],
+                        slot_mapping: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        """tokens/positions [B, Sq]: the newest Sq tokens of sequences ``seqs`` (their
+        slots already reserved in ``cache``) -> logits [B, Sq, vocab]."""
+        b, sq = tokens.shape
+        h = self.embed_tokens(tokens)
+        page_table, seq_lens = cache.page_table(seqs), cache.seq_lens(seqs)
+        for i, layer in enumerate(self.layers):
+            out, attn, lse = layer.self_attn.forward_rollout(
+                layer.input_layernorm(h), positions, cache.k[i], cache.v[i], page_table, seq_lens, slot_mapping,
+                return_attention=True)
+            if trace is not None:
+                trace.attn.append(attn.reshape(b * sq, *attn.shape[2:]))
+                trace.lse.append(lse.permute(0, 2, 1).reshape(b * sq, -1))
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return rlk_ops.linear(self.norm(h), self.lm_head.weight)

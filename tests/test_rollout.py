@@ -1,0 +1,174 @@
+"""Issue 4: paged KV cache manager, rollout loop, train-vs-rollout report."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops.meta import provenance
+from rlk_ops.rollout import demo
+from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
+from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+
+
+# ------------------------------------------------------------------ allocator
+def test_allocator_slots_pages_and_reuse_after_free():
+    cache = PagedKVCache(1, num_pages=6, page_size=4, num_kv_heads=1, head_dim=8, seed=1)
+    cache.add(0)
+    slots = cache.reserve(0, 6)  # 2 pages
+    pages = cache.pages(0)
+    assert len(pages) == 2 and cache.free_pages == 4
+    assert slots.tolist() == [pages[0] * 4 + i for i in range(4)] + [pages[1] * 4, pages[1] * 4 + 1]
+    assert cache.reserve(0, 2).tolist() == [pages[1] * 4 + 2, pages[1] * 4 + 3]  # fills the page, no new one
+    assert cache.free_pages == 4 and cache.length(0) == 8
+    cache.add(1)
+    cache.reserve(1, 9)
+    assert cache.page_table([0, 1]).tolist()[0][:2] == pages and cache.seq_lens([0, 1]).tolist() == [8, 9]
+    cache.release(0)
+    assert cache.free_pages == 3
+    cache.add(2)
+    cache.reserve(2, 12)  # needs 3 pages: must reuse the two pages seq 0 released
+    assert set(pages) <= set(cache.pages(2))
+
+
+def test_allocator_hands_out_non_contiguous_pages():
+    cache = PagedKVCache(1, num_pages=64, page_size=2, num_kv_heads=1, head_dim=8)
+    cache.add(0)
+    cache.reserve(0, 40)
+    p = cache.pages(0)
+    assert any(b != a + 1 for a, b in zip(p, p[1:]))
+
+
+def test_allocator_exhaustion_is_a_clear_error_and_changes_nothing():
+    cache = PagedKVCache(1, num_pages=3, page_size=4, num_kv_heads=1, head_dim=8)
+    cache.add(0)
+    cache.reserve(0, 5)
+    before = (cache.free_pages, cache.pages(0), cache.length(0))
+    with pytest.raises(CacheFullError, match=r"sequence 0 needs 2 more pages for 8 tokens but only 1 of 3 pages"):
+        cache.reserve(0, 8)
+    assert (cache.free_pages, cache.pages(0), cache.length(0)) == before
+    with pytest.raises(ValueError, match="already in the cache"):
+        cache.add(0)
+    with pytest.raises(KeyError, match="not in the cache"):
+        cache.reserve(7, 1)
+
+
+# ------------------------------------------------------------------ rollout loop
+def _tiny():
+    return TinyQwen3(TinyQwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                                     num_heads=2, num_kv_heads=1, head_dim=32), seed=3)
+
+
+def _requests():
+    prompts = [list(range(1, 41)), list(range(5, 15)), [t % 64 for t in range(2, 132)], [7] * 25, [1, 2, 3]]
+    return [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, [3, 6, 2, 5, 4]))]
+
+
+def _run(model, max_running, chunk=17, page_size=8):
+    reqs = _requests()
+    eng = RolloutEngine(model, cache_for(model, reqs, page_size, max_running), max_running=max_running, chunk=chunk,
+                        sampler=Sampler(5))
+    return eng, eng.run(reqs)
+
+
+def test_rollout_scheduling_continuous_batching():
+    eng, results = _run(_tiny(), max_running=2)
+    log = eng.log
+    assert [r.generated.__len__() for r in results] == [3, 6, 2, 5, 4]
+    # at most 2 running; waiting requests join later, as others finish
+    assert [r.admitted_step for r in results][:2] == [0, 0]
+    assert max(r.admitted_step for r in results) > 0
+    assert len({r.finished_step for r in results}) > 1
+    for s in log:
+        assert len(s.decode) <= 2
+    # chunked prefill: each prompt split into ceil(len / 17) chunks of at most 17 tokens
+    chunks = [(seq, a, b) for s in log for (seq, a, b) in s.prefill]
+    assert len(chunks) == sum(-(-len(r.prompt) // 17) for r in results)
+    assert all(b - a <= 17 for _, a, b in chunks)
+    assert sorted({len(s.decode) for s in log if s.decode}) == [1, 2]
+    assert eng.cache.free_pages == eng.cache.num_pages  # every page came back
+
+
+def test_rollout_is_batch_invariant_across_schedules():
+    """Different concurrency (batch composition) and chunking: same tokens, same log-probs, bitwise."""
+    model = _tiny()
+    _, a = _run(model, max_running=1, chunk=17)
+    _, b = _run(model, max_running=5, chunk=50, page_size=16)
+    for x, y in zip(a, b):
+        assert x.generated == y.generated
+        assert x.logprobs == y.logprobs
+
+
+def test_rejects_bad_requests():
+    model = _tiny()
+    eng = RolloutEngine(model, cache_for(model, _requests(), 8, 2))
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        eng.run([Request(0, [], 3)])
+    with pytest.raises(ValueError, match="forced tokens"):
+        eng.run([Request(0, [1], 3, forced=[1])])
+
+
+# ------------------------------------------------------------------ the report
+@pytest.fixture(scope="module")
+def report():
+    return demo.run(sequences=8, layers=2, progress=False)
+
+
+def test_demo_report_zero_mismatches_and_negative_control(report):
+    assert report["tokens"] >= 64 and len(set(report["prompt_lengths"])) > 1 and report["sequences"] >= 8
+    assert report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    for key in ("dlogp", "out", "lse"):
+        assert set(report["drift"][key]) >= {"max", "mean", "p95", "p99"}
+        assert report["drift"][key]["max"] == 0.0
+    nc = report["negative_control"]
+    assert nc["tokens"] == report["tokens"] and nc["mismatched_tokens"] > 0
+    assert nc["drift"]["dlogp"]["max"] > 0
+    sched = report["scheduling"]
+    assert sched["prefill_chunks"] > report["sequences"]  # some prompts took several chunks
+    assert len(sched["decode_batch_sizes"]) > 1 and max(sched["admitted_steps"]) > 0
+    assert report["training_backward"]["grads_bitwise_run_to_run"] is True
+
+
+def test_demo_report_contract_and_provenance(report):
+    c = report["contract"]
+    assert (c["dtype"], c["causal"], c["split_kv"], c["accumulation"], c["lse"]) == (
+        "bfloat16", True, "disabled", "fp32", "natural_log")
+    assert c["softmax_scale"] == 64 ** -0.5
+    prov = report["provenance"]
+    assert prov["strict"] is True and prov["fallbacks"] == 0
+    ops = {(r["side"], r["op"]) for r in prov["records"]}
+    assert ("rollout", "paged_attention") in ops and ("training", "attention_fwd") in ops
+    assert ("rollout", "paged_kv_append") in ops and ("training", "linear") in ops
+    for r in prov["records"]:
+        assert set(r) >= {"requested_backend", "actual_backend", "fallback", "fallback_reason", "device"}
+    env = prov["environment"]
+    assert env["torch"] == torch.__version__ and "gpu_arch" in env and "flash_attn_4" in env
+    json.dumps(report)  # serialisable
+
+
+def test_strict_mode_rejects_auto_split_and_fallbacks():
+    with pytest.raises(rlk_ops.StrictModeError, match="split_kv 'auto' is not batch-invariant"):
+        demo.run(split_kv="auto", sequences=2, progress=False)
+    model = _tiny()
+    reqs = _requests()[:2]
+    with rlk_ops.use_backend(linear="flashinfer"):  # a backend that cannot run here
+        with pytest.raises(rlk_ops.StrictModeError, match="rlk::linear"):
+            RolloutEngine(model, cache_for(model, reqs, 8, 2)).run(reqs)
+        with rlk_ops.strict(False), provenance.capture() as log:
+            RolloutEngine(model, cache_for(model, reqs, 8, 2)).run(reqs)
+    (fb,) = [r for r in log.records() if r.fallback]
+    assert fb.op == "linear" and fb.requested_backend == "flashinfer" and "unavailable" in fb.fallback_reason
+
+
+def test_demo_cli_json(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run([sys.executable, "-m", "rlk_ops", "demo", "--sequences", "8", "--layers", "1",
+                           "--no-backward", "--quiet", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: PASS" in proc.stdout and "negative control" in proc.stdout
+    data = json.loads(out.read_text())
+    assert set(data) >= {"tokens", "mismatched_tokens", "drift", "contract", "provenance", "negative_control"}
+    assert set(data["negative_control"]) >= {"tokens", "mismatched_tokens"}
