@@ -144,15 +144,17 @@ def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
     table = page_table.cpu()
     lens = seq_lens.cpu().to(torch.int64)
     capacity = table.shape[1] * ps
-    for b, n in enumerate(lens.tolist()):
+    bad = (lens < 0) | (lens > capacity) | (lens < (min_len if min_len is not None else 0))
+    if bool(bad.any()):  # vectorised test first, then the message for the first offender
+        b = V.first_bad(bad)[0]
+        n = int(lens[b])
         if n < 0:
             V.fail(op, f"seq_lens[{b}] = {n} is negative")
         if n > capacity:
             V.fail(op, f"seq_lens[{b}] = {n} exceeds the page_table capacity {table.shape[1]} pages x "
                        f"page_size {ps} = {capacity}")
-        if min_len is not None and n < min_len:
-            V.fail(op, f"seq_lens[{b}] = {n} is shorter than the {min_len} new query tokens; "
-                       f"seq_lens counts the cached tokens including the new ones")
+        V.fail(op, f"seq_lens[{b}] = {n} is shorter than the {min_len} new query tokens; "
+                   f"seq_lens counts the cached tokens including the new ones")
     used = torch.arange(table.shape[1]).view(1, -1) < ((lens + ps - 1) // ps).view(-1, 1)
     bad = used & ((table < 0) | (table >= num_pages))
     if bool(bad.any()):
