@@ -1,0 +1,99 @@
+"""The three FA4 kernels, with the CPU kernels' signatures (kernels/cpu/attention.py).
+
+Every call pins what decides the reduction order: ``num_splits=1`` (one pass over the
+keys), ``pack_gqa=PACK_GQA`` and ``deterministic=True`` in the backward. Layouts are
+FA4's own and the contract's: dense ``[B, S, H, D]`` with lse ``[B, Hq, Sq]``, varlen
+``[T, H, D]`` with lse ``[Hq, T]``, paged cache ``[num_pages, page_size, Hkv, D]``;
+lse is fp32 natural log. Causal masking is bottom-right aligned in both.
+
+* Forward: FA4's public ``flash_attn_func`` / ``flash_attn_varlen_func`` under
+  ``no_grad`` (our own autograd owns the backward; FA4's autograd.Function must not
+  record a graph inside an op body).
+* Backward: ``_flash_attn_bwd(..., deterministic=True, dlse=dlse)``. FA4 folds ``dlse``
+  into its preprocessed row term exactly as the CPU reference does
+  (``D_i = rowsum(dO * O)_i - dlse_i``; flash_bwd_preprocess.py), so a nonzero ``dlse``
+  is exact and ``None`` skips it.
+* Paged: ``flash_attn_varlen_func(q, k_cache, v_cache, page_table=..., seqused_k=...)``
+  reads the pages in place. Page size 128 (= FA4's key tile) takes FA4's TMA path,
+  which loads whole pages: rows past ``seq_lens[b]`` in a sequence's last page are
+  multiplied by P = 0, so they must be finite (a NaN there poisons the row); other
+  page sizes take the cp.async path, which skips them. Allocate caches with zeros
+  (stale finite values are fine). Unused ``page_table`` entries are never read.
+
+``max_seqlen_* = 0`` (varlen) is derived from ``cu_seqlens`` here, which costs one
+device-to-host copy; pass the maxima to avoid it (FA4 sizes its grid from them and the
+backward's semaphores; any upper bound gives the same bits).
+"""
+from __future__ import annotations
+
+import torch
+
+from rlk_ops.kernels.fa4 import loader
+from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
+from rlk_ops.ops._validate import fail
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _fa4(op: str, q: torch.Tensor, split_kv: str) -> "loader.FA4":
+    if split_kv != "disabled":
+        raise ValueError(
+            f"rlk::{op}: split_kv {split_kv!r} is not supported by the fa4 backend (supported: 'disabled'). "
+            "FA4 on SM90 has no split-KV (num_splits > 1 asserts), and a split changes the bits.")
+    if q.dtype not in _DTYPES:
+        fail(op, f"the fa4 backend needs bfloat16 or float16 inputs, got {q.dtype} "
+                 "(FA4 has no fp32/fp64 kernels; run those on the cpu backend)")
+    d = q.shape[-1]
+    if not (8 <= d <= 256 and d % 8 == 0):
+        fail(op, f"the fa4 backend needs head_dim in [8, 256] and a multiple of 8, got {d}")
+    fa4 = loader.load()
+    loader.note_device(fa4, q.device)
+    return fa4
+
+
+def _max_len(cu: torch.Tensor, given: int) -> int:
+    if given:
+        return int(given)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  split_kv="disabled"):
+    fa4 = _fa4("attention_fwd", q, split_kv)
+    with torch.no_grad():
+        if cu_seqlens_q is None:
+            out, lse = fa4.module.flash_attn_func(
+                q, k, v, softmax_scale=softmax_scale, causal=bool(causal),
+                num_splits=NUM_SPLITS, pack_gqa=PACK_GQA, return_lse=True)
+        else:
+            out, lse = fa4.module.flash_attn_varlen_func(
+                q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=_max_len(cu_seqlens_q, max_seqlen_q), max_seqlen_k=_max_len(cu_seqlens_k, max_seqlen_k),
+                softmax_scale=softmax_scale, causal=bool(causal),
+                num_splits=NUM_SPLITS, pack_gqa=PACK_GQA, return_lse=True)
+    return out, lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                  max_seqlen_q, max_seqlen_k, split_kv="disabled"):
+    fa4 = _fa4("attention_bwd", q, split_kv)
+    varlen = cu_seqlens_q is not None
+    with torch.no_grad():
+        grads = fa4.module._flash_attn_bwd(
+            q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=bool(causal),
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=_max_len(cu_seqlens_q, max_seqlen_q) if varlen else None,
+            max_seqlen_k=_max_len(cu_seqlens_k, max_seqlen_k) if varlen else None,
+            deterministic=True, dlse=dlse)
+    dq, dk, dv = grads[:3]
+    return dq, dk, dv
+
+
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
+    fa4 = _fa4("paged_attention", q, split_kv)
+    with torch.no_grad():
+        out, lse = fa4.module.flash_attn_varlen_func(
+            q, k_cache, v_cache, seqused_k=seq_lens, page_table=page_table,
+            softmax_scale=softmax_scale, causal=True,
+            num_splits=NUM_SPLITS, pack_gqa=PACK_GQA, return_lse=True)
+    return out, lse
