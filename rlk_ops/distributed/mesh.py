@@ -1,0 +1,118 @@
+"""The 2-D (tp, cp) DeviceMesh and the placement conventions of the parallel block.
+
+Mesh: ``init_device_mesh(device_type, (tp, cp), mesh_dim_names=("tp", "cp"))``; global
+rank = tp_index * cp + cp_index, so the ranks of one cp group are adjacent.
+
+Placements, as (tp, cp) pairs (the DTensor ``placements`` of a tensor on this mesh):
+
+=====================  ==========================  ==================================
+tensor                 placements                  why
+=====================  ==========================  ==================================
+hidden_states [T, h]   (Replicate, Shard(0))       tokens split over cp (cp layout)
+positions [T]          (Replicate, Shard(0))       travel with their tokens
+q_proj/k_proj/v_proj   (Shard(0), Replicate)       column-parallel: output rows = heads
+o_proj [h, Hq*D]       (Shard(1), Replicate)       row-parallel: input columns = heads
+q_norm/k_norm [D]      (Replicate, Replicate)      shared by every head and token
+attention out [T,H,D]  (Shard(1), Shard(0))        heads over tp, tokens over cp
+lse [Hq, T]            (Shard(0), Shard(1))        heads over tp, tokens over cp
+block output [T, h]    (Replicate, Shard(0))       o_proj partial sums reduced over tp
+=====================  ==========================  ==================================
+
+"Shard(0) on cp" means the tensor's global view is in the *cp layout* (every rank's
+tokens, rank after rank; ``layout.CPLayout``), which for zigzag sharding is not the
+natural packed order.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from rlk_ops.distributed.checks import DistributedInputError, preflight
+
+DIM_NAMES = ("tp", "cp")
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+
+R = Replicate()
+PLACEMENTS = {
+    "hidden_states": (R, Shard(0)),
+    "positions": (R, Shard(0)),
+    "q_proj.weight": (Shard(0), R),
+    "k_proj.weight": (Shard(0), R),
+    "v_proj.weight": (Shard(0), R),
+    "o_proj.weight": (Shard(1), R),
+    "q_norm.weight": (R, R),
+    "k_norm.weight": (R, R),
+    "attention": (Shard(1), Shard(0)),
+    "lse": (Shard(0), Shard(1)),
+    "output": (R, Shard(0)),
+}
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_mesh(tp: int, cp: int, device_type: str | None = None,
+              timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
+    """A (tp, cp) DeviceMesh over all ranks.
+
+    Initialises the default process group when it is not (under torchrun: the
+    environment names rank and world size), with ``timeout`` so a collective that
+    cannot complete raises instead of hanging; NCCL for CUDA (plus gloo for the small
+    CPU metadata checks), gloo for CPU. Checks on every rank, before the mesh's
+    sub-groups are created, that all ranks ask for the same (tp, cp)."""
+    device_type = device_type or default_device_type()
+    if not dist.is_available():
+        raise DistributedInputError("init_mesh: torch.distributed is not available in this build")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise DistributedInputError(
+                "init_mesh: the default process group is not initialized and RANK/WORLD_SIZE are not set; "
+                "launch with torchrun or call torch.distributed.init_process_group(..., timeout=...) first")
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout)
+    world = dist.get_world_size()
+    problem = None
+    for name, val in (("tp", tp), ("cp", cp)):
+        if not isinstance(val, int) or val < 1:
+            problem = f"init_mesh: {name} must be a positive int, got {val!r}"
+    if problem is None and tp * cp != world:
+        problem = f"init_mesh: tp * cp = {tp} * {cp} = {tp * cp} must equal the world size {world}"
+    preflight(None, "init_mesh", problem, {"tp": tp if isinstance(tp, int) else -1,
+                                           "cp": cp if isinstance(cp, int) else -1})
+    return init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
+
+
+def mesh_sizes(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(tp, cp) of a mesh made by init_mesh; (1, 1) for None (one process, no mesh)."""
+    if mesh is None:
+        return 1, 1
+    check_mesh(mesh)
+    return mesh.size(0), mesh.size(1)
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != DIM_NAMES:
+        raise DistributedInputError(f"mesh must be 2-D with mesh_dim_names {DIM_NAMES} (rlk_ops.distributed."
+                                    f"init_mesh), got mesh_dim_names {names or None} and shape "
+                                    f"{tuple(mesh.mesh.shape)}")
+
+
+def groups(mesh: DeviceMesh | None):
+    """(tp_group, cp_group, tp_rank, cp_rank); groups are None for a size-1 dim
+    (nothing to communicate) and for mesh None."""
+    if mesh is None:
+        return None, None, 0, 0
+    tp, cp = mesh_sizes(mesh)
+    tp_rank, cp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("cp")
+    tp_group = mesh.get_group("tp") if tp > 1 else None
+    cp_group = mesh.get_group("cp") if cp > 1 else None
+    return tp_group, cp_group, tp_rank, cp_rank

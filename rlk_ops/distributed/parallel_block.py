@@ -1,0 +1,178 @@
+"""``ParallelQwen3Attention``: the Qwen3 attention block on a (tp, cp) mesh.
+
+Parameters become DTensors with the placements of ``mesh.PLACEMENTS`` (same HF names,
+so ``state_dict`` keys are unchanged); inputs are DTensors with tokens ``Shard(0)``
+on cp (in the layout's cp order). The forward is ``local_map`` of
+``local_block.local_forward``: DTensor supplies the local shards and wraps the
+results, and every cross-rank reduction inside is an rlk collective with a fixed
+order (DTensor never inserts its own). ``mesh=None`` runs the same code in one
+process (tp = cp = 1, no process group): the single-device reference for the
+canonical mode.
+
+    mesh = init_mesh(tp=2, cp=2)
+    pblock = ParallelQwen3Attention(block, mesh, sharding="zigzag")
+    x, positions, layout = pblock.prepare(hidden_states, positions, cu_seqlens)  # checks, every rank
+    y = pblock(x, positions, layout)                      # DTensor [T, hidden], (Replicate, Shard(0))
+
+Bad input (heads or kv heads not divisible by tp, sequence lengths not divisible
+by the cp chunking, shapes, dtypes or batch layout that differ between ranks) is
+rejected on every rank by ``checks.preflight`` before the first collective.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.experimental import local_map
+
+from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
+from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for
+from rlk_ops.distributed.local_block import Topology, local_forward
+from rlk_ops.distributed.mesh import PLACEMENTS, groups, mesh_sizes
+
+_PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")
+
+
+class _Holder(nn.Module):
+    """Keeps HF parameter names (``q_proj.weight``) for the sharded parameters."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+
+def _fail(msg):
+    raise ValueError(f"ParallelQwen3Attention: {msg}")
+
+
+class ParallelQwen3Attention(nn.Module):
+    def __init__(self, block: Qwen3Attention, mesh=None, sharding: str = "contiguous", chunks: int | None = None):
+        super().__init__()
+        cfg = block.config
+        tp, cp = mesh_sizes(mesh)
+        self.mesh, self.sharding, self.chunks, self.config = mesh, sharding, chunks, cfg
+        dtype = block.o_proj.weight.dtype
+
+        def local_checks():
+            if sharding not in MODES:
+                _fail(f"sharding must be one of {MODES}, got {sharding!r}")
+            n_chunks_for(sharding, cp, chunks)
+            for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
+                if n % tp:
+                    _fail(f"config.{name} = {n} must be divisible by tp = {tp} (heads are sharded over tp)")
+            if cfg.attention_bias:
+                _fail("attention_bias=True is not supported (Qwen3 has no attention bias)")
+            if cfg.split_kv != "disabled":
+                _fail(f"config.split_kv must be 'disabled' for training, got {cfg.split_kv!r}")
+
+        problem = collect([local_checks])
+        if mesh is None:
+            if problem:
+                raise DistributedInputError(problem)
+        else:
+            if mesh.size() != dist.get_world_size():
+                raise DistributedInputError(f"ParallelQwen3Attention: the mesh must span all {dist.get_world_size()} "
+                                            f"ranks, got {mesh.size()}")
+            preflight(None, "ParallelQwen3Attention", problem, {
+                "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim, "dtype": dtype_code(dtype), "tp": tp, "cp": cp,
+                "sharding": MODES.index(sharding) if sharding in MODES else -1, "chunks": chunks or 0})
+        tp_group, cp_group, tp_rank, cp_rank = groups(mesh)
+        self.topology = Topology(
+            tp=tp, cp=cp, tp_rank=tp_rank, cp_rank=cp_rank,
+            tp_name=None if tp_group is None else tp_group.group_name,
+            cp_name=None if cp_group is None else cp_group.group_name,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        self._cp_group = cp_group
+        params = dict(block.named_parameters())
+        for name in _PARAMS:
+            w = params[name].detach()
+            w = w.clone() if mesh is None else distribute_tensor(w, mesh, PLACEMENTS[name])
+            setattr(self, name.split(".")[0], _Holder(w))
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, hidden_states: torch.Tensor, positions: torch.Tensor, cu_seqlens, local: bool = False):
+        """Check the batch on every rank and shard it over cp.
+
+        hidden_states [T, hidden] and positions [T] int64 are the global packed batch
+        (natural order), or with ``local=True`` already this rank's shard in layout
+        order; cu_seqlens (int32 [B+1], global) must be the same on every rank.
+        Returns (hidden_states, positions, layout): DTensors on the mesh (plain
+        tensors when mesh is None), and the host-built ``CPLayout``."""
+        cfg = self.config
+        tp, cp = self.topology.tp, self.topology.cp
+        state = {}
+
+        def local_checks():
+            state["layout"] = lay = build_layout(cu_seqlens, cp, self.topology.cp_rank, self.sharding, self.chunks)
+            want = lay.local_tokens if local else lay.total_tokens
+            which = "this rank's token count (local=True)" if local else "the packed token count"
+            if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 \
+                    or tuple(hidden_states.shape) != (want, cfg.hidden_size):
+                _fail(f"hidden_states must be [{want}, {cfg.hidden_size}] ({which}, hidden_size), got "
+                      f"{list(getattr(hidden_states, 'shape', []))}")
+            if hidden_states.dtype != self.o_proj.weight.dtype:
+                _fail(f"hidden_states must have the weights' dtype {self.o_proj.weight.dtype}, "
+                      f"got {hidden_states.dtype}")
+            if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 \
+                    or tuple(positions.shape) != (want,):
+                _fail(f"positions must be int64 [{want}], got {getattr(positions, 'dtype', None)} "
+                      f"{list(getattr(positions, 'shape', []))}")
+
+        problem = collect([local_checks])
+        if self.mesh is None:
+            if problem:
+                raise DistributedInputError(problem)
+        else:
+            lay = state.get("layout")
+            meta = dict(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"),
+                            lay.metadata() if lay else [-1] * 6))
+            meta["dtype"] = dtype_code(getattr(hidden_states, "dtype", None))
+            preflight(None, "ParallelQwen3Attention.prepare", problem, meta)
+        lay = state["layout"]
+        x = hidden_states if local else lay.shard(hidden_states)
+        pos = positions if local else lay.shard(positions)
+        if self.mesh is not None:
+            x = DTensor.from_local(x, self.mesh, PLACEMENTS["hidden_states"], run_check=False)
+            pos = DTensor.from_local(pos, self.mesh, PLACEMENTS["positions"], run_check=False)
+        return x, pos, lay
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, hidden_states, positions, layout, return_attention: bool = False, taps=None):
+        """hidden_states [T, hidden] and positions [T] from ``prepare``. Returns y [T, hidden]
+        (and the detached attention out [T, Hq, D], lse [Hq, T] with ``return_attention``),
+        as DTensors in cp layout order (plain tensors when mesh is None). ``taps``
+        (eager only): a dict that receives this rank's q, k, v with gradients retained."""
+        self._check_forward(hidden_states, positions, layout)
+        weights = [getattr(self, n.split(".")[0]).weight for n in _PARAMS]
+        if self.mesh is None:
+            y, attn, lse = local_forward(hidden_states, positions, *weights, layout, self.topology, taps)
+        else:
+            fn = local_map(local_forward,
+                           out_placements=(PLACEMENTS["output"], PLACEMENTS["attention"], PLACEMENTS["lse"]),
+                           in_placements=(PLACEMENTS["hidden_states"], PLACEMENTS["positions"],
+                                          *(PLACEMENTS[n] for n in _PARAMS), None, None),
+                           device_mesh=self.mesh)
+            y, attn, lse = fn(hidden_states, positions, *weights, layout, self.topology, taps)
+        return (y, attn, lse) if return_attention else y
+
+    def _check_forward(self, hidden_states, positions, layout):
+        """Metadata only (shapes, the layout's identity): identical on every rank after
+        ``prepare``'s preflight, so a failure raises everywhere before any collective."""
+        topo = self.topology
+        if not isinstance(layout, CPLayout):
+            _fail(f"layout must be the CPLayout returned by prepare(), got {type(layout).__name__}")
+        if (layout.cp, layout.rank, layout.mode, layout.canonical) != (topo.cp, topo.cp_rank, self.sharding,
+                                                                       self.chunks is not None):
+            _fail(f"layout is for cp rank {layout.rank} of {layout.cp} ({layout.mode}, canonical="
+                  f"{layout.canonical}); this module is cp rank {topo.cp_rank} of {topo.cp} ({self.sharding}, "
+                  f"canonical={self.chunks is not None}): use the layout from this module's prepare()")
+        want = (layout.total_tokens, self.config.hidden_size)
+        if tuple(hidden_states.shape) != want:
+            _fail(f"hidden_states must be {list(want)} (the layout's tokens, hidden_size), "
+                  f"got {list(hidden_states.shape)}")
+        if tuple(positions.shape) != want[:1]:
+            _fail(f"positions must be [{want[0]}], got {list(positions.shape)}")
