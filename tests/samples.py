@@ -49,6 +49,9 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
                           (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0, "disabled"),
                           (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")],
         "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3, "disabled")],
+        "paged_attention_auto": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3)],
+        "qk_norm_rope": [(x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-6, 1e6, 8),
+                         (x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-5, 1e4, 4)],
         "linear": [(xl, wl, bl), (xl, wl, None)],
         "linear_bwd": [(dyl, xl, wl)],
         "linear_bias_bwd": [(dyl,)],
@@ -60,4 +63,7 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
 
 
 # which arguments opcheck should mark requires_grad (float tensors of differentiable ops)
-DIFFERENTIABLE = {"qk_rmsnorm", "rope", "attention_fwd", "linear", "all_gather", "reduce_scatter"}
+DIFFERENTIABLE = {"qk_rmsnorm", "rope", "attention_fwd", "linear", "all_gather", "reduce_scatter", "qk_norm_rope"}
+
+# ops that refuse to run in strict mode (diagnostic lanes): opcheck runs them inside strict(False)
+NON_STRICT = {"paged_attention_auto"}

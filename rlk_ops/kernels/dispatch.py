@@ -50,6 +50,7 @@ _DEFAULTS: dict[str, dict[str, str]] = {
         "attention_fwd": "fa4",
         "attention_bwd": "fa4",
         "paged_attention": "fa4",
+        "paged_attention_auto": "flashinfer",  # the diagnostic auto split-KV lane (never strict)
     },
 }
 _DEFAULT_CUDA = "triton"

@@ -103,6 +103,11 @@ _add(OpSpec("rope", "rope", "(Tensor x, Tensor positions, float theta, int rotar
             differentiable=True, backward=("rope_bwd",), backends={"cpu": _CPU_ROW}))
 _add(OpSpec("rope_bwd", "rope", "(Tensor dy, Tensor positions, float theta, int rotary_dim) -> Tensor",
             backends={"cpu": _CPU_ROW}))
+_add(OpSpec("qk_norm_rope", "norm_rope",
+            "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, float eps, float theta, "
+            "int rotary_dim) -> (Tensor, Tensor)",
+            differentiable=True, backward=("rope_bwd", "qk_rmsnorm_bwd"),
+            backends={"cpu": DeterminismSpec(True, True, notes="qk_rmsnorm then rope (bitwise, by construction)")}))
 _add(OpSpec("paged_kv_append", "kv_cache",
             "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
             mutates=("k_cache", "v_cache"), backends={"cpu": _CPU_COPY}))
@@ -122,6 +127,13 @@ _add(OpSpec("paged_attention", "attention",
             "str split_kv)"
             " -> (Tensor, Tensor)",
             backends={"cpu": _CPU_ATTN}))
+# The diagnostic lane whose split-KV the backend picks from the batch: tagged, refused in strict mode.
+_add(OpSpec("paged_attention_auto", "attention",
+            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
+            " -> (Tensor, Tensor)",
+            backends={"cpu": DeterminismSpec(True, True, True, notes="the cpu backend never splits: its "
+                                                                     "automatic choice is one pass")},
+            extra_tags=(torch.Tag.nondeterministic_bitwise,)))
 _add(OpSpec("linear", "projection", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
             differentiable=True, backward=("linear_bwd", "linear_bias_bwd"), backends={"cpu": _CPU_ROW}))
 _add(OpSpec("linear_bwd", "projection", "(Tensor dy, Tensor x, Tensor weight) -> (Tensor, Tensor)",

@@ -5,7 +5,9 @@ from rlk_ops.ops import (  # noqa: F401 - imported for registration
     collectives,
     linear,
     paged_attention,
+    paged_attention_auto,
     paged_kv,
+    qk_norm_rope,
     qk_rmsnorm,
     rope,
 )

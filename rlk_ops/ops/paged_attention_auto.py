@@ -1,0 +1,73 @@
+"""rlk::paged_attention_auto: paged attention where the backend picks the split-KV.
+
+Same layouts and meaning as ``rlk::paged_attention`` (q [B, Sq, Hq, D] = the newest Sq
+tokens of each sequence; out [B, Sq, Hq, D], lse [B, Hq, Sq] fp32 natural log), but the
+backend chooses how to split each row's keys from the whole batch (FlashInfer's
+automatic split-KV). That choice depends on the batch, so a row's bits depend on which
+other sequences came with it: measured on the H200 (results/h200/kernels.json), a
+sequence decoded alone and in a batch of 8 differ.
+
+So this op is tagged ``torch.Tag.nondeterministic_bitwise`` and refuses to run in strict
+mode (the default). It exists as a diagnostic and speed lane: compare it against the
+strict lanes, never use it where trainer and rollout must agree. The cpu backend never
+splits, so its "automatic" choice is a single pass (== paged_attention "disabled").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_ops.kernels.dispatch import StrictModeError, kernel_for, strict_mode
+from rlk_ops.ops import _validate as V
+from rlk_ops.ops._library import define, fake, impl
+from rlk_ops.ops.attention import check_heads, lse_dtype
+from rlk_ops.ops.paged_kv import check_cache, check_page_table, check_page_values
+
+OP = "paged_attention_auto"
+
+
+def paged_attention_auto(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                         seq_lens: torch.Tensor, softmax_scale: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagnostic lane: batch-dependent split-KV. Refused in strict mode."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return torch.ops.rlk.paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, scale)
+
+
+define(OP)
+
+
+@impl(OP)
+def _paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    if strict_mode():
+        raise StrictModeError(
+            f"rlk::{OP}: the automatic split-KV depends on the batch (not batch-invariant), so strict mode "
+            f"(the default) refuses it. Use rlk_ops.paged_attention(split_kv='disabled' or 'fixed:N'), or run "
+            f"this diagnostic lane inside rlk_ops.strict(False).")
+    check_page_values(OP, k_cache, page_table, seq_lens, min_len=q.shape[1])
+    return kernel_for(OP, q.device)(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+
+
+@fake(OP)
+def _paged_attention_auto_fake(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=lse_dtype(q))
+
+
+def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    V.ndim(OP, "q", q, 4, "[B, Sq, Hq, D]")
+    V.float_dtype(OP, "q", q)
+    check_cache(OP, k_cache, v_cache)
+    V.same_dtype(OP, "k_cache", k_cache, "q", q)
+    if k_cache.shape[-1] != q.shape[-1]:
+        V.fail(OP, f"k_cache's head_dim ({k_cache.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
+    check_heads(OP, q.shape[2], k_cache.shape[2])
+    check_page_table(OP, k_cache, page_table, seq_lens)
+    if page_table.shape[0] != q.shape[0]:
+        V.fail(OP, f"page_table must have one row per sequence of q ({q.shape[0]}), got {page_table.shape[0]}")
+    if not math.isfinite(softmax_scale):
+        V.fail(OP, f"softmax_scale must be finite, got {softmax_scale}")
+    V.same_device(OP, {"q": q, "k_cache": k_cache})
