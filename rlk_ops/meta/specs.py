@@ -116,17 +116,26 @@ _add(OpSpec("paged_kv_gather", "kv_cache",
             backends={"cpu": _CPU_COPY}))
 _ATTN_ARGS = ("int causal, float softmax_scale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
               "int max_seqlen_q, int max_seqlen_k, str split_kv")
+# fa4 (flash_attn.cute, kernels/fa4/): verified on sm90 (H200) with flash-attn-4 4.0.0b36 by
+# benchmarks/attention.py (results/h200/attention.json); other architectures are recorded as unverified.
+_FA4_ATTN = DeterminismSpec(
+    True, True, True,
+    notes="verified on sm90: num_splits=1, pack_gqa=True; 128x128 tiles, key blocks visited last to first "
+          "(not the cpu order: the two backends agree to rounding, not bitwise)",
+)
 _add(OpSpec("attention_fwd", "attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_ARGS}) -> (Tensor, Tensor)",
-            differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN}))
+            differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
 _add(OpSpec("attention_bwd", "attention",
             f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_ATTN_ARGS})"
             " -> (Tensor, Tensor, Tensor)",
-            backends={"cpu": DeterminismSpec(True, None, notes="dq per row; dk/dv sum over query rows in a fixed order")}))
+            backends={"cpu": DeterminismSpec(True, None, notes="dq per row; dk/dv sum over query rows in a fixed order"),
+                      "fa4": DeterminismSpec(True, None, notes="verified on sm90: deterministic=True (semaphore-"
+                                                               "ordered dq/dk/dv accumulation); dlse folded exactly")}))
 _add(OpSpec("paged_attention", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale, "
             "str split_kv)"
             " -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_ATTN}))
+            backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
 # The diagnostic lane whose split-KV the backend picks from the batch: tagged, refused in strict mode.
 _add(OpSpec("paged_attention_auto", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
