@@ -46,6 +46,41 @@ def _inspect(args) -> int:
     return 0 if all(r.graph_breaks == 0 and not r.leaks for r in reports.values()) else 1
 
 
+def _check(args) -> int:
+    from rlk_ops.meta.binding import bind, load_side
+
+    try:
+        train, rollout = load_side(args.train), load_side(args.rollout)
+    except (OSError, ValueError) as e:
+        print(f"check: {e}", file=sys.stderr)
+        return 2
+    result = bind(train, rollout)
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.summary())
+    return 0 if result.comparable and result.passed else 1
+
+
+def _describe(args) -> int:
+    import rlk_ops
+    from rlk_ops.meta import probe
+    from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+
+    if args.no_strict:
+        rlk_ops.set_strict_mode(False)
+    cfg = TinyQwen3Config(num_layers=args.layers, split_kv=args.split_kv, rope_theta=args.rope_theta,
+                          rms_norm_eps=args.rms_norm_eps)
+    model = TinyQwen3(cfg, device=args.device, seed=args.seed)
+    topology = probe.Topology(tp=args.tp, cp=args.cp)
+    if args.side == "train":
+        side = probe.describe_train(model, model_id=args.model_id, topology=topology)
+    else:
+        side = probe.describe_rollout(model, page_size=args.page_size, model_id=args.model_id, topology=topology,
+                                      entries=tuple(args.entries.split(",")))
+    with open(args.out, "w") as f:
+        json.dump(side, f, indent=1)
+    print(f"wrote the {args.side} side of the demo model to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlk_ops")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +102,27 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="FX boundary report of the default block's training and decode graphs")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser("check", help="bind a training and a rollout side description (exit 0: comparable and passed)")
+    p.add_argument("--train", required=True, help="side description JSON (python -m rlk_ops describe)")
+    p.add_argument("--rollout", required=True, help="side description JSON")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_check)
+    p = sub.add_parser("describe", help="write a side description of the demo model (warm-up compile + provenance)")
+    p.add_argument("--side", required=True, choices=["train", "rollout"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="weights seed")
+    p.add_argument("--model-id", default=None, help="checkpoint id (default: sha256 of the weights)")
+    p.add_argument("--split-kv", default="disabled")
+    p.add_argument("--rope-theta", type=float, default=1e6)
+    p.add_argument("--rms-norm-eps", type=float, default=1e-6)
+    p.add_argument("--page-size", type=int, default=16, help="rollout only")
+    p.add_argument("--entries", default="prefill,decode", help="rollout only: prefill, decode or both")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
+    p.set_defaults(func=_describe)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -45,6 +45,14 @@ class RlkNode:
     spec: dict
     inputs: list[str]
     outputs: list[str]
+    # Non-tensor arguments by schema name, as the graph passes them (eps, theta,
+    # rotary_dim, causal, softmax_scale, split_kv, ...); a symbolic value is its str.
+    args: dict = field(default_factory=dict)
+    # Tensor arguments by schema name -> [index, output] of the rlk node (same list)
+    # that produced them, followed back through views/splits/getitem; None when the
+    # tensor comes from a graph input or a non-movement op. Lets a reader follow the
+    # q/k chain (projection -> norm -> rope -> attention) instead of guessing by order.
+    producers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -131,8 +139,74 @@ def _is_shape_math(node: torch.fx.Node) -> bool:
     return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
-def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport) -> list[RlkNode]:
+# Single-input movement ops a value can be followed back through to its producer.
+_PASS_THROUGH = _MOVEMENT - {"cat", "stack", "copy", "copy_", "empty", "empty_like", "empty_strided", "zeros",
+                             "zeros_like", "full", "new_empty", "new_zeros", "sym_size", "sym_stride", "sym_numel",
+                             "sym_storage_offset", "_assert_tensor_metadata"}
+
+
+def _schema_value(node: torch.fx.Node, arg, pos: int, via: str | None):
+    """The value ``node`` passes for schema argument ``arg`` (positional or by name).
+    auto_functionalized_v2 passes a mutated tensor as an index into ``_all_bases``."""
+    if via:
+        if arg.name in node.kwargs:
+            return node.kwargs[arg.name]
+        base = node.kwargs.get(f"_{arg.name}_base_index")
+        if base is not None:
+            return node.kwargs["_all_bases"][base]
+        return arg.default_value if arg.has_default_value() else None
+    if pos < len(node.args):
+        return node.args[pos]
+    if arg.name in node.kwargs:
+        return node.kwargs[arg.name]
+    return arg.default_value if arg.has_default_value() else None
+
+
+def _scalar(val):
+    if isinstance(val, torch.fx.Node):
+        val = val.meta.get("val")
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(val)
+    return val if isinstance(val, (bool, int, float, str)) or val is None else str(val)
+
+
+def _producer(val, produced: dict) -> list | None:
+    out = 0
+    while isinstance(val, torch.fx.Node):
+        if val in produced:
+            return [produced[val], out]
+        if val.op != "call_function":
+            return None
+        if val.target is operator.getitem:
+            src = val.args[0]
+            if src in produced:
+                return [produced[src], val.args[1]]
+            val = src  # getitem of a split/unbind
+            continue
+        name = getattr(val.target, "_opname", None)
+        if not (isinstance(val.target, torch._ops.OpOverload) and name in _PASS_THROUGH):
+            return None
+        val = val.args[0]
+    return None
+
+
+def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict) -> tuple[dict, dict]:
+    args, producers = {}, {}
+    for pos, arg in enumerate(target._schema.arguments):
+        val = _schema_value(node, arg, pos, via)
+        if "Tensor" in str(arg.type):
+            producers[arg.name] = _producer(val, produced)
+        else:
+            args[arg.name] = _scalar(val)
+    return args, producers
+
+
+def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
+                  first_index: int = 0) -> list[RlkNode]:
+    """``first_index``: index of this graph's first rlk node in the report's list
+    (several graphs after a break), so ``producers`` indices point into that list."""
     nodes = []
+    produced: dict[torch.fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -144,12 +218,14 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport) 
             name = target._schema.name.split("::")[1]
             spec = REGISTRY[name].as_dict()
             kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
+            args, producers = _call_record(node, target, via, produced)
+            produced[node] = first_index + len(nodes)
             nodes.append(RlkNode(
-                index=len(nodes), op=f"rlk::{name}", via=via,
+                index=first_index + len(nodes), op=f"rlk::{name}", via=via,
                 tags=[str(t).split(".")[-1] for t in target.tags],
                 spec={"backends": spec["backends"], "mutates": spec["mutates"]},
                 inputs=[d for v in kw_vals for d in _describe(v)],
-                outputs=_describe(node.meta.get("val"))))
+                outputs=_describe(node.meta.get("val")), args=args, producers=producers))
             continue
         if target is operator.getitem or _is_shape_math(node):
             continue
@@ -209,9 +285,9 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
             sum(o.float().sum() for o in outs if o.requires_grad).backward()
     report.recompiles = len(dynamo_graphs) - report.graphs
     for gm in first_fw:
-        report.forward.extend(analyse_graph(gm, "forward", report))
+        report.forward.extend(analyse_graph(gm, "forward", report, len(report.forward)))
     for gm in first_bw:
-        report.backward.extend(analyse_graph(gm, "backward", report))
+        report.backward.extend(analyse_graph(gm, "backward", report, len(report.backward)))
     for i, n in enumerate(report.forward):
         n.index = i
     for i, n in enumerate(report.backward):

@@ -22,7 +22,7 @@ import time
 import torch
 
 import rlk_ops
-from rlk_ops.meta import provenance
+from rlk_ops.meta import binding, provenance
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.drift import drift_stats
 from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
@@ -146,6 +146,13 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
     t0 = time.perf_counter()
     cfg = TinyQwen3Config(num_layers=layers, split_kv=str(policy))
     model = TinyQwen3(cfg, device=device, seed=seed)
+    contract = AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim, split_kv=str(policy))
+    # Before generating: do the two entry points run the same attention contract?
+    # (warm-up compile + provenance of each; meta/binding.py). Strict mode refuses to go on.
+    bound, _, _ = binding.bind_model(model, page_size=page_size, mandate=binding.Mandate.from_contract(contract))
+    if not bound.passed and rlk_ops.strict_mode():
+        raise rlk_ops.StrictModeError("training and rollout do not bind; refusing to generate:\n" + bound.summary())
+    t_bind = time.perf_counter()
     requests = make_requests(sequences, cfg.vocab_size, seed)
     sampler = Sampler(None if greedy else seed)
     with provenance.capture() as roll_log:
@@ -174,14 +181,16 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
             "admitted_steps": [r.admitted_step for r in results],
             "finished_steps": [r.finished_step for r in results],
         },
-        "contract": AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim, split_kv=str(policy)).fields(),
+        "contract": contract.fields(),
+        "binding": bound.to_json(),
         "provenance": {"strict": rlk_ops.strict_mode(), "records": records, "fallbacks": len(fallbacks),
                        "environment": provenance.environment()},
         "model": {"layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "seed": seed,
                   "sampler": "greedy" if greedy else f"gumbel(seed={seed})"},
         "device": device,
-        "seconds": {"rollout": round(t_roll - t0, 2), "training": round(t_train - t_roll, 2)},
+        "seconds": {"binding": round(t_bind - t0, 2), "rollout": round(t_roll - t_bind, 2),
+                    "training": round(t_train - t_roll, 2)},
     })
     if backward:
         report["training_backward"] = _backward_check(model, results, device)
@@ -214,6 +223,7 @@ def summary(report: dict) -> str:
         f"split-KV {report['contract']['split_kv']}, {report['contract']['accumulation']} accumulation, "
         f"{report['contract']['lse']} LSE; strict={report['provenance']['strict']}, "
         f"fallbacks={report['provenance']['fallbacks']}",
+        f"  binding (checked before generating): {report['binding']['verdict']}",
         "",
         f"  {'comparison':<34} {'tokens':>7} {'mismatched':>11} {'max |dlogp|':>12} {'max |d out|':>12} "
         f"{'max |d lse|':>12}",

@@ -1,0 +1,657 @@
+"""Cross-configuration binding: do a training side and a rollout side run the same
+attention contract? Checked before the first step, from what each side ran.
+
+A side description (``meta/probe.py``: ``describe_train``, ``describe_rollout``,
+``describe_side``) holds evidence only: the FX boundary reports of the compiled entry
+points (ordered rlk ops, their scalar arguments, which rlk op fed which), the
+provenance of the calls that ran, the environment probe, the model identity and the
+topology the caller states. ``bind(train, rollout)`` derives the same named fields
+from each side and classifies every one:
+
+* IDENTICAL  must be equal, else the pair is not comparable at all (``comparable``):
+             model identity, heads and head_dim, layers, tp/cp and head/sequence ownership.
+* SEMANTIC   must be equal on both sides *and* meet the strict mandate (``Mandate``),
+             else ``passed`` is False: dtype, causal, scale, fp32 accumulation, LSE dtype
+             and domain, reduction order, split-KV policy and executed plan, the q/k path
+             (RMSNorm eps, RoPE theta / rotary_dim / rotate-half), fallbacks, the
+             determinism spec of every executed backend, blocking environment settings.
+* RECORDED   free to differ, reported: mode (prefill/decode), page size, backend ids
+             whose numerics class is the same, compile on/off, strict flag, leaks.
+
+Fail closed: a field nobody observed is UNOBSERVABLE, which fails its tier (an op in a
+graph with no recorded call was compiled but never executed; a side with no graph was
+only configured). Every failure names the field, both values and the tier.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
+from rlk_ops.meta.probe import blocking, path_of
+from rlk_ops.meta.specs import REGISTRY
+
+IDENTICAL, SEMANTIC, RECORDED = "IDENTICAL", "SEMANTIC", "RECORDED"
+ATTENTION_OPS = ("attention_fwd", "paged_attention", "paged_attention_auto")
+
+
+@dataclass(frozen=True)
+class Unobservable:
+    reason: str
+
+    def as_json(self) -> dict:
+        return {"unobservable": self.reason}
+
+
+# What each backend's attention computes, for the fields no graph shows. Two backends
+# are "proven equivalent" for an op only when they share a reduction_order class here
+# (then their ids differ only as RECORDED). Sources: kernels/cpu/attention.py; FA4 and
+# FlashInfer facts measured on the H200 (DESIGN.md; FlashInfer's log2 LSE is scaled by
+# ln 2 in kernels/flashinfer.py).
+ATTENTION_NUMERICS = {
+    "cpu": {"accumulation": "fp32", "lse_domain": "natural_log",
+            "reduction_order": "cpu-reference: 128-key blocks from key 0, ascending, fp32 online softmax"},
+    "fa4": {"accumulation": "fp32", "lse_domain": "natural_log",
+            "reduction_order": "fa4: 128-key tiles ascending, num_splits=1, pack_gqa fixed"},
+    "flashinfer": {"accumulation": "fp32", "lse_domain": "natural_log",
+                   "reduction_order": "flashinfer-fa2 tensor-core decode"},
+}
+# Split plans fixed by a backend's construction (it records no plan of its own): the
+# cpu reference never splits "disabled" or its auto lane and runs canonical:C as C-token
+# chunks merged ascending (kernels/cpu/canonical.py); fa4 is pinned to num_splits=1.
+# A backend that plans per call (FlashInfer) reports plan records instead (probe.py).
+_PLAN_BY_CONSTRUCTION: dict[tuple[str, str], Callable[[SplitKVPolicy], str]] = {
+    ("cpu", "disabled"): lambda p: "single_pass",
+    ("cpu", "auto"): lambda p: "single_pass",
+    ("cpu", "canonical"): lambda p: f"canonical:{p.size}",
+    ("fa4", "disabled"): lambda p: "single_pass",
+}
+
+
+# ---------------------------------------------------------------------- mandate
+@dataclass(frozen=True)
+class Mandate:
+    """The strict values. ``None`` means "any value, as long as both sides agree"."""
+    dtype: str | None = None              # None: bfloat16, float16 or float32
+    causal: bool = True
+    softmax_scale: float | None = None    # None: head_dim ** -0.5
+    head_dim: int | None = None
+    split_kv: str | None = None           # None: any policy training reproduces (disabled, canonical:C)
+    accumulation: str = "fp32"
+    lse_dtype: str = "float32"
+    lse_domain: str = "natural_log"
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    rotary_dim: int | None = None
+
+    @classmethod
+    def from_contract(cls, contract: AttentionContract, **qk_definition) -> "Mandate":
+        return cls(dtype=contract.dtype, causal=contract.causal, softmax_scale=contract.softmax_scale,
+                   head_dim=contract.head_dim, split_kv=contract.split_kv, accumulation=contract.accumulation,
+                   lse_domain=contract.lse, **qk_definition)
+
+
+def _want(expected, what: str):
+    return lambda v, m, ctx: None if getattr(m, expected) is None or v == getattr(m, expected) \
+        else f"the mandate is {what} {getattr(m, expected)!r}"
+
+
+def _m_dtype(v, m, ctx):
+    if m.dtype is not None:
+        return None if v == m.dtype else f"the mandate is {m.dtype}"
+    return None if v in ("bfloat16", "float16", "float32") else "not a dtype the strict kernels cover"
+
+
+def _m_scale(v, m, ctx):
+    head_dim = ctx.get(ctx["name"].replace("softmax_scale", "head_dim"))
+    want = m.softmax_scale if m.softmax_scale is not None else \
+        (head_dim ** -0.5 if isinstance(head_dim, int) else None)
+    return None if want is None or v == want else f"the mandate is {want!r} (head_dim ** -0.5 unless given)"
+
+
+def _m_split(v, m, ctx):
+    try:
+        policy = SplitKVPolicy.parse(v)
+    except ValueError as e:
+        return str(e)
+    if policy.kind == "auto":
+        return "auto split-KV is chosen from the batch: not batch-invariant, never strict"
+    if policy.kind == "fixed":
+        return "fixed:N is batch-invariant but merges partials in an order single-pass training does not reproduce"
+    if m.split_kv is not None and str(policy) != str(SplitKVPolicy.parse(m.split_kv)):
+        return f"the mandate is {m.split_kv!r}"
+    return None
+
+
+def _m_plan(v, m, ctx):
+    if isinstance(v, list):
+        return f"the plan varied across calls: {v}"
+    policy = ctx.get(ctx["name"].replace("split_plan", "split_kv"))
+    try:
+        p = SplitKVPolicy.parse(policy)
+    except (ValueError, TypeError):
+        return None  # the policy field fails on its own
+    want = "single_pass" if p.kind == "disabled" else (f"canonical:{p.size}" if p.kind == "canonical" else None)
+    return None if want is None or v == want else f"policy {policy!r} means plan {want!r}"
+
+
+def _m_stages(v, m, ctx):
+    want = "linear" if ctx["name"].endswith("].v.stages") else "linear>rmsnorm>rope"
+    return None if v == want else f"the Qwen3 path is {want!r}"
+
+
+def _m_spec(v, m, ctx):
+    op = ctx["name"].split(".")[1]
+    bad = []
+    for spec in v if isinstance(v, list) else [v]:
+        bad += [k for k in ("run_to_run",) if spec.get(k) is not True]
+        bad += [k for k in ("batch_invariant", "prefill_decode_invariant") if spec.get(k) is False]
+        if spec.get("nondeterministic_bitwise"):
+            bad.append("tagged nondeterministic_bitwise")
+        if op in ATTENTION_OPS and spec.get("prefill_decode_invariant") is not True:
+            bad.append("prefill_decode_invariant must be True for a forward attention op")
+    return f"not strict: {', '.join(dict.fromkeys(bad))}" if bad else None
+
+
+@dataclass(frozen=True)
+class Rule:
+    tier: str
+    mandate: Callable | None = None  # (value, Mandate, ctx) -> violation text or None
+    one_sided: bool = False          # may exist on one side only (an op only one side runs)
+
+
+RULES: dict[str, Rule] = {
+    "model.id": Rule(IDENTICAL),
+    "topology.tp": Rule(IDENTICAL), "topology.cp": Rule(IDENTICAL),
+    "topology.head_ownership": Rule(IDENTICAL, lambda v, m, ctx: ctx["heads_check"](v)),
+    "topology.sequence_ownership": Rule(IDENTICAL),
+    "attention.layers": Rule(IDENTICAL, lambda v, m, ctx: None if v > 0 else "no rlk attention op in the graph"),
+    "attention.num_heads": Rule(IDENTICAL), "attention.num_kv_heads": Rule(IDENTICAL),
+    "attention.head_dim": Rule(IDENTICAL, _want("head_dim", "head_dim")),
+    "attention.dtype": Rule(SEMANTIC, _m_dtype),
+    "attention.causal": Rule(SEMANTIC, _want("causal", "causal")),
+    "attention.softmax_scale": Rule(SEMANTIC, _m_scale),
+    "attention.split_kv": Rule(SEMANTIC, _m_split),
+    "attention.split_plan": Rule(SEMANTIC, _m_plan),
+    "attention.lse_dtype": Rule(SEMANTIC, _want("lse_dtype", "lse dtype")),
+    "attention.lse_domain": Rule(SEMANTIC, _want("lse_domain", "LSE domain")),
+    "attention.accumulation": Rule(SEMANTIC, _want("accumulation", "accumulation")),
+    "attention.reduction_order": Rule(SEMANTIC),
+    "attention.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict"),
+    "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED),
+    "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED),
+    "norm.eps": Rule(SEMANTIC, _want("rms_norm_eps", "eps")),
+    "rope.theta": Rule(SEMANTIC, _want("rope_theta", "theta")),
+    "rope.rotary_dim": Rule(SEMANTIC, _want("rotary_dim", "rotary_dim")),
+    "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
+    "model.op_args": Rule(SEMANTIC),
+    "ops.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict", True),
+    "ops.determinism": Rule(SEMANTIC, _m_spec, True),
+    "ops.backend": Rule(RECORDED, None, True),
+    "graph.recompiles": Rule(SEMANTIC, lambda v, m, ctx: None if v == 0 else
+                             "graphs compiled for later warm-up calls were not analysed"),
+    "graph.breaks": Rule(RECORDED), "graph.leaks": Rule(RECORDED),
+    "runtime.mode": Rule(RECORDED), "runtime.page_size": Rule(RECORDED), "runtime.compiled": Rule(RECORDED),
+    "runtime.strict": Rule(RECORDED), "runtime.devices": Rule(RECORDED),
+    "env.blocking": Rule(SEMANTIC), "env.recorded": Rule(RECORDED),
+}
+
+
+# ------------------------------------------------------------------------ facts
+@dataclass
+class Fact:
+    value: Any
+    rule: str
+    source: str
+
+
+def _shape(desc: str) -> tuple[str, list]:
+    dtype, _, dims = desc.partition("[")
+    return dtype, [int(d) if d.isdigit() else d for d in dims.rstrip("]").split("x") if d]
+
+
+def _chain(nodes: list[dict], start, visited: set) -> tuple[list[str], list[dict], list[str]]:
+    """Follow a tensor back from attention to its projection. Returns the stages in
+    forward order, the norm/rope nodes' arguments (in order), and the op names."""
+    stages, args, ops = [], [], []
+    cur = start
+    while cur is not None:
+        idx, out = cur
+        visited.add(idx)
+        node = nodes[idx]
+        name = node["op"].split("::")[1]
+        ops.append(node["op"])
+        if name == "paged_kv_append":  # output 1/2 is the k/v cache the tensor was written into
+            cur = node["producers"].get({1: "k", 2: "v"}.get(out, ""))
+            continue
+        if name == "rope":
+            stages.append("rope")
+            args.append({"rope": node["args"]})
+        elif name == "qk_rmsnorm":
+            stages.append("rmsnorm")
+            args.append({"rmsnorm": node["args"]})
+        elif name == "qk_norm_rope":  # fused: bitwise the two ops in sequence (its spec)
+            stages += ["rope", "rmsnorm"]
+            a = node["args"]
+            args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]}}, {"rmsnorm": {"eps": a["eps"]}}]
+            cur = node["producers"].get("q" if out == 0 else "k")
+            continue
+        elif name == "linear":
+            stages.append("linear")
+            break
+        else:
+            stages.append(name)
+            break
+        cur = node["producers"].get("x")
+    if cur is None:
+        stages.append("graph input")
+    return stages[::-1], args[::-1], ops[::-1]
+
+
+def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
+    facts: dict[str, Fact] = {}
+
+    def put(name, rule, value, source):
+        facts[name] = Fact(value, rule, source)
+
+    graph = entry.get("graph")
+    records = entry.get("provenance") or []
+    if graph is None:
+        put("attention.layers", "attention.layers",
+            Unobservable("no compiled graph: this entry point was configured, never executed"), "side description")
+        return facts
+    fwd = graph["forward"]
+    g = "FX forward graph"
+    put("graph.recompiles", "graph.recompiles", graph["recompiles"], "BoundaryReport.recompiles")
+    put("graph.breaks", "graph.breaks", graph["graph_breaks"], "BoundaryReport.graph_breaks")
+    put("graph.leaks", "graph.leaks", len(graph["leaks"]), "BoundaryReport.leaks")
+    put("runtime.devices", "runtime.devices", sorted({r["device"] for r in records}), "provenance")
+    by_op: dict[str, list[dict]] = {}
+    for r in records:
+        by_op.setdefault(r["op"], []).append(r)
+    attn = [n for n in fwd if n["op"].split("::")[1] in ATTENTION_OPS]
+    put("attention.layers", "attention.layers", len(attn), g)
+    visited: set[int] = set()
+    modes, pages = [], []
+    for i, n in enumerate(attn):
+        L = f"layer[{i}]"
+        op = n["op"].split("::")[1]
+        src = f"{g}: node #{n['index']} {n['op']}"
+        visited.add(n["index"])
+        q_dtype, q = _shape(n["inputs"][0])
+        _, k = _shape(n["inputs"][1])
+        a = n["args"]
+        put(f"{L}.attention.op", "attention.op", n["op"], src)
+        put(f"{L}.attention.num_heads", "attention.num_heads", q[-2], src + " q shape")
+        put(f"{L}.attention.num_kv_heads", "attention.num_kv_heads", k[-2], src + " k shape")
+        put(f"{L}.attention.head_dim", "attention.head_dim", q[-1], src + " q shape")
+        put(f"{L}.attention.dtype", "attention.dtype", q_dtype, src + " q dtype")
+        put(f"{L}.attention.causal", "attention.causal", bool(a["causal"]) if "causal" in a else True,
+            src + (" args" if "causal" in a else " (causal by the op's definition)"))
+        put(f"{L}.attention.softmax_scale", "attention.softmax_scale", a.get("softmax_scale"), src + " args")
+        policy = a.get("split_kv") or ("auto" if op == "paged_attention_auto" else None)
+        put(f"{L}.attention.split_kv", "attention.split_kv",
+            policy if policy is not None else Unobservable(f"{n['op']} passes no split_kv"),
+            src + (" args" if "split_kv" in a else " (the auto lane by definition)"))
+        put(f"{L}.attention.lse_dtype", "attention.lse_dtype", _shape(n["outputs"][1])[0], src + " lse output")
+        if op == "attention_fwd":
+            modes.append("prefill (packed varlen)" if n["producers"].get("cu_seqlens_q") is not None
+                         or len(n["inputs"]) > 3 else "prefill (dense)")
+        else:
+            modes.append("decode" if q[1] == 1 else ("chunked prefill" if isinstance(q[1], int) else "symbolic"))
+            pages.append(k[1])
+        _backend_facts(put, L, op, n, by_op.get(op), plans, policy, q_dtype)
+        q_src = n["producers"].get("q")
+        k_src = n["producers"].get("k" if op == "attention_fwd" else "k_cache")
+        v_src = n["producers"].get("v" if op == "attention_fwd" else "v_cache")
+        for name, start in (("q", q_src), ("k", k_src), ("v", v_src)):
+            stages, args, ops = _chain(fwd, start, visited)
+            put(f"{L}.{name}.stages", "path.stages", ">".join(stages), f"{g}: producers of {n['op']}.{name}")
+            put(f"{L}.{name}.ops", "path.ops", " > ".join(ops), f"{g}: producers")
+            if name == "v":
+                continue
+            norms = [x["rmsnorm"] for x in args if "rmsnorm" in x]
+            ropes = [x["rope"] for x in args if "rope" in x]
+            absent = f"absent (no RMSNorm on the {name} path)"
+            put(f"{L}.{name}_norm.eps", "norm.eps", _one([x["eps"] for x in norms], absent), f"{g}: rmsnorm args")
+            absent = f"absent (no RoPE on the {name} path)"
+            put(f"{L}.{name}_rope.theta", "rope.theta", _one([x["theta"] for x in ropes], absent), f"{g}: rope args")
+            put(f"{L}.{name}_rope.rotary_dim", "rope.rotary_dim", _one([x["rotary_dim"] for x in ropes], absent),
+                f"{g}: rope args")
+            put(f"{L}.{name}_rope.style", "rope.style", "rotate_half" if ropes else absent,
+                "op definition: rlk::rope and rlk::qk_norm_rope rotate half (NeoX/Qwen3)")
+    put("runtime.mode", "runtime.mode", _one(sorted(set(modes)), None), g + " attention op and q shape")
+    put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
+    rest: dict[str, set] = {}
+    for n in fwd:  # the model's other rlk ops (e.g. layer norms): their scalars must agree too
+        if n["index"] not in visited and n["args"]:
+            rest.setdefault(n["op"], set()).add(json.dumps(n["args"], sort_keys=True))
+    for op, args in rest.items():
+        put(f"model.{op.split('::')[1]}.args", "model.op_args", sorted(args), f"{g}: {op} nodes outside the attention paths")
+    _op_facts(put, graph, by_op)
+    return facts
+
+
+def _one(values: list, absent):
+    if not values:
+        return absent
+    return values[0] if all(v == values[0] for v in values) else values
+
+
+def _backend_facts(put, L, op, node, recs, plans, policy, dtype):
+    src = "provenance of the executed calls"
+    if not recs:
+        why = Unobservable(f"{node['op']} is in the graph but no call was recorded: compiled, never executed")
+        for f in ("backend", "fallback", "accumulation", "lse_domain", "reduction_order", "split_plan"):
+            put(f"{L}.attention.{f}", f"attention.{f}", why, src)
+        return
+    put(f"{L}.attention.backend", "attention.backend",
+        _one(sorted({f"{r['requested_backend']}->{r['actual_backend']}" for r in recs}), None), src)
+    falls = [f"requested {r['requested_backend']}, ran {r['actual_backend']}: {r['fallback_reason']}"
+             for r in recs if r["fallback"]]
+    put(f"{L}.attention.fallback", "attention.fallback", _one(falls, False), src)
+    actual = sorted({r["actual_backend"] for r in recs})
+    for f in ("accumulation", "lse_domain", "reduction_order"):
+        vals = []
+        for b in actual:
+            num = ATTENTION_NUMERICS.get(b)
+            if num is None:
+                vals = Unobservable(f"no numerics record for backend {b!r} (binding.ATTENTION_NUMERICS)")
+                break
+            vals.append("fp64" if f == "accumulation" and b == "cpu" and dtype == "float64" else num[f])
+        put(f"{L}.attention.{f}", f"attention.{f}",
+            vals if isinstance(vals, Unobservable) else _one(vals, None), f"backend numerics of {actual} ({src})")
+    put(f"{L}.attention.split_plan", "attention.split_plan", _plan(op, actual, policy, plans),
+        "plan records of the backend, else its construction")
+
+
+def _plan(op: str, backends: list[str], policy, plans: list[dict]):
+    recorded = sorted({p["plan"] for p in plans if p.get("op") == op})
+    if recorded:
+        return _one(recorded, None)
+    try:
+        p = SplitKVPolicy.parse(policy)
+    except (ValueError, TypeError):
+        return Unobservable(f"split_kv {policy!r} is not a policy")
+    out = []
+    for b in backends:
+        make = _PLAN_BY_CONSTRUCTION.get((b, p.kind))
+        if make is None:
+            return Unobservable(f"backend {b!r} recorded no split plan for {p} and has none by construction")
+        out.append(make(p))
+    return _one(sorted(set(out)), None)
+
+
+def _op_facts(put, graph: dict, by_op: dict[str, list[dict]]) -> None:
+    in_graph = {n["op"].split("::")[1] for n in graph["forward"] + graph["backward"]}
+    for op in sorted(in_graph | set(by_op)):
+        recs = by_op.get(op)
+        src = "provenance + meta/specs.py REGISTRY"
+        if not recs:
+            why = Unobservable(f"rlk::{op} is in the compiled graph but no call was recorded: compiled, never executed")
+            put(f"ops.{op}.determinism", "ops.determinism", why, src)
+            continue
+        put(f"ops.{op}.backend", "ops.backend",
+            _one(sorted({f"{r['requested_backend']}->{r['actual_backend']}" for r in recs}), None), "provenance")
+        falls = [f"requested {r['requested_backend']}, ran {r['actual_backend']}: {r['fallback_reason']}"
+                 for r in recs if r["fallback"]]
+        put(f"ops.{op}.fallback", "ops.fallback", _one(falls, False), "provenance")
+        specs = []
+        for b in sorted({r["actual_backend"] for r in recs}):
+            spec = REGISTRY.get(op)
+            det = spec.backends.get(b) if spec else None
+            if det is None:
+                specs = Unobservable(f"no determinism spec for rlk::{op} on backend {b!r} (meta/specs.py)")
+                break
+            d = det.as_dict()
+            d.pop("notes")
+            d["backend"] = b
+            d["nondeterministic_bitwise"] = not spec.deterministic
+            specs.append(d)
+        put(f"ops.{op}.determinism", "ops.determinism", specs if isinstance(specs, Unobservable) else
+            _one(specs, None), src)
+
+
+def _merge_entries(per_entry: list[tuple[str, dict[str, Fact]]]) -> dict[str, Fact]:
+    """One side's facts over its entry points (e.g. rollout prefill and decode): a
+    value all entries agree on, else a per-entry dict (which cannot equal the other
+    side's single value, so a side that disagrees with itself fails)."""
+    names = list(dict.fromkeys(n for _, f in per_entry for n in f))
+    merged = {}
+    for name in names:
+        present = [(e, f[name]) for e, f in per_entry if name in f]
+        first = present[0][1]
+        vals = [_jsonable(f.value) for _, f in present]
+        rule = RULES[first.rule]
+        if rule.tier == RECORDED:
+            value = _one(list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in vals)), None)
+            value = json.loads(value) if isinstance(value, str) else [json.loads(v) for v in value]
+        elif len(present) == len(per_entry) and all(v == vals[0] for v in vals):
+            value = first.value
+        else:
+            value = {e: _jsonable(f[name].value) if name in f else "missing" for e, f in per_entry}
+        merged[name] = Fact(value, first.rule, first.source)
+    return merged
+
+
+def side_facts(side: dict) -> dict[str, Fact]:
+    """Every named field of one side, derived from its evidence."""
+    entries = side.get("entries") or []
+    facts = _merge_entries([(e.get("name", str(i)), _entry_facts(e, side.get("plans") or []))
+                            for i, e in enumerate(entries)]) if entries else {
+        "attention.layers": Fact(Unobservable("the side has no executed entry point"), "attention.layers",
+                                 "side description")}
+    model = side.get("model") or {}
+    facts["model.id"] = Fact(model.get("id") or Unobservable("no model id and no weight hash"), "model.id",
+                             f"side description: {model.get('kind', 'missing')}")
+    topo = side.get("topology") or {}
+    tp, cp = topo.get("tp", 1), topo.get("cp", 1)
+    src = "side description: topology (explicit input)"
+    facts["topology.tp"] = Fact(tp, "topology.tp", src)
+    facts["topology.cp"] = Fact(cp, "topology.cp", src)
+    heads = facts.get("layer[0].attention.num_heads")
+    kv = facts.get("layer[0].attention.num_kv_heads")
+    own = topo.get("head_ownership")
+    if own is None and tp == 1 and heads and kv and isinstance(heads.value, int) and isinstance(kv.value, int):
+        own, src_h = {"q": [0, heads.value], "kv": [0, kv.value]}, "tp == 1: every head of the graph"
+    else:
+        src_h = src
+    facts["topology.head_ownership"] = Fact(own if own is not None else Unobservable(
+        f"tp={tp} but the side does not state which heads it owns"), "topology.head_ownership", src_h)
+    seq = topo.get("sequence_ownership") or ("whole" if cp == 1 else None)
+    facts["topology.sequence_ownership"] = Fact(seq if seq is not None else Unobservable(
+        f"cp={cp} but the side does not state which tokens it owns"), "topology.sequence_ownership", src)
+    runtime = side.get("runtime") or {}
+    facts["runtime.compiled"] = Fact(runtime.get("compiled"), "runtime.compiled", "side description")
+    facts["runtime.strict"] = Fact(runtime.get("strict"), "runtime.strict", "side description")
+    return facts
+
+
+def _records(side: dict) -> list[dict]:
+    return [r for e in side.get("entries") or [] for r in e.get("provenance") or []]
+
+
+# --------------------------------------------------------------------- compare
+@dataclass
+class FieldResult:
+    field: str
+    tier: str
+    train: Any
+    rollout: Any
+    status: str  # ok | recorded | differs | violates | unobservable
+    detail: str
+    source: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "recorded")
+
+    def message(self) -> str:
+        return (f"[{self.tier}] {self.field}: train={_show(self.train)} rollout={_show(self.rollout)}: "
+                f"{self.status}{' - ' + self.detail if self.detail else ''}")
+
+
+@dataclass
+class BindingResult:
+    comparable: bool
+    passed: bool
+    fields: list[FieldResult] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[FieldResult]:
+        return [f for f in self.fields if not f.ok]
+
+    def failure(self, name: str) -> FieldResult | None:
+        return next((f for f in self.failures if f.field == name), None)
+
+    def to_json(self) -> dict:
+        tiers = {t: sum(f.tier == t for f in self.fields) for t in (IDENTICAL, SEMANTIC, RECORDED)}
+        return {
+            "comparable": self.comparable, "passed": self.passed, "verdict": self.verdict(), "fields_by_tier": tiers,
+            "failures": [self._row(f) for f in self.failures],
+            "recorded_differences": [self._row(f) for f in self.fields
+                                     if f.tier == RECORDED and _jsonable(f.train) != _jsonable(f.rollout)],
+            "fields": [self._row(f) for f in self.fields],
+        }
+
+    @staticmethod
+    def _row(f: FieldResult) -> dict:
+        return {"field": f.field, "tier": f.tier, "train": _jsonable(f.train), "rollout": _jsonable(f.rollout),
+                "status": f.status, "detail": f.detail, "source": f.source}
+
+    def verdict(self) -> str:
+        if self.passed:
+            return "PASS (comparable, every IDENTICAL and SEMANTIC field holds)"
+        if not self.comparable:
+            return f"NOT COMPARABLE ({len(self.failures)} failing fields)"
+        return f"FAIL ({len(self.failures)} failing fields)"
+
+    def summary(self, limit: int = 20) -> str:
+        d = self.to_json()
+        lines = [f"binding: {self.verdict()}; fields: " +
+                 ", ".join(f"{n} {t}" for t, n in d["fields_by_tier"].items())]
+        lines += ["  " + f.message() for f in self.failures[:limit]]
+        if len(self.failures) > limit:
+            lines.append(f"  ... and {len(self.failures) - limit} more")
+        for r in d["recorded_differences"]:
+            if "not run on this side" in (r["train"], r["rollout"]):
+                continue  # an op only one side runs (attention_fwd / paged_attention): expected
+            lines.append(f"  recorded: {r['field']}: train={_show(r['train'])} rollout={_show(r['rollout'])}")
+        return "\n".join(lines)
+
+
+def _jsonable(v):
+    if isinstance(v, Unobservable):
+        return v.as_json()
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _show(v) -> str:
+    if isinstance(v, Unobservable):
+        return f"UNOBSERVABLE({v.reason})"
+    return json.dumps(_jsonable(v), sort_keys=True) if not isinstance(v, str) else repr(v)
+
+
+def _heads_check(facts: dict[str, Fact]):
+    def check(own):
+        heads = facts.get("layer[0].attention.num_heads")
+        kv = facts.get("layer[0].attention.num_kv_heads")
+        try:
+            nq, nkv = own["q"][1] - own["q"][0], own["kv"][1] - own["kv"][0]
+        except (KeyError, TypeError, IndexError):
+            return f"head_ownership must be {{'q': [start, stop], 'kv': [start, stop]}}, got {own!r}"
+        if heads and kv and (heads.value, kv.value) != (nq, nkv):
+            return f"owns {nq} q / {nkv} kv heads but the graph runs {heads.value} / {kv.value}"
+        return None
+    return check
+
+
+def _judge(name: str, rule: Rule, a: Fact | None, b: Fact | None, mandate: Mandate, ctxs) -> FieldResult:
+    missing = "not run on this side" if rule.one_sided else Unobservable("no such field on this side")
+    va = a.value if a else missing
+    vb = b.value if b else missing
+    source = (a or b).source
+    if rule.tier == RECORDED:
+        return FieldResult(name, rule.tier, va, vb, "recorded", "", source)
+    if rule.one_sided and (a is None or b is None):
+        present = [(s, f.value, c) for s, f, c in (("train", a, ctxs[0]), ("rollout", b, ctxs[1])) if f]
+    else:
+        present = [("train", va, ctxs[0]), ("rollout", vb, ctxs[1])]
+    unobs = [f"{s}: {v.reason}" for s, v, _ in present if isinstance(v, Unobservable)]
+    if unobs:
+        return FieldResult(name, rule.tier, va, vb, "unobservable", "; ".join(unobs), source)
+    problems = []
+    for s, v, ctx in present:
+        why = rule.mandate(v, mandate, {**ctx, "name": name}) if rule.mandate else None
+        if why:
+            problems.append(f"{s} violates the mandate: {why}")
+    if len(present) == 2 and _jsonable(va) != _jsonable(vb):
+        return FieldResult(name, rule.tier, va, vb, "differs", "; ".join(problems), source)
+    if problems:
+        return FieldResult(name, rule.tier, va, vb, "violates", "; ".join(problems), source)
+    return FieldResult(name, rule.tier, va, vb, "ok", "", source)
+
+
+def _env_results(train: dict, rollout: dict) -> list[FieldResult]:
+    paths = []
+    for side in (train, rollout):
+        topo = side.get("topology") or {}
+        paths.append(path_of(_records(side), topo.get("tp", 1), topo.get("cp", 1)))
+    env_a, env_b = train.get("environment"), rollout.get("environment")
+    keys = list(dict.fromkeys([*(env_a or {}), *(env_b or {})])) or ["version.torch"]
+    out = []
+    for key in keys:
+        why = blocking(key, paths[0]) or blocking(key, paths[1])
+        rule = RULES["env.blocking" if why else "env.recorded"]
+        fa = Fact(env_a[key], "", "") if env_a and key in env_a else \
+            Fact(Unobservable("not in the side's environment probe"), "", "")
+        fb = Fact(env_b[key], "", "") if env_b and key in env_b else \
+            Fact(Unobservable("not in the side's environment probe"), "", "")
+        res = _judge(f"env.{key}", rule, fa, fb, Mandate(), ({}, {}))
+        res.source = "environment probe (meta/probe.py)"
+        if why and not res.ok:
+            res.detail = (res.detail + "; " if res.detail else "") + f"blocking: {why}"
+        out.append(res)
+    return out
+
+
+def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
+    """Classify every field of the pair; see the module docstring."""
+    mandate = mandate or Mandate()
+    fa, fb = side_facts(train), side_facts(rollout)
+    ctxs = ({n: f.value for n, f in fa.items()} | {"heads_check": _heads_check(fa)},
+            {n: f.value for n, f in fb.items()} | {"heads_check": _heads_check(fb)})
+    results = []
+    for name in dict.fromkeys([*fa, *fb]):
+        a, b = fa.get(name), fb.get(name)
+        results.append(_judge(name, RULES[(a or b).rule], a, b, mandate, ctxs))
+    results += _env_results(train, rollout)
+    comparable = all(r.ok for r in results if r.tier == IDENTICAL)
+    passed = comparable and all(r.ok for r in results if r.tier == SEMANTIC)
+    return BindingResult(comparable, passed, results)
+
+
+def load_side(path: str) -> dict:
+    with open(path) as f:
+        side = json.load(f)
+    if not isinstance(side, dict) or side.get("format") != "rlk_ops.binding.side/1":
+        raise ValueError(f"{path}: not a side description (format must be 'rlk_ops.binding.side/1')")
+    return side
+
+
+def bind_model(model, *, page_size: int = 16, mandate: Mandate | None = None, model_id: str | None = None,
+               topology=None) -> tuple[BindingResult, dict, dict]:
+    """Describe both entry points of ``model`` (a small warm-up compile + provenance
+    capture of each: training fwd+bwd, rollout prefill and decode) and bind them.
+    Returns (result, train side, rollout side)."""
+    from rlk_ops.meta.probe import describe_rollout, describe_train
+
+    train = describe_train(model, model_id=model_id, topology=topology)
+    rollout = describe_rollout(model, page_size=page_size, model_id=model_id, topology=topology)
+    return bind(train, rollout, mandate), train, rollout

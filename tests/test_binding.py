@@ -1,0 +1,371 @@
+"""Issue 9: cross-configuration binding of the training and rollout sides.
+
+Every side here is described from what ran: a warm-up compile of the entry point
+through the capturing backend plus the provenance of its calls (meta/probe.py). Each
+variant changes one thing in the model or the run, never in the description.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.meta import binding, probe
+from rlk_ops.meta.binding import IDENTICAL, RECORDED, SEMANTIC, Mandate, Unobservable, bind
+from rlk_ops.meta.contract import AttentionContract
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+from rlk_ops.rollout.plain import plain_forward_rollout
+
+TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+            head_dim=16)
+
+
+def _model(seed=0, dtype=torch.bfloat16, **cfg):
+    return TinyQwen3(TinyQwen3Config(**{**TINY, **cfg}), dtype=dtype, seed=seed)
+
+
+def _decode(model, **kw):
+    return probe.describe_rollout(model, entries=("decode",), **kw)
+
+
+def _given_id(side, model_id="tiny-qwen3@seed0"):
+    """The same evidence, bound under a stated checkpoint id instead of the weight hash."""
+    return {**side, "model": {"id": model_id, "kind": "given"}}
+
+
+def _fails(result, name, tier, train, rollout):
+    f = result.failure(name)
+    assert f is not None, f"{name} did not fail:\n{result.summary()}"
+    assert (f.tier, binding._jsonable(f.train), binding._jsonable(f.rollout)) == (tier, train, rollout), f.message()
+    assert name in f.message() and tier in f.message()
+    return f
+
+
+# ------------------------------------------------------------------ the sides
+@pytest.fixture(scope="module")
+def train():
+    return probe.describe_train(_model())
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    return probe.describe_rollout(_model())  # chunked prefill + decode, page 16
+
+
+def _forward_rollout_without_k_norm(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens,
+                                    slot_mapping, return_attention=False):
+    """Qwen3Attention.forward_rollout with k_norm left out: a rollout engine that forgot it."""
+    cfg = self.config
+    b, sq, hidden = hidden_states.shape
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = hidden_states.reshape(b * sq, hidden)
+    qkv = rlk_ops.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    pos = positions.reshape(b * sq)
+    q = rlk_ops.rope(rlk_ops.qk_rmsnorm(q.reshape(-1, hq, d), self.q_norm.weight, cfg.rms_norm_eps), pos,
+                     cfg.rope_theta, cfg.rotary_dim)
+    k = rlk_ops.rope(k.reshape(-1, hkv, d), pos, cfg.rope_theta, cfg.rotary_dim)
+    rlk_ops.paged_kv_append(k_cache, v_cache, k, v.reshape(-1, hkv, d), slot_mapping)
+    attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, hq, d), k_cache, v_cache, page_table, seq_lens)
+    out = rlk_ops.linear(attn.reshape(b * sq, -1), self.o_proj.weight).reshape(b, sq, hidden)
+    return (out, attn, lse) if return_attention else out
+
+
+def _auto_lane(q, k_cache, v_cache, page_table, seq_lens, softmax_scale=None, split_kv="disabled"):
+    """What an engine using FlashInfer's automatic split runs: the rlk auto lane."""
+    return rlk_ops.paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+
+
+@pytest.fixture(scope="module")
+def variants():
+    """Rollout (or training) sides that differ from the default pair in one respect."""
+    made = {}
+
+    def get(name):
+        if name in made:
+            return made[name]
+        if name == "theta":
+            side = _decode(_model(rope_theta=1e4))
+        elif name == "eps":
+            side = _decode(_model(rms_norm_eps=1e-5))
+        elif name == "auto":
+            with pytest.MonkeyPatch.context() as mp, rlk_ops.strict(False):
+                mp.setattr(rlk_ops, "paged_attention", _auto_lane)
+                side = _decode(_model())
+        elif name == "fp16":
+            side = _decode(_model(dtype=torch.float16), model_id="tiny-qwen3@seed0")
+        elif name == "tp2":  # what rank 0 of a TP=2 rollout runs: half the heads of the same model
+            side = _decode(_model(num_heads=2, num_kv_heads=1), model_id="tiny-qwen3@seed0",
+                           topology=probe.Topology(tp=2, head_ownership={"q": [0, 2], "kv": [0, 1]}))
+        elif name == "no_k_norm":
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(Qwen3Attention, "forward_rollout", _forward_rollout_without_k_norm)
+                side = _decode(_model())
+        elif name == "fa4_fell_back":
+            with rlk_ops.strict(False), rlk_ops.use_backend(attention_fwd="fa4"):
+                side = probe.describe_train(_model(), backward=False)
+        elif name == "weights":
+            side = _decode(_model(seed=1))
+        elif name == "decode16":
+            side = _decode(_model(), page_size=16)
+        elif name == "prefill128":
+            side = probe.describe_rollout(_model(), page_size=128, entries=("prefill",))
+        elif name == "plain":
+            side = _decode(_model(), forward=plain_forward_rollout)
+        made[name] = side
+        return side
+
+    return get
+
+
+# ------------------------------------------------------------------ acceptance
+def test_default_demo_pair_binds():
+    """The exact call the demo makes before it generates (demo config, page 16)."""
+    cfg = TinyQwen3Config(num_layers=2)
+    mandate = Mandate.from_contract(AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim))
+    result, train_side, rollout_side = binding.bind_model(TinyQwen3(cfg, seed=0), page_size=16, mandate=mandate)
+    assert result.comparable and result.passed, result.summary()
+    assert not result.failures
+    names = {f.field for f in result.fields}
+    for layer in (0, 1):  # every layer's contract was read from the graphs
+        for f in ("attention.split_kv", "attention.split_plan", "q_norm.eps", "k_rope.theta", "q_rope.rotary_dim",
+                  "attention.reduction_order", "attention.num_heads", "v.stages"):
+            assert f"layer[{layer}].{f}" in names
+    assert {e["name"] for e in rollout_side["entries"]} == {"prefill", "decode"}
+    assert train_side["entries"][0]["graph"]["backward"]  # the training warm-up ran its backward too
+    counts = result.to_json()["fields_by_tier"]
+    assert counts[IDENTICAL] >= 8 and counts[SEMANTIC] >= 40 and counts[RECORDED] >= 10
+
+
+def test_pair_fields_come_from_the_graphs_and_provenance(train, rollout):
+    result = bind(train, rollout)
+    assert result.comparable and result.passed, result.summary()
+    by_name = {f.field: f for f in result.fields}
+    attn = by_name["layer[0].attention.split_kv"]
+    assert (attn.train, attn.rollout, attn.tier) == ("disabled", "disabled", SEMANTIC)
+    assert "node #" in attn.source and "args" in attn.source
+    assert by_name["layer[0].q_norm.eps"].train == 1e-6 and by_name["layer[0].k_rope.theta"].rollout == 1e6
+    assert by_name["layer[0].k.stages"].rollout == "linear>rmsnorm>rope"  # followed back through the KV cache
+    assert by_name["layer[0].attention.split_plan"].train == "single_pass"
+    assert by_name["layer[0].attention.fallback"].source.startswith("provenance")
+    assert by_name["model.id"].train.startswith("sha256:") and by_name["model.id"].tier == IDENTICAL
+    assert by_name["topology.head_ownership"].train == {"q": [0, 4], "kv": [0, 2]}
+    assert by_name["env.version.torch"].tier == SEMANTIC  # blocking on every path
+    assert by_name["env.cuda.matmul.allow_tf32"].tier == RECORDED  # nothing ran on CUDA
+    json.dumps(result.to_json())
+
+
+def test_recorded_differences_pass(train, rollout, variants):
+    decode16, prefill128 = variants("decode16"), variants("prefill128")
+    for other in (rollout, decode16, prefill128):
+        result = bind(train, other)
+        assert result.comparable and result.passed, result.summary()
+    result = bind(decode16, prefill128)  # decode vs prefill, page 16 vs 128
+    assert result.comparable and result.passed, result.summary()
+    diffs = {r["field"]: (r["train"], r["rollout"]) for r in result.to_json()["recorded_differences"]}
+    assert diffs["runtime.mode"] == ("decode", "chunked prefill")
+    assert diffs["runtime.page_size"] == (16, 128)
+    modes = {r["field"]: r for r in bind(train, rollout).to_json()["recorded_differences"]}["runtime.mode"]
+    assert (modes["train"], modes["rollout"], modes["tier"]) == ("prefill (packed varlen)",
+                                                                  ["chunked prefill", "decode"], RECORDED)
+
+
+def test_theta_on_one_side(train, variants):
+    result = bind(train, variants("theta"))
+    assert result.comparable and not result.passed
+    for path in ("q", "k"):
+        _fails(result, f"layer[0].{path}_rope.theta", SEMANTIC, 1e6, 1e4)
+    assert {f.field for f in result.failures} == {"layer[0].q_rope.theta", "layer[0].k_rope.theta"}
+
+
+def test_eps_on_one_side(train, variants):
+    result = bind(train, variants("eps"))
+    assert result.comparable and not result.passed
+    for path in ("q", "k"):
+        _fails(result, f"layer[0].{path}_norm.eps", SEMANTIC, 1e-6, 1e-5)
+    # the model's own RMSNorms (outside attention) passed the same eps: also named
+    _fails(result, "model.qk_rmsnorm.args", SEMANTIC, ['{"eps": 1e-06}'], ['{"eps": 1e-05}'])
+
+
+def test_auto_split_kv_on_one_side(train, variants):
+    result = bind(train, variants("auto"))
+    f = _fails(result, "layer[0].attention.split_kv", SEMANTIC, "disabled", "auto")
+    assert "not batch-invariant" in f.detail
+    spec = result.failure("ops.paged_attention_auto.determinism")
+    assert spec.tier == SEMANTIC and "nondeterministic_bitwise" in spec.detail
+    assert result.comparable and not result.passed
+
+
+def test_fp16_vs_bf16(train, variants):
+    result = bind(_given_id(train), variants("fp16"))
+    assert result.comparable and not result.passed  # same checkpoint id: comparable, not equal
+    _fails(result, "layer[0].attention.dtype", SEMANTIC, "bfloat16", "float16")
+    # bound by weight hash instead, fp16 weights are other numbers: not even comparable
+    by_hash = bind(train, {**variants("fp16"), "model": {"id": probe.weights_id(_model(dtype=torch.float16)),
+                                                          "kind": "weights_sha256"}})
+    assert not by_hash.comparable and by_hash.failure("model.id").tier == IDENTICAL
+
+
+def test_different_tp_degree(train, variants):
+    result = bind(_given_id(train), variants("tp2"))
+    assert not result.comparable and not result.passed
+    _fails(result, "topology.tp", IDENTICAL, 1, 2)
+    _fails(result, "topology.head_ownership", IDENTICAL, {"q": [0, 4], "kv": [0, 2]}, {"q": [0, 2], "kv": [0, 1]})
+    _fails(result, "layer[0].attention.num_heads", IDENTICAL, 4, 2)
+
+
+def test_rollout_graph_skips_qk_rmsnorm(train, variants):
+    result = bind(train, variants("no_k_norm"))
+    assert result.comparable and not result.passed
+    _fails(result, "layer[0].k.stages", SEMANTIC, "linear>rmsnorm>rope", "linear>rope")
+    _fails(result, "layer[0].k_norm.eps", SEMANTIC, 1e-6, "absent (no RMSNorm on the k path)")
+    assert result.failure("layer[0].q.stages") is None  # q still has its norm
+
+
+def test_fa4_backend_fell_back(variants, rollout):
+    side = variants("fa4_fell_back")
+    result = bind(side, rollout)
+    assert result.comparable and not result.passed
+    f = result.failure("layer[0].attention.fallback")
+    assert f.tier == SEMANTIC and f.rollout is False
+    assert f.train.startswith("requested fa4, ran cpu") and "unavailable" in f.train
+    assert result.failure("ops.attention_fwd.fallback").tier == SEMANTIC
+    by_name = {x.field: x for x in result.fields}
+    assert by_name["layer[0].attention.backend"].train == "fa4->cpu"
+
+
+def test_different_weights(train, variants):
+    result = bind(train, variants("weights"))
+    assert not result.comparable and not result.passed
+    f = result.failure("model.id")
+    assert f.tier == IDENTICAL and f.train != f.rollout and f.rollout.startswith("sha256:")
+    assert [x.field for x in result.failures] == ["model.id"]  # the contract itself matches
+
+
+# ------------------------------------------------------------------ fail closed
+def test_configured_never_executed_side_is_unobservable(train):
+    configured = probe.describe_side("rollout", [], model_id=train["model"]["id"])
+    result = bind(train, configured)
+    assert not result.comparable and not result.passed
+    f = result.failure("attention.layers")
+    assert f.status == "unobservable" and f.tier == IDENTICAL and isinstance(f.rollout, Unobservable)
+
+
+def test_graph_without_recorded_calls_is_unobservable(train, rollout):
+    """A graph that compiled but whose calls were never recorded (provenance dropped)."""
+    compiled_only = json.loads(json.dumps(rollout))
+    for entry in compiled_only["entries"]:
+        entry["provenance"] = []
+    result = bind(train, compiled_only)
+    assert result.comparable and not result.passed
+    for name in ("layer[0].attention.split_plan", "layer[0].attention.reduction_order",
+                 "ops.paged_attention.determinism"):
+        f = result.failure(name)
+        assert f.status == "unobservable" and f.tier == SEMANTIC and "never" in f.detail + str(f.rollout.reason)
+
+
+def test_plain_pytorch_rollout_does_not_bind(train, variants):
+    """The demo's negative control, caught before the first step: no rlk attention."""
+    result = bind(train, variants("plain"))
+    assert not result.comparable
+    _fails(result, "attention.layers", IDENTICAL, 1, 0)
+
+
+def test_rollout_that_disagrees_with_itself_fails(train, variants):
+    """Two entry points of one side that ran different definitions cannot both match."""
+    other = {**variants("theta")["entries"][0], "name": "decode (theta 1e4)"}
+    mixed = {**variants("decode16"), "entries": variants("decode16")["entries"] + [other]}
+    f = bind(train, mixed).failure("layer[0].q_rope.theta")
+    assert f.tier == SEMANTIC and f.rollout == {"decode": 1e6, "decode (theta 1e4)": 1e4}
+
+
+# ------------------------------------------------------------------ environment
+def test_probe_reads_the_process():
+    env = probe.probe()
+    assert env["torch.deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()
+    assert env["version.torch"] == torch.__version__
+    assert {"cuda.matmul.allow_tf32", "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO", "gpu_arch",
+            "cpu_capability", "cuda.matmul.allow_bf16_reduced_precision_reduction"} <= set(env)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not old
+        assert probe.probe()["cuda.matmul.allow_tf32"] == (not old)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_environment_blocking_rules():
+    cpu = probe.path_of([{"device": "cpu", "actual_backend": "cpu"}])
+    gpu = probe.path_of([{"device": "cuda:0", "actual_backend": "fa4"}], tp=2)
+    assert probe.blocking("cuda.matmul.allow_tf32", cpu) is None
+    assert "CUDA" in probe.blocking("cuda.matmul.allow_tf32", gpu)
+    assert probe.blocking("NCCL_ALGO", gpu) and probe.blocking("NCCL_ALGO", probe.path_of(
+        [{"device": "cuda:0", "actual_backend": "fa4"}])) is None
+    assert probe.blocking("version.flash_attn_4", gpu) and probe.blocking("version.flash_attn_4", cpu) is None
+    assert probe.blocking("cpu_capability", cpu) and probe.blocking("version.torch", cpu)
+    assert probe.blocking("python", gpu) is None
+
+
+def test_environment_differences(train, rollout):
+    other = json.loads(json.dumps(rollout))
+    other["environment"]["cuda.matmul.allow_tf32"] = not other["environment"]["cuda.matmul.allow_tf32"]
+    result = bind(train, other)  # a CUDA-only flag on a CPU path: recorded
+    assert result.passed, result.summary()
+    other["environment"]["version.torch"] = "2.11.0+cu130"
+    f = bind(train, other).failure("env.version.torch")
+    assert f.tier == SEMANTIC and f.rollout == "2.11.0+cu130" and "blocking" in f.detail
+    del other["environment"]["cpu_capability"]
+    assert bind(train, other).failure("env.cpu_capability").status == "unobservable"
+
+
+def test_flashinfer_plan_records_are_normalised():
+    recs = [{"policy": "fixed:256", "split_kv": True, "kv_chunk_tokens": 256, "calls": 3},
+            {"policy": "disabled", "split_kv": False, "kv_chunk_tokens": None, "calls": 1},
+            {"policy": "auto", "plan_info_error": "IndexError: x", "calls": 1}]
+    assert [(p["op"], p["plan"]) for p in probe.flashinfer_plans(recs)] == [
+        ("paged_attention", "chunks:256"), ("paged_attention", "single_pass"),
+        ("paged_attention_auto", "unknown (IndexError: x)")]
+
+
+# ------------------------------------------------------------------ CLI and demo
+def test_cli_check(tmp_path, train, rollout, variants):
+    from rlk_ops.__main__ import main
+
+    paths = {}
+    for name, side in (("train", train), ("rollout", rollout), ("theta", variants("theta"))):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(side))
+    assert main(["check", "--train", str(paths["train"]), "--rollout", str(paths["rollout"])]) == 0
+    assert main(["check", "--train", str(paths["train"]), "--rollout", str(paths["theta"])]) == 1
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["check", "--train", str(tmp_path / "bad.json"), "--rollout", str(paths["rollout"])]) == 2
+    proc = subprocess.run([sys.executable, "-m", "rlk_ops", "check", "--train", str(paths["train"]), "--rollout",
+                           str(paths["theta"]), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["comparable"], out["passed"]) == (True, False)
+    assert {(f["field"], f["tier"], f["train"], f["rollout"]) for f in out["failures"]} == {
+        ("layer[0].q_rope.theta", SEMANTIC, 1e6, 1e4), ("layer[0].k_rope.theta", SEMANTIC, 1e6, 1e4)}
+
+
+def test_cli_describe(tmp_path, train):
+    from rlk_ops.__main__ import main
+
+    out = tmp_path / "r.json"
+    assert main(["describe", "--side", "rollout", "--out", str(out), "--layers", "1", "--entries", "decode",
+                 "--page-size", "128"]) == 0
+    side = binding.load_side(str(out))
+    assert side["side"] == "rollout" and [e["name"] for e in side["entries"]] == ["decode"]
+    result = bind(train, side)  # the demo model (hidden 256) vs the tiny one: other weights and heads
+    assert not result.comparable and result.failure("model.id")
+
+
+def test_demo_refuses_to_generate_when_binding_fails(monkeypatch):
+    monkeypatch.setattr(Qwen3Attention, "forward_rollout", _forward_rollout_without_k_norm)
+    with pytest.raises(rlk_ops.StrictModeError, match=r"(?s)do not bind.*\[SEMANTIC\] layer\[0\]\.k\.stages"):
+        from rlk_ops.rollout import demo
+
+        demo.run(layers=1, sequences=2, progress=False, negative_control=False, backward=False)
