@@ -122,7 +122,7 @@ def _csr(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
 
 
 def _read_plan(w, policy: str, args: dict, batch: int, q_len: int, page_size: int) -> dict:
-    rec = {"policy": policy, "flashinfer_backend": str(getattr(w, "_backend", "?")), "use_tensor_cores": True,
+    rec = {"policy": policy, "flashinfer_backend": str(getattr(w, "resolved_backend", "?")), "use_tensor_cores": True,
            "disable_split_kv": bool(args["disable_split_kv"]), "fixed_split_size_pages": args["fixed_split_size"],
            "page_size": page_size, "batch": batch, "q_len": q_len}
     try:  # FlashInfer's PrefillPlanInfo vector (scheduler.cuh): [0] padded batch, [3] cta_tile_q,
@@ -131,8 +131,8 @@ def _read_plan(w, policy: str, args: dict, batch: int, q_len: int, page_size: in
         split = bool(info[14])
         rec.update(split_kv=split, work_items=info[0], cta_tile_q=info[3])
         if split:
-            buf = w._pin_memory_int_workspace_buffer
-            rec["kv_chunk_tokens"] = int(buf[info[9]:info[9] + 4].view(torch.int32)[0])
+            raw = w._pin_memory_int_workspace_buffer[info[9]:info[9] + 4].tolist()  # int32, 1-byte aligned
+            rec["kv_chunk_tokens"] = int.from_bytes(bytes(raw), "little", signed=True)
         else:
             rec["kv_chunk_tokens"] = None
     except Exception as e:  # a FlashInfer version with another layout: say so, do not guess

@@ -1,0 +1,172 @@
+"""FlashInfer lane: split-KV policy mapping, the strict refusal of the auto lane (CPU),
+and under -m cuda: accuracy against the CPU reference, LSE in natural log, bitwise B=1
+vs B=8 and run-to-run for the strict policies, the plan recorded per call."""
+import math
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops import RlkInputError, StrictModeError
+from rlk_ops.kernels.flashinfer import flashinfer_split_args
+
+from conftest import TOL, bitwise_equal, rel_err
+
+
+def _has_flashinfer() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+needs_flashinfer = pytest.mark.skipif(not _has_flashinfer(), reason="needs a CUDA GPU and flashinfer")
+HQ, HKV, D, PS = 16, 4, 128, 16
+
+
+def cuda_test(fn):
+    return pytest.mark.cuda(needs_flashinfer(fn))
+
+
+# ----------------------------------------------------------------------- CPU side
+@pytest.mark.parametrize("policy,page_size,expected", [
+    ("disabled", 16, {"disable_split_kv": True, "fixed_split_size": None}),
+    ("fixed:256", 16, {"disable_split_kv": False, "fixed_split_size": 16}),
+    ("fixed:1024", 128, {"disable_split_kv": False, "fixed_split_size": 8}),
+    ("auto", 16, {"disable_split_kv": False, "fixed_split_size": None}),
+])
+def test_policy_maps_to_flashinfer_plan_arguments(policy, page_size, expected):
+    assert flashinfer_split_args(policy, page_size) == expected
+
+
+def test_policy_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"'fixed:100' must be a multiple of the cache's page_size 16"):
+        flashinfer_split_args("fixed:100", 16)
+    with pytest.raises(ValueError, match=r"'canonical:256' is not implemented by the flashinfer backend"):
+        flashinfer_split_args("canonical:256", 16)
+
+
+def _small_paged():
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    return torch.randn(2, 1, 4, 8, generator=g), kc, vc, table, torch.tensor([9, 6], dtype=torch.int32)
+
+
+def test_auto_lane_is_tagged_and_refused_in_strict_mode():
+    assert torch.Tag.nondeterministic_bitwise in torch.ops.rlk.paged_attention_auto.default.tags
+    assert not rlk_ops.OP_SPECS["paged_attention_auto"].deterministic
+    with rlk_ops.provenance.capture() as log:
+        with pytest.raises(StrictModeError, match=r"rlk::paged_attention_auto: the automatic split-KV depends on "
+                                                  r"the batch .* strict mode \(the default\) refuses it"):
+            rlk_ops.paged_attention_auto(*_small_paged())
+    assert log.records() == []  # nothing ran
+
+
+def test_auto_lane_outside_strict_mode_runs_and_is_recorded():
+    args = _small_paged()
+    with rlk_ops.strict(False), rlk_ops.provenance.capture() as log:
+        out, lse = rlk_ops.paged_attention_auto(*args)
+    ref = rlk_ops.paged_attention(*args)  # the cpu backend never splits: auto == one pass
+    assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1])
+    (rec,) = log.records()
+    assert (rec.op, rec.actual_backend, rec.fallback) == ("paged_attention_auto", "cpu", False)
+
+
+def test_strict_op_refuses_auto_on_every_backend():
+    with rlk_ops.use_backend(paged_attention="flashinfer"):
+        with pytest.raises(RlkInputError, match=r"split_kv 'auto' is not allowed here"):
+            rlk_ops.paged_attention(*_small_paged(), split_kv="auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_flashinfer_unavailable_without_cuda():
+    with rlk_ops.use_backend(paged_attention="flashinfer"):
+        with pytest.raises(StrictModeError, match=r"backend 'flashinfer' unavailable: torch.cuda is not available"):
+            rlk_ops.paged_attention(*_small_paged())
+
+
+# ----------------------------------------------------------------------- CUDA side
+LENS = [1000, 1, 17, 256, 2049, 700, 33, 4096]
+
+
+def _batch(sq=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    pages = [math.ceil(n / PS) for n in LENS]
+    num_pages = sum(pages) + 5
+    kc = torch.randn(num_pages, PS, HKV, D, generator=g).to(torch.bfloat16)  # stale slots hold finite garbage
+    vc = torch.randn(num_pages, PS, HKV, D, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(LENS), max(pages) + 2), -9, dtype=torch.int32)  # padding may hold anything
+    i = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+        i += n
+    q = torch.randn(len(LENS), sq, HQ, D, generator=g).to(torch.bfloat16)
+    return q, kc, vc, table, torch.tensor(LENS, dtype=torch.int32)
+
+
+def _cuda(args):
+    return [a.cuda() for a in args]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {sq: rlk_ops.paged_attention(*_batch(sq)) for sq in (1, 4)}  # CPU reference backend
+
+
+@cuda_test
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("policy", ["disabled", "fixed:256", "fixed:1024"])
+def test_strict_policies_accurate_batch_invariant_run_to_run(reference, sq, policy):
+    from rlk_ops.kernels import flashinfer as FI
+
+    q, kc, vc, table, lens = _cuda(_batch(sq))
+    with rlk_ops.use_backend(paged_attention="flashinfer"), rlk_ops.provenance.capture() as log:
+        out, lse = rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=policy)
+        plan = dict(FI.last_plan)
+        again = rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=policy)
+        singles = [rlk_ops.paged_attention(q[b:b + 1], kc, vc, table[b:b + 1], lens[b:b + 1], split_kv=policy)
+                   for b in range(len(LENS))]
+    assert {(r.op, r.actual_backend) for r in log.records()} == {("paged_attention", "flashinfer")}
+    ref_out, ref_lse = reference[sq]
+    assert rel_err(out.cpu(), ref_out) < TOL[torch.bfloat16]
+    assert (lse.cpu() - ref_lse).abs().max().item() < 1e-3  # natural log (a log2 LSE would be off by ~40%)
+    assert bitwise_equal(again[0], out) and bitwise_equal(again[1], lse)
+    for b, (o1, l1) in enumerate(singles):
+        assert bitwise_equal(o1[0], out[b]) and bitwise_equal(l1[0], lse[b]), f"sequence {b}"
+    # the plan FlashInfer made is recorded with the policy
+    assert plan["policy"] == policy and plan["use_tensor_cores"] and plan["q_len"] == sq
+    if policy == "disabled":
+        assert plan["disable_split_kv"] and plan["split_kv"] is False
+    else:
+        n = int(policy.split(":")[1])
+        assert plan["fixed_split_size_pages"] == n // PS
+        assert plan["split_kv"] is True and plan["kv_chunk_tokens"] == n  # LENS has sequences longer than n
+
+
+@cuda_test
+def test_auto_lane_accurate_and_recorded(reference):
+    from rlk_ops.kernels import flashinfer as FI
+
+    args = _cuda(_batch(1))
+    with rlk_ops.strict(False), rlk_ops.provenance.capture() as log:
+        out, lse = rlk_ops.paged_attention_auto(*args)
+        again = rlk_ops.paged_attention_auto(*args)
+    (rec,) = log.records()
+    assert (rec.actual_backend, FI.last_plan["policy"]) == ("flashinfer", "auto")
+    assert rel_err(out.cpu(), reference[1][0]) < TOL[torch.bfloat16]
+    assert bitwise_equal(again[0], out) and bitwise_equal(again[1], lse)  # run-to-run for a fixed batch
+
+
+@cuda_test
+def test_flashinfer_rejects_what_it_cannot_do():
+    q, kc, vc, table, lens = _cuda(_batch(1))
+    with rlk_ops.use_backend(paged_attention="flashinfer"):
+        with pytest.raises(ValueError, match=r"'fixed:100' must be a multiple of the cache's page_size 16"):
+            rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="fixed:100")
+        with pytest.raises(ValueError, match=r"q must be bfloat16 or float16, got torch.float32"):
+            rlk_ops.paged_attention(q.float(), kc.float(), vc.float(), table, lens)
