@@ -19,6 +19,7 @@ from rlk_ops.ops._validate import RlkInputError
 from rlk_ops.ops.attention import attention
 from rlk_ops.ops.collectives import all_gather, reduce_scatter
 from rlk_ops.ops.linear import linear
+from rlk_ops.ops.merge import merge_attn_states
 from rlk_ops.ops.paged_attention import paged_attention
 from rlk_ops.ops.paged_attention_auto import paged_attention_auto
 from rlk_ops.ops.paged_kv import paged_kv_append, paged_kv_gather
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "paged_attention", "paged_kv_append", "paged_kv_gather", "qk_rmsnorm", "rope",
-    "linear", "all_gather", "reduce_scatter", "qk_norm_rope", "paged_attention_auto",
+    "linear", "all_gather", "reduce_scatter", "qk_norm_rope", "paged_attention_auto", "merge_attn_states",
     "strict_mode", "set_strict_mode", "strict", "use_backend", "provenance", "OP_SPECS",
     "RlkInputError", "StrictModeError", "BackendUnavailable", "__version__",
 ]

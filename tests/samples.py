@@ -3,6 +3,8 @@
 Every op in ``rlk_ops.meta.specs.REGISTRY`` must have an entry here (test_registry
 enforces it), so a new op cannot skip opcheck.
 """
+import math
+
 import torch
 
 
@@ -31,6 +33,14 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
     cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
     outv, lsev = torch.ops.rlk.attention_fwd(qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")
     k_cache, v_cache, page_table, seq_lens = _paged()
+    # canonical:128 needs > 128 keys to split: 3 queries at positions 128..130 of 131 keys
+    qc, kc, vc = torch.randn(1, 3, 2, 8), torch.randn(1, 131, 1, 8), torch.randn(1, 131, 1, 8)
+    outc, lsec = torch.ops.rlk.attention_fwd(qc, kc, vc, 1, 0.3, None, None, 0, 0, "canonical:128")
+    kcc, vcc, ptc = torch.randn(10, 16, 1, 8), torch.randn(10, 16, 1, 8), torch.tensor([[3, 1, 4, 0, 9, 2, 6, 8, 5]],
+                                                                                       dtype=torch.int32)
+    states = torch.randn(3, 2, 5, 4, 8), torch.randn(3, 2, 4, 5)
+    states[1][1, 0, 2, 3] = -math.inf  # an empty state
+    merged = torch.ops.rlk.merge_attn_states(*states)
     xl = torch.randn(3, 5, 16)
     wl = torch.randn(12, 16)
     bl = torch.randn(12)
@@ -44,11 +54,21 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
                              torch.tensor([5, -1, 17], dtype=torch.int64))],
         "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens)],
         "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0, "disabled"), (q, k, v, 0, 0.3, None, None, 0, 0, "disabled"),
-                          (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")],
+                          (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
+                          (qc, kc, vc, 1, 0.3, None, None, 0, 0, "canonical:128")],
         "attention_bwd": [(torch.randn_like(out), q, k, v, out, lse, None, 1, 0.3, None, None, 0, 0, "disabled"),
                           (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0, "disabled"),
-                          (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled")],
-        "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3, "disabled")],
+                          (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
+                          (torch.randn_like(outc), qc, kc, vc, outc, lsec, torch.randn_like(lsec), 1, 0.3, None, None,
+                           0, 0, "canonical:128")],
+        "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3, "disabled"),
+                            (torch.randn(1, 1, 2, 8), kcc, vcc, ptc, torch.tensor([140], dtype=torch.int32), 0.3,
+                             "canonical:128"),  # decode: (chunk, sequence) pairs
+                            (torch.randn(1, 13, 2, 8), kcc, vcc, ptc, torch.tensor([140], dtype=torch.int32), 0.3,
+                             "canonical:128")],  # chunked prefill: the general plan
+        "merge_attn_states": [states, (states[0][:, 0], states[1][:, 0])],
+        "merge_attn_states_bwd": [(torch.randn_like(merged[0]), torch.randn_like(merged[1]), *states, *merged),
+                                  (torch.randn_like(merged[0]), None, *states, *merged)],
         "paged_attention_auto": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3)],
         "qk_norm_rope": [(x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-6, 1e6, 8),
                          (x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-5, 1e4, 4)],
@@ -63,7 +83,8 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
 
 
 # which arguments opcheck should mark requires_grad (float tensors of differentiable ops)
-DIFFERENTIABLE = {"qk_rmsnorm", "rope", "attention_fwd", "linear", "all_gather", "reduce_scatter", "qk_norm_rope"}
+DIFFERENTIABLE = {"qk_rmsnorm", "rope", "attention_fwd", "linear", "all_gather", "reduce_scatter", "qk_norm_rope",
+                  "merge_attn_states"}
 
 # ops that refuse to run in strict mode (diagnostic lanes): opcheck runs them inside strict(False)
 NON_STRICT = {"paged_attention_auto"}

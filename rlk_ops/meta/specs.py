@@ -136,6 +136,15 @@ _add(OpSpec("paged_attention", "attention",
             "str split_kv)"
             " -> (Tensor, Tensor)",
             backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
+# canonical:C split-KV merges chunk states with this op on both sides (kernels/cpu/merge.py).
+_add(OpSpec("merge_attn_states", "attention", "(Tensor out_parts, Tensor lse_parts) -> (Tensor, Tensor)",
+            differentiable=True, backward=("merge_attn_states_bwd",),
+            backends={"cpu": DeterminismSpec(True, True, notes="states in ascending order, skipping lse = -inf; "
+                                                               "fp32 elementwise, numerics.exp/log")}))
+_add(OpSpec("merge_attn_states_bwd", "attention",
+            "(Tensor dout, Tensor? dlse, Tensor out_parts, Tensor lse_parts, Tensor out, Tensor lse)"
+            " -> (Tensor, Tensor)",
+            backends={"cpu": DeterminismSpec(True, True, notes="per row: elementwise and one rowsum over head_dim")}))
 # The diagnostic lane whose split-KV the backend picks from the batch: tagged, refused in strict mode.
 _add(OpSpec("paged_attention_auto", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"

@@ -4,6 +4,7 @@ from rlk_ops.ops import (  # noqa: F401 - imported for registration
     attention,
     collectives,
     linear,
+    merge,
     paged_attention,
     paged_attention_auto,
     paged_kv,

@@ -6,6 +6,7 @@ every kernel here is built from.
 """
 from rlk_ops.kernels.cpu.attention import attention_bwd, attention_fwd, paged_attention
 from rlk_ops.kernels.cpu.linear import linear, linear_bias_bwd, linear_bwd
+from rlk_ops.kernels.cpu.merge import merge_attn_states, merge_attn_states_bwd
 from rlk_ops.kernels.cpu.norm import qk_rmsnorm, qk_rmsnorm_bwd
 from rlk_ops.kernels.cpu.paged_attention_auto import paged_attention_auto
 from rlk_ops.kernels.cpu.paged_kv import paged_kv_append, paged_kv_gather
@@ -15,5 +16,5 @@ from rlk_ops.kernels.cpu.rope import rope, rope_bwd
 __all__ = [
     "attention_bwd", "attention_fwd", "paged_attention", "linear", "linear_bias_bwd", "linear_bwd",
     "qk_rmsnorm", "qk_rmsnorm_bwd", "paged_kv_append", "paged_kv_gather", "rope", "rope_bwd",
-    "qk_norm_rope", "paged_attention_auto",
+    "qk_norm_rope", "paged_attention_auto", "merge_attn_states", "merge_attn_states_bwd",
 ]

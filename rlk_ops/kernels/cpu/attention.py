@@ -22,6 +22,10 @@ processing them for a neighbouring row changes nothing.
 Causal masking is bottom-right aligned: query row i of Sq sits at absolute position
 ``Sk - Sq + i``. float64 inputs accumulate (and return lse) in float64: that path
 exists for gradcheck; every other dtype accumulates in float32.
+
+``split_kv="canonical:C"`` (kernels/cpu/canonical.py) computes a row as partial states
+over C-key chunks, each exactly this core over the chunk's keys, merged by
+``rlk::merge_attn_states``; ``"disabled"`` is the single pass above.
 """
 from __future__ import annotations
 
@@ -29,7 +33,10 @@ import math
 
 import torch
 
+from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.cpu import numerics as nx
+from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.meta.contract import SplitKVPolicy
 
 BLOCK = 128
 # elements of the largest temporary product per step (fp32: 16 MiB)
@@ -213,15 +220,38 @@ def _varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, in
     return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
 
 
-def _single_pass_only(op: str, split_kv: str) -> None:
-    if split_kv != "disabled":
+def _policy(op: str, split_kv: str) -> SplitKVPolicy:
+    policy = SplitKVPolicy.parse(split_kv)
+    if policy.kind not in ("disabled", "canonical"):
         raise ValueError(f"rlk::{op}: split_kv {split_kv!r} is not implemented by the cpu backend "
-                         f"(supported: disabled)")
+                         f"(supported: disabled, canonical:C)")
+    return policy
+
+
+def _packed_out(out, lse, bsz, sq):
+    """Packed [B*Sq, Hq, D] / [Hq, B*Sq] -> dense [B, Sq, Hq, D] / [B, Hq, Sq] (copies)."""
+    hq = out.shape[1]
+    return out.view(bsz, sq, hq, out.shape[-1]), lse.view(hq, bsz, sq).transpose(0, 1).contiguous()
+
+
+def _canonical_fwd(q, k, v, causal, scale, cu_q, cu_k, chunk):
+    merge = kernel_for("merge_attn_states", q.device)
+    if cu_q is not None:
+        seqs = [(q0, q1 - q0, k0, k1 - k0) for q0, q1, k0, k1 in _varlen_bounds(cu_q, cu_k)]
+        return canonical.run(canonical.plan(seqs, chunk, causal, q.device), q, k, v, scale, attention_fwd, merge)
+    bsz, sq, hq, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    seqs = [(b * sq, sq, b * sk, sk) for b in range(bsz)]
+    out, lse = canonical.run(canonical.plan(seqs, chunk, causal, q.device), q.reshape(bsz * sq, hq, d),
+                             k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attention_fwd, merge)
+    return _packed_out(out, lse, bsz, sq)
 
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   split_kv="disabled"):
-    _single_pass_only("attention_fwd", split_kv)
+    policy = _policy("attention_fwd", split_kv)
+    if policy.kind == "canonical":
+        return _canonical_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size)
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         out, lse = _forward(q, k, v, q_pos, k_len, bool(causal), softmax_scale)
@@ -242,7 +272,15 @@ def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, ma
 
 def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k, split_kv="disabled"):
-    _single_pass_only("attention_bwd", split_kv)
+    # canonical:C needs no code of its own here. Its forward is the same function of
+    # (q, k, v) as single pass (the merge is exact algebra; only the rounding differs),
+    # so its exact gradient is this backward evaluated at the forward's own (out, lse):
+    # the chain rule through the merge hands chunk c the row term
+    # p_c * (rowsum(dout * out) - dlse) with p_c = exp(lse_c - lse), and
+    # p_c * exp(s - lse_c) = exp(s - lse), the single-pass P. One deterministic pass, no
+    # per-chunk states, fewer roundings than going chunk by chunk; tests/test_canonical.py
+    # checks it against that explicit chain rule and with gradcheck.
+    _policy("attention_bwd", split_kv)
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         return _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, bool(causal), softmax_scale)
@@ -268,18 +306,46 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_pages: int) ->
     return cache[pages.reshape(-1)].reshape(bsz, n_pages * ps, h, d)
 
 
-def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
-    _single_pass_only("paged_attention", split_kv)
-    bsz, sq, _, _ = q.shape
+def _logical_kv(k_cache, v_cache, page_table, k_len):
+    """Each sequence's keys and values [B, n_pages * page_size, Hkv, D], zero past its length."""
     ps = k_cache.shape[1]
-    k_len = seq_lens.to(torch.int64)
-    n_pages = max(1, math.ceil(int(k_len.max()) / ps)) if bsz else 1
+    n_pages = max(1, math.ceil(int(k_len.max()) / ps)) if k_len.numel() else 1
     k = gather_pages(k_cache, page_table, n_pages)
     v = gather_pages(v_cache, page_table, n_pages)
     # keys past seq_len (stale page contents) must not reach the arithmetic: zero them
     valid = torch.arange(n_pages * ps).view(1, -1) < k_len.view(-1, 1)
-    k = torch.where(valid[:, :, None, None], k, 0)
-    v = torch.where(valid[:, :, None, None], v, 0)
+    return torch.where(valid[:, :, None, None], k, 0), torch.where(valid[:, :, None, None], v, 0)
+
+
+def _canonical_paged(q, k_cache, v_cache, page_table, seq_lens, scale, chunk):
+    bsz, sq, hq, d = q.shape
+    ps = k_cache.shape[1]
+    merge = kernel_for("merge_attn_states", q.device)
+    if sq == 1 and chunk % ps == 0:
+        # decode: every (chunk, sequence) pair is a row of one single-pass paged call,
+        # laid out from the page table (the layout a GPU backend uses; no gather here)
+        pair_table, pair_lens, n = canonical.decode_pairs(page_table, seq_lens, ps, chunk)
+        q_pairs = q[None].expand(n, bsz, 1, hq, d).reshape(n * bsz, 1, hq, d)
+        out, lse = paged_attention(q_pairs, k_cache, v_cache, pair_table, pair_lens, scale)
+        lse = torch.where(pair_lens.view(-1, 1, 1) > 0, lse, -math.inf)
+        return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1))
+    k_len = seq_lens.to(torch.int64)
+    k, v = _logical_kv(k_cache, v_cache, page_table, k_len)
+    kmax, h_kv = k.shape[1], k.shape[2]
+    seqs = [(b * sq, sq, b * kmax, n) for b, n in enumerate(k_len.tolist())]
+    out, lse = canonical.run(canonical.plan(seqs, chunk, True, q.device), q.reshape(bsz * sq, hq, d),
+                             k.reshape(bsz * kmax, h_kv, d), v.reshape(bsz * kmax, h_kv, d), scale, attention_fwd,
+                             merge)
+    return _packed_out(out, lse, bsz, sq)
+
+
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
+    policy = _policy("paged_attention", split_kv)
+    if policy.kind == "canonical":
+        return _canonical_paged(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size)
+    sq = q.shape[1]
+    k_len = seq_lens.to(torch.int64)
+    k, v = _logical_kv(k_cache, v_cache, page_table, k_len)
     q_pos = k_len.view(-1, 1) - sq + torch.arange(sq, dtype=torch.int64).view(1, -1)
     out, lse = _forward(q, k, v, q_pos, k_len, True, softmax_scale)
     return out, lse if q.dtype == torch.float64 else lse.float()

@@ -1,0 +1,416 @@
+"""canonical:C split-KV on the CPU reference.
+
+Bitwise claims (torch.equal): training rows == paged decode rows == chunked-prefill rows
+under canonical:C, for several C, page sizes, batch compositions and positions on and
+off chunk boundaries; run-to-run forward and backward; the merge skips empty states
+exactly. Accuracy against float64 math, gradcheck in float64, and the backward checked
+against the explicit chain rule through rlk::merge_attn_states_bwd.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rlk_ops
+from rlk_ops.compile import Qwen3Attention
+from rlk_ops.compile.examples import init_block, packed_batch
+from rlk_ops.kernels.cpu import canonical
+from rlk_ops.kernels.cpu import merge as merge_kernels
+from rlk_ops.rollout.cache import PagedKVCache
+
+from conftest import TOL, bitwise_equal, ref_attention, rel_err
+
+DT = torch.bfloat16
+B, S, HQ, HKV, D = 2, 300, 4, 2, 16
+BOUNDARY_POSITIONS = (0, 127, 128, 129, 255, 256, 257, S - 1)
+
+
+def _qkv(seed=1, b=B, s=S, dtype=DT):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return _qkv()
+
+
+@pytest.fixture(scope="module")
+def train(qkv):
+    """Training forward (dense prefill) under each policy the tests use."""
+    return {c: rlk_ops.attention(*qkv, split_kv=f"canonical:{c}") for c in (128, 256)} | {
+        "disabled": rlk_ops.attention(*qkv)}
+
+
+def _fill_cache(k, v, page_size, seed):
+    """Each sequence's K/V in shuffled, non-contiguous pages; garbage everywhere else."""
+    g = torch.Generator().manual_seed(seed)
+    bsz, s = k.shape[:2]
+    per_seq = math.ceil(s / page_size)
+    num_pages = bsz * per_seq + 3
+    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(k.dtype)
+    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(k.dtype)
+    perm = torch.randperm(num_pages, generator=g)
+    page_table = torch.full((bsz, per_seq + 2), 10**6, dtype=torch.int32)  # padding may hold anything
+    for b in range(bsz):
+        pages = perm[b * per_seq:(b + 1) * per_seq]
+        page_table[b, :per_seq] = pages.int()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:s]
+        rlk_ops.paged_kv_append(k_cache, v_cache, k[b], v[b], slots)
+    return k_cache, v_cache, page_table
+
+
+# ------------------------------------------------------------------ the definition
+def test_plan_pieces_are_the_documented_ones():
+    p = canonical.plan([(0, 300, 0, 300), (300, 50, 300, 260)], 128, causal=True)
+    diag, full = p.groups
+    assert p.num_slots == 3 and diag.causal and not full.causal
+    # (seq, chunk, first query row, queries, first key row, keys), piece by piece
+    def pieces(g):
+        cq, ck = g.cu_seqlens_q.tolist(), g.cu_seqlens_k.tolist()
+        return [(s, c, int(g.q_index[cq[j]]), cq[j + 1] - cq[j], int(g.k_index[ck[j]]), ck[j + 1] - ck[j])
+                for j, (s, c) in enumerate(zip(g.seq, g.chunk))]
+    # sequence 1: 50 queries at positions 210..259 of 260 keys (bottom-right)
+    assert pieces(diag) == [(0, 0, 0, 128, 0, 128), (0, 1, 128, 128, 128, 128), (0, 2, 256, 44, 256, 44),
+                            (1, 1, 300, 46, 428, 128), (1, 2, 346, 4, 556, 4)]
+    assert pieces(full) == [(0, 0, 128, 172, 0, 128), (0, 1, 256, 44, 128, 128),
+                            (1, 0, 300, 50, 300, 128), (1, 1, 346, 4, 428, 128)]
+    assert diag.slot.tolist()[:3] == [0, 0, 0] and full.slot.tolist()[-1] == 1
+    nc = canonical.plan([(0, 5, 0, 300)], 256, causal=False)
+    assert [(g.causal, g.chunk, g.cu_seqlens_k.tolist()) for g in nc.groups] == [(False, (0, 1), [0, 256, 300])]
+    with pytest.raises(ValueError, match="multiple of 128, got 100"):
+        canonical.plan([(0, 1, 0, 1)], 100, causal=True)
+
+
+def test_decode_pairs_layout():
+    table = torch.tensor([[7, 3, 9, 1, 4], [2, 8, 0, 0, 0]], dtype=torch.int32)
+    pair_table, pair_lens, n = canonical.decode_pairs(table, torch.tensor([300, 40], dtype=torch.int32), 64, 128)
+    assert n == 3  # ceil(5 pages * 64 / 128) chunks, from the table width alone
+    assert pair_table.tolist() == [[7, 3], [2, 8], [9, 1], [0, 0], [4, 0], [0, 0]]  # chunk-major
+    assert pair_lens.tolist() == [128, 40, 128, 0, 44, 0]
+    with pytest.raises(ValueError, match="chunk_size % page_size == 0"):
+        canonical.decode_pairs(table, torch.tensor([1, 1], dtype=torch.int32), 48, 128)
+
+
+def test_rows_within_the_first_chunk_equal_single_pass(train):
+    """One state merges to itself exactly (w = exp(0) = 1, log(1) = 0), so rows whose keys
+    all sit in chunk 0 are the single-pass rows; later rows merge >= 2 states and do differ."""
+    for c in (128, 256):
+        out, lse = train[c]
+        assert bitwise_equal(out[:, :c], train["disabled"][0][:, :c])
+        assert bitwise_equal(lse[:, :, :c], train["disabled"][1][:, :, :c])
+        differs = (out[:, c:] != train["disabled"][0][:, c:]).flatten(2).any(-1)
+        assert differs.float().mean() > 0.5  # the policy is really in effect past chunk 0
+
+
+# ------------------------------------------------------------------ train == rollout
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 128])
+def test_paged_decode_and_chunked_prefill_equal_training(qkv, train, chunk, page_size):
+    """page_size | C: decode takes the (chunk, sequence) pair layout; page size 3 and
+    chunked prefill take the general plan over gathered K/V. Both == training bitwise."""
+    q, k, v = qkv
+    out, lse = train[chunk]
+    policy = f"canonical:{chunk}"
+    k_cache, v_cache, page_table = _fill_cache(k, v, page_size, seed=page_size)
+    for p in BOUNDARY_POSITIONS:
+        seq_lens = torch.full((B,), p + 1, dtype=torch.int32)
+        o, l = rlk_ops.paged_attention(q[:, p:p + 1], k_cache, v_cache, page_table, seq_lens, split_kv=policy)
+        assert bitwise_equal(o[:, 0], out[:, p]) and bitwise_equal(l[:, :, 0], lse[:, :, p]), p
+    for start, stop in ((0, 77), (61, 250), (127, 129), (128, 257), (200, 300)):
+        seq_lens = torch.full((B,), stop, dtype=torch.int32)
+        o, l = rlk_ops.paged_attention(q[:, start:stop], k_cache, v_cache, page_table, seq_lens, split_kv=policy)
+        assert bitwise_equal(o, out[:, start:stop]) and bitwise_equal(l, lse[:, :, start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("chunk", [128, 256])
+def test_mixed_decode_batch_equals_alone_and_training(qkv, train, chunk):
+    """Sequences with 1, 2 and 3 chunks in one decode batch: a row's padding states are skipped."""
+    q, k, v = (torch.cat([t, t[:1]]) for t in qkv)  # sequence 2 is a copy of sequence 0
+    out, lse = (torch.cat([t, t[:1]]) for t in train[chunk])
+    k_cache, v_cache, page_table = _fill_cache(k, v, 16, seed=5)
+    pos = [5, 299, 128]
+    seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
+    qd = torch.stack([q[b, p] for b, p in enumerate(pos)])[:, None]
+    o, l = rlk_ops.paged_attention(qd, k_cache, v_cache, page_table, seq_lens, split_kv=f"canonical:{chunk}")
+    for b, p in enumerate(pos):
+        solo, solo_lse = rlk_ops.paged_attention(qd[b:b + 1], k_cache, v_cache, page_table[b:b + 1],
+                                                 seq_lens[b:b + 1], split_kv=f"canonical:{chunk}")
+        assert bitwise_equal(o[b], solo[0]) and bitwise_equal(l[b], solo_lse[0])
+        assert bitwise_equal(o[b, 0], out[b, p]) and bitwise_equal(l[b, :, 0], lse[b, :, p])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_and_batch_composition_equal_dense(qkv, train, causal):
+    q, k, v = qkv
+    ref = train[128] if causal else rlk_ops.attention(q, k, v, causal=False, split_kv="canonical:128")
+    lens = [S, 129] if causal else [S, S]  # non-causal rows see every key: whole sequences only
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pack = [torch.cat([t[b, :n] for b, n in enumerate(lens)]) for t in (q, k, v)]
+    out, lse = rlk_ops.attention(*pack, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        assert bitwise_equal(out[rows], ref[0][b, :n]) and bitwise_equal(lse[:, rows], ref[1][b, :, :n])
+        alone = rlk_ops.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal, split_kv="canonical:128")
+        assert bitwise_equal(alone[0][0], ref[0][b]) and bitwise_equal(alone[1][0], ref[1][b])
+
+
+def test_rows_without_keys_match_single_pass():
+    """A varlen sequence with queries but no keys (non-causal), and one with no queries."""
+    q, k, v = _qkv(seed=3, b=1, s=140)
+    cu_q = torch.tensor([0, 4, 4, 140], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 10, 140], dtype=torch.int32)
+    args = (q[0], k[0, :140], v[0, :140])
+    got = rlk_ops.attention(*args, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, split_kv="canonical:128")
+    ref = rlk_ops.attention(*args, causal=False, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert not got[0][:4].any() and bool((got[1][:, :4] == -math.inf).all())
+    assert bitwise_equal(got[0][:4], ref[0][:4]) and bitwise_equal(got[1][:, :4], ref[1][:, :4])
+    assert rel_err(got[0][4:], ref[0][4:]) < TOL[DT]
+
+
+# ------------------------------------------------------------------ run-to-run, backward
+def test_forward_and_backward_run_to_run(qkv):
+    q, k, v = (t[:2, :260].clone().requires_grad_() for t in qkv)
+    dlse_w = torch.randn(2, HQ, 260)
+    results = []
+    for _ in range(2):
+        out, lse = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+        grads = torch.autograd.grad(out.float().square().sum() + (lse * dlse_w).sum(), (q, k, v))
+        results.append((out, lse, *grads))
+    assert all(bitwise_equal(a, b) for a, b in zip(*results))
+
+
+def _d(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+def test_gradcheck_canonical_attention():
+    """Two query rows at positions 128, 129 of 130 keys: each merges chunk 0 (full) and chunk 1
+    (causal). Full Jacobian."""
+    q, k, v = _d(1, 2, 2, 2, seed=1), _d(1, 130, 1, 2, seed=2), _d(1, 130, 1, 2, seed=3)
+    assert torch.autograd.gradcheck(lambda q, k, v: rlk_ops.attention(q, k, v, split_kv="canonical:128"), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck_canonical_varlen(causal):
+    """Packed sequences crossing chunk boundaries. fast_mode (random projections of the
+    Jacobian, every input element involved): the full Jacobian of these sizes takes ~30 s."""
+    cu_q = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 129, 260, 390], dtype=torch.int32)
+    q, k, v = _d(7, 2, 2, seed=4), _d(390, 1, 2, seed=5), _d(390, 1, 2, seed=6)
+    assert torch.autograd.gradcheck(lambda q, k, v: rlk_ops.attention(
+        q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, split_kv="canonical:128"), (q, k, v),
+        fast_mode=True)
+
+
+def _chain_rule_backward(q, k, v, dout, dlse, chunk, causal):
+    """The gradient the long way, for one dense sequence: per-chunk states, merge backward
+    (rlk::merge_attn_states_bwd), then a single-pass attention_bwd per piece with the
+    chunk's d_out and d_lse; dq/dk/dv summed over pieces."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    seen = []
+
+    def merge(out_parts, lse_parts):
+        seen.append((out_parts, lse_parts))
+        return merge_kernels.merge_attn_states(out_parts, lse_parts)
+
+    cpu = rlk_ops.kernels.cpu
+    qp, kp, vp = q.reshape(sq, hq, d), k.reshape(sk, hkv, d), v.reshape(sk, hkv, d)
+    chunk_plan = canonical.plan([(0, sq, 0, sk)], chunk, causal)
+    out, lse = canonical.run(chunk_plan, qp, kp, vp, scale, cpu.attention_fwd, merge)
+    out_parts, lse_parts = seen[0]
+    d_out_parts, d_lse_parts = torch.ops.rlk.merge_attn_states_bwd(dout.reshape(sq, hq, d), dlse.reshape(hq, sq),
+                                                                   out_parts, lse_parts, out, lse)
+    dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
+    for g in chunk_plan.groups:
+        rows = (g.slot, g.q_index)
+        gq, gk, gv = torch.ops.rlk.attention_bwd(
+            d_out_parts[rows], qp[g.q_index], kp[g.k_index], vp[g.k_index], out_parts[rows],
+            lse_parts[g.slot, :, g.q_index].t().contiguous(), d_lse_parts[g.slot, :, g.q_index].t().contiguous(),
+            int(g.causal), scale, g.cu_seqlens_q, g.cu_seqlens_k, g.max_seqlen_q, g.max_seqlen_k, "disabled")
+        dq.index_add_(0, g.q_index, gq)
+        dk.index_add_(0, g.k_index, gk)
+        dv.index_add_(0, g.k_index, gv)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_equals_chain_rule_through_the_merge(causal):
+    """attention_bwd under canonical:C (one single-pass backward at the merged (out, lse))
+    is the exact gradient of the merged forward: equal, in float64, to going chunk by
+    chunk through merge_attn_states_bwd with each chunk's d_lse."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 270, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, 2, 270, generator=g, dtype=torch.float64)
+    out, lse = rlk_ops.attention(q, k, v, causal=causal, split_kv="canonical:128")
+    ours = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, int(causal), 8 ** -0.5, None, None, 0, 0,
+                                       "canonical:128")
+    long_way = _chain_rule_backward(q, k, v, dout, dlse, 128, causal)
+    for a, b in zip(ours, long_way):
+        assert rel_err(a, b) < 1e-12
+
+
+# ------------------------------------------------------------------ accuracy
+@pytest.mark.parametrize("chunk,causal,dtype", [(128, True, DT), (256, True, DT), (128, False, DT),
+                                                (128, True, torch.float32)])
+def test_accuracy_against_float64(qkv, chunk, causal, dtype):
+    """bf16 partial outs cost one more rounding than single pass: still inside the bf16 entry
+    (measured ~1.1x the single-pass error; benchmarks/canonical_cpu.py)."""
+    q, k, v = (t[:1].to(dtype) for t in qkv)
+    out, lse = rlk_ops.attention(q, k, v, causal=causal, split_kv=f"canonical:{chunk}")
+    ref_out, ref_lse = ref_attention(q, k, v, causal=causal)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-5  # fp32 lse of O(1) values
+
+
+# ------------------------------------------------------------------ the merge op
+def _states(n, t=5, h=3, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out_parts = torch.randn(n, t, h, d, generator=g).to(dtype)
+    lse_dt = torch.float64 if dtype == torch.float64 else torch.float32
+    lse_parts = (torch.randn(n, h, t, generator=g) * 3).to(lse_dt)
+    return out_parts, lse_parts
+
+
+def test_merge_is_the_float64_formula():
+    out_parts, lse_parts = _states(4)
+    lse_parts[2, 1, 3] = -math.inf  # an empty state
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    w = torch.softmax(lse_parts.double(), dim=0).transpose(-1, -2)[..., None]  # [N, T, H, 1]
+    assert rel_err(out, (w * out_parts.double()).sum(0)) < 1e-6
+    assert (lse.double() - torch.logsumexp(lse_parts.double(), dim=0)).abs().max().item() < 1e-6
+
+
+def test_merge_skips_empty_states_bitwise():
+    out_parts, lse_parts = _states(3, dtype=DT)
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    pad_out = torch.full((1, *out_parts.shape[1:]), math.nan, dtype=DT)  # an empty state's out is never read
+    pad_lse = torch.full((1, *lse_parts.shape[1:]), -math.inf)
+    for at in (0, 1, 3):  # before, between and after the real states
+        po = torch.cat([out_parts[:at], pad_out, out_parts[at:]])
+        pl = torch.cat([lse_parts[:at], pad_lse, lse_parts[at:]])
+        o, l = rlk_ops.merge_attn_states(po, pl)
+        assert bitwise_equal(o, out) and bitwise_equal(l, lse)
+    one, one_lse = rlk_ops.merge_attn_states(out_parts[:1], lse_parts[:1])
+    assert bitwise_equal(one, out_parts[0]) and bitwise_equal(one_lse, lse_parts[0])
+    empty, empty_lse = rlk_ops.merge_attn_states(pad_out, pad_lse)
+    assert not empty.any() and bool((empty_lse == -math.inf).all())
+
+
+def test_merge_rows_are_batch_invariant():
+    out_parts, lse_parts = _states(5, t=37, dtype=DT, seed=2)
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    for r in (0, 17, 36):
+        o, l = rlk_ops.merge_attn_states(out_parts[:, r:r + 1].contiguous(), lse_parts[:, :, r:r + 1].contiguous())
+        assert bitwise_equal(o[0], out[r]) and bitwise_equal(l[:, 0], lse[:, r])
+    dense_o, dense_l = rlk_ops.merge_attn_states(out_parts.view(5, 1, 37, 3, 8), lse_parts.view(5, 1, 3, 37))
+    assert bitwise_equal(dense_o[0], out) and bitwise_equal(dense_l[0], lse)
+
+
+def test_gradcheck_merge():
+    out_parts, lse_parts = _states(3, dtype=torch.float64, seed=3)
+    lse_parts[1, 0, 2] = -math.inf
+    args = (out_parts.requires_grad_(), lse_parts.requires_grad_())
+    assert torch.autograd.gradcheck(rlk_ops.merge_attn_states, args)
+    assert torch.autograd.gradcheck(lambda o, l: rlk_ops.merge_attn_states(o, l)[1], args)  # dout is None
+
+
+def test_merge_errors_name_argument_expected_actual():
+    out_parts, lse_parts = _states(2)
+    with pytest.raises(rlk_ops.RlkInputError, match=r"lse_parts must have shape \[2, 3, 5\] .* got \[2, 5, 3\]"):
+        rlk_ops.merge_attn_states(out_parts, lse_parts.transpose(1, 2))
+    with pytest.raises(rlk_ops.RlkInputError, match=r"lse_parts must be torch.float32 .* got torch.bfloat16"):
+        rlk_ops.merge_attn_states(out_parts, lse_parts.bfloat16())
+    with pytest.raises(rlk_ops.RlkInputError, match=r"at least one state \(N >= 1\), got shape \[0, 5, 3, 8\]"):
+        rlk_ops.merge_attn_states(out_parts[:0], lse_parts[:0])
+    with pytest.raises(rlk_ops.RlkInputError, match=r"at least 4 dims, got shape \[2, 5, 8\]"):
+        rlk_ops.merge_attn_states(out_parts[:, :, 0], lse_parts[:, 0])
+    with pytest.raises(rlk_ops.RlkInputError, match=r"dout must have shape \[5, 3, 8\]"):
+        torch.ops.rlk.merge_attn_states_bwd(out_parts, None, out_parts, lse_parts, out_parts[0], lse_parts[0])
+
+
+def test_cpu_paged_fixed_split_is_refused_clearly():
+    q, k, v = _qkv(seed=4, b=1, s=10)
+    k_cache, v_cache, page_table = _fill_cache(k, v, 16, seed=1)
+    with pytest.raises(ValueError, match=r"split_kv 'fixed:256' is not implemented by the cpu backend"):
+        rlk_ops.paged_attention(q, k_cache, v_cache, page_table, torch.tensor([10], dtype=torch.int32),
+                                split_kv="fixed:256")
+
+
+# ------------------------------------------------------------------ property + block
+@st.composite
+def _batches(draw):
+    chunk = draw(st.sampled_from([128, 256]))
+    page_size = draw(st.sampled_from([1, 3, 16, 128]))
+    lens = draw(st.lists(st.integers(1, 400), min_size=1, max_size=3))
+    sq = draw(st.integers(1, min(lens)))
+    return chunk, page_size, lens, sq, draw(st.integers(0, 2**31 - 1)), draw(st.permutations(range(len(lens))))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_property_paged_rows_equal_packed_training(case):
+    chunk, page_size, lens, sq, seed, order = case
+    g = torch.Generator().manual_seed(seed)
+    pack = [torch.randn(sum(lens), h, D, generator=g) for h in (HQ, HKV, HKV)]  # float32
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = rlk_ops.attention(*pack, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv=f"canonical:{chunk}")
+    need = [math.ceil(n / page_size) for n in lens]
+    k_cache = torch.randn(sum(need) + 2, page_size, HKV, D, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(k_cache.shape[0], generator=g)
+    table = torch.randint(-5, 10**6, (len(lens), max(need) + 1), generator=g, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        pages = perm[used:used + need[b]]
+        used += need[b]
+        table[b, :need[b]] = pages.int()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        rlk_ops.paged_kv_append(k_cache, v_cache, pack[1][rows], pack[2][rows], slots)
+    idx = torch.tensor(order)
+    q_new = torch.stack([pack[0][int(cu[b + 1]) - sq:int(cu[b + 1])] for b in order])
+    o, l = rlk_ops.paged_attention(q_new, k_cache, v_cache, table[idx], torch.tensor(lens, dtype=torch.int32)[idx],
+                                   split_kv=f"canonical:{chunk}")
+    for i, b in enumerate(order):
+        rows = slice(int(cu[b + 1]) - sq, int(cu[b + 1]))
+        assert bitwise_equal(o[i], out[rows]) and bitwise_equal(l[i], lse[:, rows])
+
+
+def test_qwen3_block_rollout_equals_training_under_canonical():
+    """The block passes config.split_kv to both entry points: chunked prefill + batched
+    decode through PagedKVCache == the packed training forward, every row, bitwise."""
+    lengths, chunk, decode_steps = [37, 150, 9, 270], 50, 4
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                      split_kv="canonical:128"))
+    x, pos, cu = packed_batch(lengths, 128, requires_grad=False)
+    cache = PagedKVCache(1, 64, 16, 2, 32, dtype=x.dtype, seed=7)
+    starts = cu.tolist()
+    with torch.no_grad():
+        train_out = block(x, pos, cu)
+        got = torch.empty_like(train_out)
+        for s, n in enumerate(lengths):  # chunked prefill of each prompt, alone
+            cache.add(s)
+            for lo in range(0, n - decode_steps, chunk):
+                hi = min(n - decode_steps, lo + chunk)
+                rows = slice(starts[s] + lo, starts[s] + hi)
+                slots = cache.reserve(s, hi - lo)  # first: seq_lens count the new tokens
+                got[rows] = block.forward_rollout(x[None, rows], pos[None, rows], cache.k[0], cache.v[0],
+                                                  cache.page_table([s]), cache.seq_lens([s]), slots)[0]
+        seqs = list(range(len(lengths)))
+        for step in range(decode_steps):  # batched decode, all sequences together
+            rows = [starts[s] + n - decode_steps + step for s, n in enumerate(lengths)]
+            slots = torch.cat([cache.reserve(s, 1) for s in seqs])
+            got[rows] = block.forward_rollout(x[rows][:, None], pos[rows][:, None], cache.k[0], cache.v[0],
+                                              cache.page_table(seqs), cache.seq_lens(seqs), slots)[:, 0]
+        single_pass = Qwen3Attention(block.config, split_kv="disabled")
+        single_pass.load_state_dict(block.state_dict())
+        other = single_pass(x, pos, cu)
+    assert (got != train_out).any(-1).sum().item() == 0
+    assert (other != train_out).any(-1).sum().item() > 0  # the policy reached attention
