@@ -113,6 +113,10 @@ def variants():
             side = _decode(_model(), page_size=16)
         elif name == "prefill128":
             side = probe.describe_rollout(_model(), page_size=128, entries=("prefill",))
+        elif name.startswith("canonical"):  # "canonical:C/train" or "canonical:C/decode"
+            policy, which = name.split("/")
+            model = _model(split_kv=policy)
+            side = probe.describe_train(model, backward=False) if which == "train" else _decode(model)
         elif name == "plain":
             side = _decode(_model(), forward=plain_forward_rollout)
         made[name] = side
@@ -243,6 +247,20 @@ def test_different_weights(train, variants):
     f = result.failure("model.id")
     assert f.tier == IDENTICAL and f.train != f.rollout and f.rollout.startswith("sha256:")
     assert [x.field for x in result.failures] == ["model.id"]  # the contract itself matches
+
+
+def test_different_split_size(variants):
+    """canonical:C split-KV runs on both sides; the chunk size is part of the contract."""
+    train128 = variants("canonical:128/train")
+    result = bind(train128, variants("canonical:256/decode"))
+    assert result.comparable and not result.passed
+    _fails(result, "layer[0].attention.split_kv", SEMANTIC, "canonical:128", "canonical:256")
+    _fails(result, "layer[0].attention.split_plan", SEMANTIC, "canonical:128", "canonical:256")
+    same = bind(train128, variants("canonical:128/decode"))
+    assert same.passed, same.summary()
+    strict_single_pass = Mandate(split_kv="disabled")  # a mandate that pins the policy
+    f = bind(train128, variants("canonical:128/decode"), strict_single_pass).failure("layer[0].attention.split_kv")
+    assert f.status == "violates" and "the mandate is 'disabled'" in f.detail
 
 
 # ------------------------------------------------------------------ fail closed

@@ -51,11 +51,11 @@ class Unobservable:
 # FlashInfer facts measured on the H200 (DESIGN.md; FlashInfer's log2 LSE is scaled by
 # ln 2 in kernels/flashinfer.py).
 ATTENTION_NUMERICS = {
-    "cpu": {"accumulation": "fp32", "lse_domain": "natural_log",
+    "cpu": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
             "reduction_order": "cpu-reference: 128-key blocks from key 0, ascending, fp32 online softmax"},
-    "fa4": {"accumulation": "fp32", "lse_domain": "natural_log",
+    "fa4": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
             "reduction_order": "fa4: 128-key tiles ascending, num_splits=1, pack_gqa fixed"},
-    "flashinfer": {"accumulation": "fp32", "lse_domain": "natural_log",
+    "flashinfer": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
                    "reduction_order": "flashinfer-fa2 tensor-core decode"},
 }
 # Split plans fixed by a backend's construction (it records no plan of its own): the
@@ -80,6 +80,7 @@ class Mandate:
     head_dim: int | None = None
     split_kv: str | None = None           # None: any policy training reproduces (disabled, canonical:C)
     accumulation: str = "fp32"
+    p_rounding: str = "input_dtype"       # P enters the PV product in the input dtype
     lse_dtype: str = "float32"
     lse_domain: str = "natural_log"
     rms_norm_eps: float | None = None
@@ -90,7 +91,7 @@ class Mandate:
     def from_contract(cls, contract: AttentionContract, **qk_definition) -> "Mandate":
         return cls(dtype=contract.dtype, causal=contract.causal, softmax_scale=contract.softmax_scale,
                    head_dim=contract.head_dim, split_kv=contract.split_kv, accumulation=contract.accumulation,
-                   lse_domain=contract.lse, **qk_definition)
+                   p_rounding=contract.p_rounding, lse_domain=contract.lse, **qk_definition)
 
 
 def _want(expected, what: str):
@@ -167,7 +168,8 @@ RULES: dict[str, Rule] = {
     "topology.tp": Rule(IDENTICAL), "topology.cp": Rule(IDENTICAL),
     "topology.head_ownership": Rule(IDENTICAL, lambda v, m, ctx: ctx["heads_check"](v)),
     "topology.sequence_ownership": Rule(IDENTICAL),
-    "attention.layers": Rule(IDENTICAL, lambda v, m, ctx: None if v > 0 else "no rlk attention op in the graph"),
+    "attention.layers": Rule(IDENTICAL, lambda v, m, ctx: None if isinstance(v, int) and v > 0 else
+                             "no rlk attention op in the graph" if v == 0 else None),
     "attention.num_heads": Rule(IDENTICAL), "attention.num_kv_heads": Rule(IDENTICAL),
     "attention.head_dim": Rule(IDENTICAL, _want("head_dim", "head_dim")),
     "attention.dtype": Rule(SEMANTIC, _m_dtype),
@@ -178,6 +180,7 @@ RULES: dict[str, Rule] = {
     "attention.lse_dtype": Rule(SEMANTIC, _want("lse_dtype", "lse dtype")),
     "attention.lse_domain": Rule(SEMANTIC, _want("lse_domain", "LSE domain")),
     "attention.accumulation": Rule(SEMANTIC, _want("accumulation", "accumulation")),
+    "attention.p_rounding": Rule(SEMANTIC, _want("p_rounding", "P rounding")),
     "attention.reduction_order": Rule(SEMANTIC),
     "attention.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict"),
     "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED),
@@ -296,9 +299,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             policy if policy is not None else Unobservable(f"{n['op']} passes no split_kv"),
             src + (" args" if "split_kv" in a else " (the auto lane by definition)"))
         put(f"{L}.attention.lse_dtype", "attention.lse_dtype", _shape(n["outputs"][1])[0], src + " lse output")
-        if op == "attention_fwd":
-            modes.append("prefill (packed varlen)" if n["producers"].get("cu_seqlens_q") is not None
-                         or len(n["inputs"]) > 3 else "prefill (dense)")
+        if op == "attention_fwd":  # inputs lists only the tensors passed: cu_seqlens follow q, k, v
+            modes.append("prefill (packed varlen)" if len(n["inputs"]) > 3 else "prefill (dense)")
         else:
             modes.append("decode" if q[1] == 1 else ("chunked prefill" if isinstance(q[1], int) else "symbolic"))
             pages.append(k[1])
@@ -344,7 +346,7 @@ def _backend_facts(put, L, op, node, recs, plans, policy, dtype):
     src = "provenance of the executed calls"
     if not recs:
         why = Unobservable(f"{node['op']} is in the graph but no call was recorded: compiled, never executed")
-        for f in ("backend", "fallback", "accumulation", "lse_domain", "reduction_order", "split_plan"):
+        for f in ("backend", "fallback", "accumulation", "p_rounding", "lse_domain", "reduction_order", "split_plan"):
             put(f"{L}.attention.{f}", f"attention.{f}", why, src)
         return
     put(f"{L}.attention.backend", "attention.backend",
@@ -353,7 +355,7 @@ def _backend_facts(put, L, op, node, recs, plans, policy, dtype):
              for r in recs if r["fallback"]]
     put(f"{L}.attention.fallback", "attention.fallback", _one(falls, False), src)
     actual = sorted({r["actual_backend"] for r in recs})
-    for f in ("accumulation", "lse_domain", "reduction_order"):
+    for f in ("accumulation", "p_rounding", "lse_domain", "reduction_order"):
         vals = []
         for b in actual:
             num = ATTENTION_NUMERICS.get(b)
