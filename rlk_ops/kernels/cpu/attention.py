@@ -35,7 +35,6 @@ import torch
 
 from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.cpu import numerics as nx
-from rlk_ops.kernels.dispatch import kernel_for
 from rlk_ops.meta.contract import SplitKVPolicy
 
 BLOCK = 128
@@ -228,30 +227,12 @@ def _policy(op: str, split_kv: str) -> SplitKVPolicy:
     return policy
 
 
-def _packed_out(out, lse, bsz, sq):
-    """Packed [B*Sq, Hq, D] / [Hq, B*Sq] -> dense [B, Sq, Hq, D] / [B, Hq, Sq] (copies)."""
-    hq = out.shape[1]
-    return out.view(bsz, sq, hq, out.shape[-1]), lse.view(hq, bsz, sq).transpose(0, 1).contiguous()
-
-
-def _canonical_fwd(q, k, v, causal, scale, cu_q, cu_k, chunk):
-    merge = kernel_for("merge_attn_states", q.device)
-    if cu_q is not None:
-        seqs = [(q0, q1 - q0, k0, k1 - k0) for q0, q1, k0, k1 in _varlen_bounds(cu_q, cu_k)]
-        return canonical.run(canonical.plan(seqs, chunk, causal, q.device), q, k, v, scale, attention_fwd, merge)
-    bsz, sq, hq, d = q.shape
-    sk, h_kv = k.shape[1], k.shape[2]
-    seqs = [(b * sq, sq, b * sk, sk) for b in range(bsz)]
-    out, lse = canonical.run(canonical.plan(seqs, chunk, causal, q.device), q.reshape(bsz * sq, hq, d),
-                             k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attention_fwd, merge)
-    return _packed_out(out, lse, bsz, sq)
-
-
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   split_kv="disabled"):
     policy = _policy("attention_fwd", split_kv)
     if policy.kind == "canonical":
-        return _canonical_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size)
+        return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                                       policy.size, attend=attention_fwd)
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         out, lse = _forward(q, k, v, q_pos, k_len, bool(causal), softmax_scale)
@@ -317,32 +298,11 @@ def _logical_kv(k_cache, v_cache, page_table, k_len):
     return torch.where(valid[:, :, None, None], k, 0), torch.where(valid[:, :, None, None], v, 0)
 
 
-def _canonical_paged(q, k_cache, v_cache, page_table, seq_lens, scale, chunk):
-    bsz, sq, hq, d = q.shape
-    ps = k_cache.shape[1]
-    merge = kernel_for("merge_attn_states", q.device)
-    if sq == 1 and chunk % ps == 0:
-        # decode: every (chunk, sequence) pair is a row of one single-pass paged call,
-        # laid out from the page table (the layout a GPU backend uses; no gather here)
-        pair_table, pair_lens, n = canonical.decode_pairs(page_table, seq_lens, ps, chunk)
-        q_pairs = q[None].expand(n, bsz, 1, hq, d).reshape(n * bsz, 1, hq, d)
-        out, lse = paged_attention(q_pairs, k_cache, v_cache, pair_table, pair_lens, scale)
-        lse = torch.where(pair_lens.view(-1, 1, 1) > 0, lse, -math.inf)
-        return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1))
-    k_len = seq_lens.to(torch.int64)
-    k, v = _logical_kv(k_cache, v_cache, page_table, k_len)
-    kmax, h_kv = k.shape[1], k.shape[2]
-    seqs = [(b * sq, sq, b * kmax, n) for b, n in enumerate(k_len.tolist())]
-    out, lse = canonical.run(canonical.plan(seqs, chunk, True, q.device), q.reshape(bsz * sq, hq, d),
-                             k.reshape(bsz * kmax, h_kv, d), v.reshape(bsz * kmax, h_kv, d), scale, attention_fwd,
-                             merge)
-    return _packed_out(out, lse, bsz, sq)
-
-
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
     policy = _policy("paged_attention", split_kv)
     if policy.kind == "canonical":
-        return _canonical_paged(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size)
+        return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
+                                         attend=attention_fwd, attend_paged=paged_attention)
     sq = q.shape[1]
     k_len = seq_lens.to(torch.int64)
     k, v = _logical_kv(k_cache, v_cache, page_table, k_len)

@@ -24,6 +24,11 @@ slots keep ``lse = -inf`` and are skipped by the merge. Non-causal attention has
 full pieces. For decode (one query per sequence), ``decode_pairs()`` lays the
 (chunk, sequence) pairs out of the page table with tensor ops alone (no host sync),
 so a paged single-pass kernel computes all partials in one call.
+
+``attention_fwd`` / ``paged_attention`` below are the whole policy for any backend: it
+passes its own single-pass kernels (the CPU reference passes kernels/cpu/attention.py's,
+a GPU backend its FA4 ones, same signatures); the merge and the paged-KV gather come
+from the one dispatch point, so training and rollout on a device share one merge.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from rlk_ops.kernels.dispatch import kernel_for
 
 
 @dataclass(frozen=True)
@@ -161,3 +168,51 @@ def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     starts = torch.arange(n, device=seq_lens.device, dtype=torch.int64)[:, None] * chunk_size
     pair_lens = (seq_lens.to(torch.int64)[None, :] - starts).clamp(0, chunk_size).reshape(n * bsz)
     return pair_table.to(torch.int32), pair_lens.to(torch.int32), n
+
+
+# ----------------------------------------------------------------- the policy, per op
+def attention_fwd(q, k, v, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_k, chunk_size: int,
+                  attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rlk::attention_fwd`` under canonical:C, dense or varlen (the op's layouts).
+    ``attend`` is the backend's single-pass ``attention_fwd`` kernel."""
+    merge = kernel_for("merge_attn_states", q.device)
+    if cu_seqlens_q is not None:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        seqs = [(cq[i], cq[i + 1] - cq[i], ck[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
+        return run(plan(seqs, chunk_size, causal, q.device), q, k, v, scale, attend, merge)
+    bsz, sq, hq, d = q.shape
+    sk, h_kv = k.shape[1], k.shape[2]
+    seqs = [(b * sq, sq, b * sk, sk) for b in range(bsz)]
+    out, lse = run(plan(seqs, chunk_size, causal, q.device), q.reshape(bsz * sq, hq, d),
+                   k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attend, merge)
+    return _dense(out, lse, bsz, sq)
+
+
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, chunk_size: int,
+                    attend: Callable, attend_paged: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rlk::paged_attention`` under canonical:C. ``attend_paged`` is the backend's
+    single-pass ``paged_attention`` kernel (decode), ``attend`` its ``attention_fwd``
+    (chunked prefill, over the gathered logical K/V)."""
+    bsz, sq, hq, d = q.shape
+    page_size = k_cache.shape[1]
+    merge = kernel_for("merge_attn_states", q.device)
+    if sq == 1 and chunk_size % page_size == 0:
+        pair_table, pair_lens, n = decode_pairs(page_table, seq_lens, page_size, chunk_size)
+        q_pairs = q[None].expand(n, bsz, 1, hq, d).reshape(n * bsz, 1, hq, d)
+        out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, pair_lens, scale)
+        # a pair without keys is an empty state whatever the kernel wrote for it
+        lse = torch.where(pair_lens.view(-1, 1, 1) > 0, lse, -math.inf)
+        return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1))
+    # chunked prefill: the general plan over each sequence's gathered K/V (exact copies)
+    k, v = kernel_for("paged_kv_gather", q.device)(k_cache, v_cache, page_table, seq_lens)
+    kmax, h_kv = k.shape[1], k.shape[2]
+    seqs = [(b * sq, sq, b * kmax, n) for b, n in enumerate(seq_lens.tolist())]
+    out, lse = run(plan(seqs, chunk_size, True, q.device), q.reshape(bsz * sq, hq, d),
+                   k.reshape(bsz * kmax, h_kv, d), v.reshape(bsz * kmax, h_kv, d), scale, attend, merge)
+    return _dense(out, lse, bsz, sq)
+
+
+def _dense(out, lse, bsz, sq):
+    """Packed ``[B*Sq, Hq, D]`` / ``[Hq, B*Sq]`` -> dense ``[B, Sq, Hq, D]`` / ``[B, Hq, Sq]``."""
+    hq = out.shape[1]
+    return out.view(bsz, sq, hq, out.shape[-1]), lse.view(hq, bsz, sq).transpose(0, 1).contiguous()
