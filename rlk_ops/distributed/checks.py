@@ -26,7 +26,7 @@ def require_initialized(what: str) -> None:
             f"(or torch.distributed.init_process_group with a timeout) first")
 
 
-def _device_for(group) -> torch.device:
+def metadata_device(group) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -46,7 +46,7 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int]) -
     row[2] = len(text)
     row[3:3 + len(names)] = torch.tensor([int(metadata[n]) for n in names], dtype=torch.int64)
     row[3 + len(names):3 + len(names) + len(text)] = torch.tensor(list(text), dtype=torch.int64)
-    device = _device_for(group)
+    device = metadata_device(group)
     ws = dist.get_world_size(group)
     parts = [torch.empty(row.numel(), dtype=torch.int64, device=device) for _ in range(ws)]
     dist.all_gather(parts, row.to(device), group=group)

@@ -1,6 +1,6 @@
 """Context-parallel attention over the cp mesh dim, built from rlk ops.
 
-Forward (per cp rank): ``rlk::all_gather`` K and V over cp (exact: the cp layout of
+Forward (per cp rank): ``rlk::all_gather`` K and V (one buffer) over cp (exact: the cp layout of
 the whole batch), pick each local query segment's key prefix (``layout.key_index``),
 and run ``rlk::attention_fwd`` varlen with bottom-right-aligned causal masking. A
 query row then sees exactly the keys it sees on one device, at the same absolute
@@ -142,16 +142,21 @@ def _pieces(d_seg, piece_index):
     return torch.stack([padded.index_select(0, piece_index[p]) for p in range(piece_index.shape[0])])
 
 
-def _fold(d_seg, piece_index, group_name, order, rank, local_tokens):
-    parts = _pieces(d_seg, piece_index)
+def _fold(dks, dvs, piece_index, group_name, order, rank, local_tokens):
+    """Segment-key gradients of K and V -> gradients of this rank's K and V. K and V
+    travel in one buffer: one collective, so no two collectives can be reordered."""
+    hkv = dks.shape[1]
+    parts = torch.cat([_pieces(dks, piece_index), _pieces(dvs, piece_index)], 2)  # [P, cp*T_l, 2*Hkv, D]
     if order is None:  # default: this rank's pieces, then the cp reduce-scatter
-        total = ordered_sum(parts, d_seg.dtype)
-        return total if group_name is None else torch.ops.rlk.reduce_scatter(total, 0, group_name)
-    if group_name is not None:  # canonical: every chunk's partial to every rank, then one ordered sum
-        parts = torch.ops.rlk.all_gather(parts, 0, group_name)
-        parts = parts[:, rank * local_tokens:(rank + 1) * local_tokens]
-    parts = torch.stack([parts[i] for i in order])
-    return ordered_sum(parts, d_seg.dtype)
+        total = ordered_sum(parts, dks.dtype)
+        if group_name is not None:
+            total = torch.ops.rlk.reduce_scatter(total, 0, group_name)
+    else:  # canonical: every chunk's partial to every rank, then one ordered sum
+        if group_name is not None:
+            parts = torch.ops.rlk.all_gather(parts, 0, group_name)
+            parts = parts[:, rank * local_tokens:(rank + 1) * local_tokens]
+        total = ordered_sum(torch.stack([parts[i] for i in order]), dks.dtype)
+    return total[:, :hkv], total[:, hkv:]
 
 
 class _CPAttention(torch.autograd.Function):
@@ -160,9 +165,9 @@ class _CPAttention(torch.autograd.Function):
                 local_tokens):
         if group_name is None:
             k_all, v_all = k, v
-        else:
-            k_all = torch.ops.rlk.all_gather(k, 0, group_name)
-            v_all = torch.ops.rlk.all_gather(v, 0, group_name)
+        else:  # one buffer, one collective (see reductions: collective order)
+            kv_all = torch.ops.rlk.all_gather(torch.cat([k, v], 1), 0, group_name)
+            k_all, v_all = kv_all[:, :k.shape[1]], kv_all[:, k.shape[1]:]
         ks, vs = k_all.index_select(0, key_index), v_all.index_select(0, key_index)
         per_kv_head = order is not None
         out, lse = _attend(q, ks, vs, cu_q, cu_k, max_q, max_k, scale, per_kv_head)
@@ -177,6 +182,5 @@ class _CPAttention(torch.autograd.Function):
         ks, vs = k_all.index_select(0, key_index), v_all.index_select(0, key_index)
         dq, dks, dvs = _attend_bwd(dout.contiguous(), q, ks, vs, out, lse, dlse.contiguous(), cu_q, cu_k, max_q,
                                    max_k, scale, order is not None)
-        dk = _fold(dks, piece_index, group_name, order, rank, local_tokens)
-        dv = _fold(dvs, piece_index, group_name, order, rank, local_tokens)
+        dk, dv = _fold(dks, dvs, piece_index, group_name, order, rank, local_tokens)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None

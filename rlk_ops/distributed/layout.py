@@ -30,7 +30,7 @@ dK/dV back onto the gathered keys in a fixed order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -112,6 +112,13 @@ class CPLayout:
     key_index: torch.Tensor         # int64 [K]: gathered-key index of each segment-key slot
     piece_index: torch.Tensor       # int64 [P, cp*T_l]: slot of gathered key t in piece p (K: none)
     global_order: torch.Tensor      # int64 [T]: natural index of each cp-layout position
+
+    def to(self, device) -> CPLayout:
+        """The same layout with its index tensors on ``device`` (where the activations live)."""
+        device = torch.device(device)
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).device != device}
+        return replace(self, **moved) if moved else self
 
     @property
     def total_tokens(self) -> int:

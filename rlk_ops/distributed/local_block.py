@@ -30,7 +30,7 @@ import torch
 import rlk_ops
 from rlk_ops.distributed.cp_attention import cp_attention
 from rlk_ops.distributed.layout import CPLayout
-from rlk_ops.distributed.reductions import canonical_reduce, fanout, reduce_forward, reduce_grad
+from rlk_ops.distributed.reductions import canonical_reduce, fanout, reduce_forward, sync_grads
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,10 @@ def local_forward(x, positions, wq, wk, wv, wo, qn, kn, layout: CPLayout, topo: 
         return _canonical(x, positions, wq, wk, wv, wo, qn, kn, layout, topo, taps)
     hq, hkv = topo.num_heads // topo.tp, topo.num_kv_heads // topo.tp
     tp, cp = _tp(topo), _cp(topo)
-    x = reduce_grad(x, (tp,) if tp else ())
-    wq, wk, wv, wo = (reduce_grad(w, (cp,) if cp else ()) for w in (wq, wk, wv, wo))
-    qn, kn = (reduce_grad(w, tuple(g for g in (cp, tp) if g)) for w in (qn, kn))
+    # x is replicated over tp (its gradient: partial sums over the local heads), weights
+    # over cp (partial sums over the local tokens), norm weights over both
+    x, wq, wk, wv, wo, qn, kn = sync_grads((x, wq, wk, wv, wo, qn, kn),
+                                           ("tp", "cp", "cp", "cp", "cp", "cp+tp", "cp+tp"), cp, tp)
     q, k, v = _tap(taps, *_qkv(x, torch.cat([wq, wk, wv]), qn, kn, positions, hq, hkv, topo))
     attn, lse = cp_attention(q, k, v, layout, topo.cp_name)
     y = reduce_forward(rlk_ops.linear(attn.reshape(attn.shape[0], -1), wo), tp)
@@ -102,34 +103,38 @@ def _canonical(x, positions, wq, wk, wv, wo, qn, kn, layout, topo, taps):
     hkv = topo.num_kv_heads // topo.tp          # local kv-head groups
     g = topo.num_heads // topo.num_kv_heads     # q heads per group
     pieces = layout.pieces
-    cp_gather = (topo.cp_name,) if topo.cp_name else ()
-    tp_gather = (topo.tp_name,) if topo.tp_name else ()
-    chunk_order = tuple(layout.canonical_order())           # cell index of chunk j among gathered pieces
-    group_order = tuple(range(topo.num_kv_heads))           # gathered over tp: global group ids ascending
+    chunk_order = tuple(layout.canonical_order())       # gathered piece index of chunk 0, 1, ...
+    group_order = tuple(range(topo.num_kv_heads))       # gathered over tp: global group ids ascending
     cell_order = tuple(((gg // hkv) * topo.cp * pieces + chunk_order[j]) * hkv + gg % hkv
                        for j in range(layout.n_chunks) for gg in range(topo.num_kv_heads))
     xs = x.split(list(layout.piece_tokens))
     ps = positions.split(list(layout.piece_tokens))
-    x_cells = [fanout(xp, hkv, tp_gather, group_order) for xp in xs]       # dX: sum over groups
     # split (not slicing): its backward is one cat, so each weight's gradient is exact movement
     wqs, wks, wvs, wos = wq.split(g * d), wk.split(d), wv.split(d), wo.split(g * d, dim=1)
-    w_cells = [fanout(torch.cat([wqs[i], wks[i], wvs[i]]), pieces, cp_gather, chunk_order)
-               for i in range(hkv)]                                         # dW rows: sum over chunks
-    wo_cells = [fanout(wos[i], pieces, cp_gather, chunk_order) for i in range(hkv)]
-    qn_cells = fanout(qn, pieces * hkv, cp_gather + tp_gather, cell_order)  # norms: over chunks and groups
-    kn_cells = fanout(kn, pieces * hkv, cp_gather + tp_gather, cell_order)
+    w_qkv = [torch.cat([wqs[i], wks[i], wvs[i]]) for i in range(hkv)]
+    # one fanout for everything, so the backward has one gather over cp and one over tp
+    specs = ([(hkv, ("tp",), group_order)] * pieces            # x pieces: dX sums over kv groups
+             + [(pieces, ("cp",), chunk_order)] * (2 * hkv)    # QKV rows, o_proj columns: over chunks
+             + [(pieces * hkv, ("cp", "tp"), cell_order)] * 2)  # norms: over chunks and groups
+    cells = iter(fanout((*xs, *w_qkv, *wos, qn, kn), specs, topo.cp_name, topo.tp_name))
+    x_cells = [[next(cells) for _ in range(hkv)] for _ in range(pieces)]
+    w_cells = [[next(cells) for _ in range(pieces)] for _ in range(hkv)]
+    wo_cells = [[next(cells) for _ in range(pieces)] for _ in range(hkv)]
+    qn_cells = [next(cells) for _ in range(pieces * hkv)]
+    kn_cells = [next(cells) for _ in range(pieces * hkv)]
     qs, ks, vs = [], [], []
     for i in range(hkv):
-        cells = [_qkv(x_cells[p][i], w_cells[i][p], qn_cells[p * hkv + i], kn_cells[p * hkv + i], ps[p], g, 1, topo)
-                 for p in range(pieces)]
-        qs.append(torch.cat([c[0] for c in cells]))
-        ks.append(torch.cat([c[1] for c in cells]))
-        vs.append(torch.cat([c[2] for c in cells]))
+        per_piece = [_qkv(x_cells[p][i], w_cells[i][p], qn_cells[p * hkv + i], kn_cells[p * hkv + i], ps[p], g, 1,
+                          topo) for p in range(pieces)]
+        qs.append(torch.cat([c[0] for c in per_piece]))
+        ks.append(torch.cat([c[1] for c in per_piece]))
+        vs.append(torch.cat([c[2] for c in per_piece]))
     q, k, v = _tap(taps, torch.cat(qs, 1), torch.cat(ks, 1), torch.cat(vs, 1))
     attn, lse = cp_attention(q, k, v, layout, topo.cp_name)
-    ys = []
-    for p, a in enumerate(attn.split(list(layout.piece_tokens))):
-        parts = torch.stack([rlk_ops.linear(a[:, i * g:(i + 1) * g].reshape(a.shape[0], g * d), wo_cells[i][p])
-                             for i in range(hkv)])
-        ys.append(canonical_reduce(parts, tp_gather, group_order))
-    return torch.cat(ys), attn.detach(), lse.detach()
+    per_group = []
+    for i in range(hkv):  # o_proj partial of group i, piece by piece: [T_l, hidden]
+        heads = attn[:, i * g:(i + 1) * g]
+        per_group.append(torch.cat([rlk_ops.linear(a.reshape(a.shape[0], g * d), wo_cells[i][p])
+                                    for p, a in enumerate(heads.split(list(layout.piece_tokens)))]))
+    y = canonical_reduce(torch.stack(per_group), topo.tp_name, group_order)
+    return y, attn.detach(), lse.detach()

@@ -43,6 +43,16 @@ class _Holder(nn.Module):
         self.weight = nn.Parameter(weight)
 
 
+class _TapBox:
+    """Passes the caller's taps dict through local_map by reference (not a pytree)."""
+
+    def __init__(self, taps: dict):
+        self.taps = taps
+
+    def __setitem__(self, name, value):
+        self.taps[name] = value
+
+
 def _fail(msg):
     raise ValueError(f"ParallelQwen3Attention: {msg}")
 
@@ -132,7 +142,7 @@ class ParallelQwen3Attention(nn.Module):
                             lay.metadata() if lay else [-1] * 6))
             meta["dtype"] = dtype_code(getattr(hidden_states, "dtype", None))
             preflight(None, "ParallelQwen3Attention.prepare", problem, meta)
-        lay = state["layout"]
+        lay = state["layout"].to(hidden_states.device)
         x = hidden_states if local else lay.shard(hidden_states)
         pos = positions if local else lay.shard(positions)
         if self.mesh is not None:
@@ -154,9 +164,11 @@ class ParallelQwen3Attention(nn.Module):
             fn = local_map(local_forward,
                            out_placements=(PLACEMENTS["output"], PLACEMENTS["attention"], PLACEMENTS["lse"]),
                            in_placements=(PLACEMENTS["hidden_states"], PLACEMENTS["positions"],
-                                          *(PLACEMENTS[n] for n in _PARAMS), None, None),
+                                          *(PLACEMENTS[n] for n in _PARAMS), None, None, None),
                            device_mesh=self.mesh)
-            y, attn, lse = fn(hidden_states, positions, *weights, layout, self.topology, taps)
+            # local_map flattens its arguments as pytrees: a dict would arrive as a copy
+            box = None if taps is None else _TapBox(taps)
+            y, attn, lse = fn(hidden_states, positions, *weights, layout, self.topology, box)
         return (y, attn, lse) if return_attention else y
 
     def _check_forward(self, hidden_states, positions, layout):

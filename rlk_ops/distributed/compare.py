@@ -1,0 +1,185 @@
+"""Run the block on a (tp, cp) mesh and on one device, and say which tensors agree.
+
+``compare_block`` is what ``examples/tp_cp_attention.py`` prints and what the tests
+assert on. Every rank compares its own shards with the matching slices of a
+single-process run of the same global inputs (computed on every rank: no data is
+moved for the comparison); the per-rank verdicts and drift sums are then combined
+with one all_reduce. Bitwise means ``torch.equal`` on every rank.
+
+The single-process reference is ``ParallelQwen3Attention(block, mesh=None)``: for
+the default mode that is the plain block (``tests/test_distributed_layout.py``
+checks it equals ``Qwen3Attention`` bitwise), for canonical mode the same
+canonical chunking on one process.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rlk_ops.distributed.checks import metadata_device
+from rlk_ops.distributed.parallel_block import ParallelQwen3Attention
+
+# What each tensor is claimed to do against one device (README "CP-invariant").
+BITWISE_DEFAULT = ("attention out", "lse", "dQ")
+
+
+@dataclass
+class Row:
+    name: str
+    bitwise: bool                 # equal to the single-process run on every rank
+    max_abs: float                # over all ranks
+    mean_abs: float
+    run_to_run: bool              # two eager runs on the mesh agree bitwise
+    compiled_equal: bool | None   # torch.compile(fullgraph) == eager, None if not compiled
+    claimed: bool                 # the mode claims bitwise equality for this tensor
+
+
+@dataclass
+class Comparison:
+    tp: int
+    cp: int
+    sharding: str
+    chunks: int | None
+    backend: str
+    rows: list[Row] = field(default_factory=list)
+
+    def row(self, name: str) -> Row:
+        return next(r for r in self.rows if r.name == name)
+
+    def claims_hold(self) -> bool:
+        return all(r.bitwise for r in self.rows if r.claimed) and all(r.run_to_run for r in self.rows) \
+            and all(r.compiled_equal is not False for r in self.rows)
+
+    def table(self) -> str:
+        mode = self.sharding + ("" if self.chunks is None else f", canonical chunks={self.chunks}")
+        ref = "one process, same canonical chunks" if self.chunks else "one process"
+        lines = [f"mesh (tp={self.tp}, cp={self.cp}), {mode}, backend {self.backend}; reference: {ref}",
+                 f"{'tensor':<22} {'bitwise':<8} {'claim':<6} {'max|diff|':>11} {'mean|diff|':>11} "
+                 f"{'run-to-run':<10} {'compiled==eager'}"]
+        for r in self.rows:
+            comp = "-" if r.compiled_equal is None else ("yes" if r.compiled_equal else "NO")
+            lines.append(f"{r.name:<22} {'yes' if r.bitwise else 'no':<8} {'yes' if r.claimed else '-':<6} "
+                         f"{r.max_abs:>11.3e} {r.mean_abs:>11.3e} {'yes' if r.run_to_run else 'NO':<10} {comp}")
+        lines.append("claims hold: " + ("yes" if self.claims_hold() else "NO"))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "rows"}, "rows": [asdict(r) for r in self.rows]}
+
+
+def _run(module, x, positions, layout, dy, fn=None):
+    """Forward + backward of ``module`` (or its compiled ``fn``); local results by name."""
+    for p in module.parameters():
+        p.grad = None
+    local = getattr(x, "to_local", None)
+    x_leaf = (x.to_local() if local else x).detach().requires_grad_()
+    if local:
+        from torch.distributed.tensor import DTensor
+
+        x_in = DTensor.from_local(x_leaf, x.device_mesh, x.placements, run_check=False)
+    else:
+        x_in = x_leaf
+    taps = {} if fn is None else None
+    if fn is None:
+        y, attn, lse = module(x_in, positions, layout, return_attention=True, taps=taps)
+    else:
+        y, attn, lse = fn(x_in, positions, layout, return_attention=True)
+    y_l, attn_l, lse_l = (t.to_local() if hasattr(t, "to_local") else t for t in (y, attn, lse))
+    (y_l.float() * dy).sum().backward()
+    out = {"attention out": attn_l, "lse": lse_l, "block output y": y_l.detach(), "dX": x_leaf.grad}
+    if taps:
+        out.update({"dQ": taps["q"].grad, "dK": taps["k"].grad, "dV": taps["v"].grad})
+    for name, p in module.named_parameters():
+        g = p.grad
+        out[f"d {name}"] = g.to_local() if hasattr(g, "to_local") else g
+    return out
+
+
+def _shard_of(full: dict, layout, tp: int, tp_rank: int, cfg) -> dict:
+    """The slices of single-process results that this rank's shards should equal."""
+    def heads(t, dim, n):
+        per = n // tp
+        return t.narrow(dim, tp_rank * per, per)
+
+    idx = layout.local_index
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    want = {
+        "attention out": heads(full["attention out"][idx], 1, hq),
+        "lse": heads(full["lse"], 0, hq)[:, idx],
+        "dQ": heads(full["dQ"][idx], 1, hq),
+        "dK": heads(full["dK"][idx], 1, hkv),
+        "dV": heads(full["dV"][idx], 1, hkv),
+        "block output y": full["block output y"][idx],
+        "dX": full["dX"][idx],
+    }
+    for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+        n = hq if name.startswith("q") else hkv
+        want[f"d {name}"] = heads(full[f"d {name}"].view(n, d, -1), 0, n).reshape(-1, cfg.hidden_size)
+    want["d o_proj.weight"] = heads(full["d o_proj.weight"].view(cfg.hidden_size, hq, d), 1, hq).reshape(
+        cfg.hidden_size, -1)
+    for name in ("q_norm.weight", "k_norm.weight"):
+        want[f"d {name}"] = full[f"d {name}"]
+    return want
+
+
+def _to_natural(res: dict, layout) -> dict:
+    """One-process results (cp = 1: layout order) -> natural packed order."""
+    out = dict(res)
+    for name in ("attention out", "dQ", "dK", "dV", "block output y", "dX"):
+        out[name] = layout.from_cp_layout(res[name])
+    out["lse"] = layout.from_cp_layout(res["lse"], 1)
+    return out
+
+
+def compare_block(block, mesh, hidden_states, positions, cu_seqlens, sharding: str = "contiguous",
+                  chunks: int | None = None, compile: bool = False, seed: int = 0) -> Comparison:
+    """Forward + backward of ``block`` on ``mesh`` (twice eagerly, once compiled if
+    asked) and on one process, from the same global inputs (identical on every rank)."""
+    cfg = block.config
+    g = torch.Generator().manual_seed(seed)
+    dy_full = torch.randn(hidden_states.shape, generator=g).to(hidden_states.device)
+    ref_mod = ParallelQwen3Attention(block, None, sharding if chunks else "contiguous", chunks)
+    x1, p1, lay1 = ref_mod.prepare(hidden_states, positions, cu_seqlens)
+    ref = _to_natural(_run(ref_mod, x1, p1, lay1, lay1.shard(dy_full)), lay1)
+
+    pb = ParallelQwen3Attention(block, mesh, sharding, chunks)
+    x, pos, lay = pb.prepare(hidden_states, positions, cu_seqlens)
+    dy = lay.shard(dy_full)
+    first = _run(pb, x, pos, lay, dy)
+    second = _run(pb, x, pos, lay, dy)
+    compiled = None
+    if compile:
+        torch._dynamo.reset()
+        compiled = _run(pb, x, pos, lay, dy, fn=torch.compile(pb, fullgraph=True))
+    topo = pb.topology
+    want = _shard_of(ref, lay, topo.tp, topo.tp_rank, cfg)
+    names = list(want)
+    local = []
+    for name in names:
+        a, b = first[name], want[name]
+        diff = (a.double() - b.double()).abs()
+        # compiled runs have no taps (retain_grad is eager only): dQ/dK/dV are not compared there
+        same_compiled = 1.0 if compiled is None or name not in compiled else float(torch.equal(a, compiled[name]))
+        local.append([float(a.shape == b.shape and torch.equal(a, b)), float(torch.equal(a, second[name])),
+                      same_compiled, float(diff.max()) if diff.numel() else 0.0, float(diff.sum()),
+                      float(diff.numel())])
+    stats = torch.tensor(local, dtype=torch.float64)
+    if mesh is not None:
+        stats = stats.to(metadata_device(None))
+        lo = stats[:, :3].clone()
+        hi = stats[:, 3:4].clone()
+        sums = stats[:, 4:].clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        stats = torch.cat([lo, hi, sums], 1).cpu()
+    backend = "none" if mesh is None else str(dist.get_backend())
+    result = Comparison(topo.tp, topo.cp, sharding, chunks, backend)
+    for i, name in enumerate(names):
+        claimed = chunks is not None or name in BITWISE_DEFAULT
+        compared = compiled is not None and name in compiled
+        result.rows.append(Row(name, bool(stats[i, 0]), float(stats[i, 3]), float(stats[i, 4] / max(stats[i, 5], 1)),
+                               bool(stats[i, 1]), bool(stats[i, 2]) if compared else None, claimed))
+    return result

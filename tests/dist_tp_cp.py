@@ -1,0 +1,254 @@
+"""Workers for tests/test_distributed_tp_cp.py (module-level so mp.spawn can pickle them).
+
+Each spawn runs many checks (process start + import torch costs seconds per process
+on 2 cores). Assertions raise inside the worker; mp.spawn re-raises them in pytest
+with the rank's traceback. Rank 0 writes tables and drift numbers to ``out_dir``."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import rlk_ops
+from rlk_ops.compile import Qwen3Attention
+from rlk_ops.compile.examples import init_block, packed_batch
+from rlk_ops.distributed import (DistributedInputError, ParallelQwen3Attention, build_layout,
+                                 context_parallel_attention, init_mesh)
+from rlk_ops.distributed.compare import compare_block
+from rlk_ops.meta.drift import drift_stats
+
+SMALL = dict(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+LENS = [200, 48, 136]  # multiples of 8: zigzag on cp=2 (4 chunks) and 8 canonical chunks; > 128 keys
+CHUNKS = 8
+DT = torch.bfloat16
+
+
+def _write(out_dir, name, obj):
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+# ------------------------------------------------------------------ attention level
+def attention_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(LENS)
+    q = torch.randn(t, 4, 32, generator=g).to(DT)
+    k = torch.randn(t, 2, 32, generator=g).to(DT)
+    v = torch.randn(t, 2, 32, generator=g).to(DT)
+    dout = torch.randn(t, 4, 32, generator=g).to(DT)
+    dlse = torch.randn(4, t, generator=g)  # the loss also uses lse: exercises its gradient
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dout, dlse, cu
+
+
+def _loss_grads(fn, q, k, v, dout, dlse):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def attention_reference(q, k, v, dout, dlse, cu):
+    return _loss_grads(lambda a, b, c: rlk_ops.attention(a, b, c, True, cu_seqlens_q=cu, cu_seqlens_k=cu),
+                       q, k, v, dout, dlse)
+
+
+def canonical_reference(q, k, v, dout, dlse, cu, mode, chunks):
+    """One process, same canonical chunks; returned in natural order."""
+    lay = build_layout(cu, 1, 0, mode, chunks)
+    res = _loss_grads(lambda a, b, c: context_parallel_attention(a, b, c, lay), lay.shard(q), lay.shard(k),
+                      lay.shard(v), lay.shard(dout), lay.shard(dlse, 1))
+    return {n: lay.from_cp_layout(t, 1 if n == "lse" else 0) for n, t in res.items()}
+
+
+def _local_slices(full, lay, tp, tp_rank):
+    hq, hkv = slice(tp_rank * 4 // tp, (tp_rank + 1) * 4 // tp), slice(tp_rank * 2 // tp, (tp_rank + 1) * 2 // tp)
+    idx = lay.local_index
+    return {"out": full["out"][idx][:, hq], "lse": full["lse"][hq][:, idx], "dq": full["dq"][idx][:, hq],
+            "dk": full["dk"][idx][:, hkv], "dv": full["dv"][idx][:, hkv]}
+
+
+def attention_checks(mesh, tp, cp, compile_modes=(), modes=("contiguous", "zigzag"), canonical=True):
+    """Attention level on this mesh: heads split over tp, tokens over cp. Returns drift of dK/dV."""
+    tp_rank, cp_rank = mesh.get_local_rank("tp"), mesh.get_local_rank("cp")
+    group = mesh.get_group("cp") if cp > 1 else None
+    q, k, v, dout, dlse, cu = attention_inputs()
+    ref = attention_reference(q, k, v, dout, dlse, cu)
+    drift = {}
+    for mode in modes:
+        lay = build_layout(cu, cp, cp_rank, mode)
+        hq = slice(tp_rank * 4 // tp, (tp_rank + 1) * 4 // tp)
+        hkv = slice(tp_rank * 2 // tp, (tp_rank + 1) * 2 // tp)
+        args = (lay.shard(q)[:, hq], lay.shard(k)[:, hkv], lay.shard(v)[:, hkv], lay.shard(dout)[:, hq],
+                lay.shard(dlse, 1)[hq])
+        want = _local_slices(ref, lay, tp, tp_rank)
+
+        def fn(a, b, c, lay=lay):
+            return context_parallel_attention(a, b, c, lay, group)
+
+        first, second = _loss_grads(fn, *args), _loss_grads(fn, *args)
+        for name in ("out", "lse", "dq"):
+            assert torch.equal(first[name], want[name]), f"{tp}x{cp} {mode}: {name} differs from one process"
+        for name in first:
+            assert torch.equal(first[name], second[name]), f"{tp}x{cp} {mode}: {name} not run-to-run"
+        for name in ("dk", "dv"):
+            drift[f"{mode} {name}"] = drift_stats(first[name], want[name])
+        if mode in compile_modes:
+            torch._dynamo.reset()
+            compiled = _loss_grads(torch.compile(fn, fullgraph=True), *args)
+            for name in first:
+                assert torch.equal(first[name], compiled[name]), f"{tp}x{cp} {mode}: compiled {name} != eager"
+    if canonical:
+        for mode in modes:
+            lay = build_layout(cu, cp, cp_rank, mode, CHUNKS)
+            hq = slice(tp_rank * 4 // tp, (tp_rank + 1) * 4 // tp)
+            hkv = slice(tp_rank * 2 // tp, (tp_rank + 1) * 2 // tp)
+            got = _loss_grads(lambda a, b, c, lay=lay: context_parallel_attention(a, b, c, lay, group),
+                              lay.shard(q)[:, hq], lay.shard(k)[:, hkv], lay.shard(v)[:, hkv],
+                              lay.shard(dout)[:, hq], lay.shard(dlse, 1)[hq])
+            want = _local_slices(canonical_reference(q, k, v, dout, dlse, cu, mode, CHUNKS), lay, tp, tp_rank)
+            for name in got:
+                assert torch.equal(got[name], want[name]), \
+                    f"{tp}x{cp} {mode} canonical: {name} differs from the one-process canonical run"
+    return drift
+
+
+# ---------------------------------------------------------------------- block level
+def block_inputs():
+    block = init_block(Qwen3Attention(**SMALL))
+    x, pos, cu = packed_batch(LENS, SMALL["hidden_size"], requires_grad=False)
+    return block, x, pos, cu
+
+
+def block_checks(mesh, runs, out_dir, tag):
+    """runs: [(sharding, chunks, compile)]. Asserts each mode's claims; writes the tables."""
+    block, x, pos, cu = block_inputs()
+    tables = []
+    for sharding, chunks, compile_ in runs:
+        c = compare_block(block, mesh, x, pos, cu, sharding, chunks, compile=compile_)
+        tables.append(c.to_json())
+        assert c.claims_hold(), "\n" + c.table()
+        if chunks is None:
+            assert [r.name for r in c.rows if r.bitwise][:3] == ["attention out", "lse", "dQ"], c.table()
+            if c.tp == 1:  # no o_proj reduction: the block output is row-wise, hence equal
+                assert c.row("block output y").bitwise, c.table()
+            else:          # tp partial sums: a different fp32 sum than one device
+                assert not c.row("block output y").bitwise, c.table()
+            for r in c.rows:  # drift, where there is any, stays at bf16 rounding scale
+                assert r.mean_abs < 5e-3, c.table()
+        else:
+            assert all(r.bitwise for r in c.rows), c.table()
+        if dist.get_rank() == 0:
+            print(c.table(), flush=True)
+    if dist.get_rank() == 0:
+        _write(out_dir, f"block_{tag}.json", tables)
+
+
+# ------------------------------------------------------------------ DTensor rules
+def dtensor_rule_checks(mesh):
+    """rlk ops on DTensors via register_sharding: heads-sharded attention and column-parallel
+    linear, forward and backward, bitwise equal to plain tensors."""
+    q, k, v, dout, dlse, cu = attention_inputs(seed=1)
+    ref = attention_reference(q, k, v, dout, dlse, cu)
+    heads = (Shard(1), Replicate())
+    qd, kd, vd = (distribute_tensor(t, mesh, heads).requires_grad_() for t in (q, k, v))
+    cud = distribute_tensor(cu, mesh, (Replicate(), Replicate()))
+    out, lse = rlk_ops.attention(qd, kd, vd, True, cu_seqlens_q=cud, cu_seqlens_k=cud)
+    assert out.placements == heads and lse.placements == (Shard(0), Replicate())
+    dout_d = distribute_tensor(dout, mesh, heads)
+    dlse_d = distribute_tensor(dlse, mesh, (Shard(0), Replicate()))
+    ((out.float() * dout_d.float()).sum() + (lse * dlse_d).sum()).backward()
+    for name, t in (("out", out), ("lse", lse), ("dq", qd.grad), ("dk", kd.grad), ("dv", vd.grad)):
+        assert torch.equal(t.full_tensor(), ref[name]), f"DTensor attention: {name} differs"
+    x = torch.randn(48, 128, generator=torch.Generator().manual_seed(2)).to(DT)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)).to(DT)
+    y = rlk_ops.linear(distribute_tensor(x, mesh, (Replicate(), Shard(0))), distribute_tensor(w, mesh, (Shard(0),
+                                                                                                         Replicate())))
+    assert y.placements == (Shard(1), Shard(0)) and torch.equal(y.full_tensor(), rlk_ops.linear(x, w))
+
+
+# ---------------------------------------------------------------------- bad input
+def expect_everywhere(fn, *fragments):
+    """fn must raise DistributedInputError (on this rank; every rank runs this)."""
+    try:
+        fn()
+    except DistributedInputError as e:
+        for frag in fragments:
+            assert frag in str(e), f"error {str(e)!r} lacks {frag!r}"
+        return str(e)
+    raise AssertionError(f"no DistributedInputError; expected one mentioning {fragments}")
+
+
+def bad_input_checks(mesh, rank):
+    block, x, pos, cu = block_inputs()
+    # heads not divisible by tp: rejected by every rank at construction
+    bad_block = init_block(Qwen3Attention(**{**SMALL, "num_kv_heads": 1}))
+    expect_everywhere(lambda: ParallelQwen3Attention(bad_block, mesh), "num_kv_heads = 1", "tp = 2")
+    pb = ParallelQwen3Attention(block, mesh, "zigzag")
+    # a sequence not divisible by the cp chunking (2 * cp = 4 for zigzag)
+    cu_bad = torch.tensor([0, 200, 250, 384], dtype=torch.int32)
+    expect_everywhere(lambda: pb.prepare(x, pos, cu_bad), "sequence 1 has length 50", "not divisible by 4")
+    # only rank 1 has a bad dtype: all ranks raise, naming rank 1
+    x_r = x.float() if rank == 1 else x
+    expect_everywhere(lambda: pb.prepare(x_r, pos, cu), "rank 1 rejected", "hidden_states must have")
+    # ranks disagree on the batch layout (each one valid on its own)
+    cu_r = torch.tensor([0, 200, 248, 384] if rank == 0 else [0, 48, 248, 384], dtype=torch.int32)
+    expect_everywhere(lambda: pb.prepare(x, pos, cu_r), "ranks disagree on seq_lens_hash")
+    # standalone cp attention (preflight over the cp group): head count differs within each cp group
+    group = mesh.get_group("cp")
+    cp_rank = mesh.get_local_rank("cp")
+    lay = build_layout(cu, 2, cp_rank, "contiguous")
+    t = lay.local_tokens
+    hq = 4 if cp_rank == 0 else 2
+    q = torch.zeros(t, hq, 32, dtype=DT)
+    kv = torch.zeros(t, 2, 32, dtype=DT)
+    expect_everywhere(lambda: context_parallel_attention(q, kv, kv, lay, group), "ranks disagree on num_heads")
+    # a local problem on one rank (wrong token count) reaches every rank with its text
+    q_bad = torch.zeros(t + (cp_rank == 1), 4, 32, dtype=DT)
+    k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)
+    expect_everywhere(lambda: context_parallel_attention(q_bad, k_bad, k_bad, lay, group),
+                      "rejected its input", f"must be this rank's token count {t}")
+    # after all that, the mesh still works (no rank is stuck in a collective)
+    c = compare_block(block, mesh, x, pos, cu, "contiguous")
+    assert c.claims_hold(), c.table()
+
+
+def timeout_check(rank):
+    """A collective that one rank never joins raises after the group's timeout (no hang)."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 0:
+        try:
+            rlk_ops.all_gather(torch.ones(4), 0, group=group)
+        except RuntimeError as e:
+            assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
+        else:
+            raise AssertionError("all_gather with a missing peer returned instead of timing out")
+    dist.barrier()
+
+
+# -------------------------------------------------------------------------- workers
+def worker_2x2(rank, world_size, out_dir):
+    mesh = init_mesh(2, 2, "cpu")
+    drift = attention_checks(mesh, 2, 2, compile_modes=("zigzag",))
+    if rank == 0:
+        _write(out_dir, "attention_drift_2x2.json", drift)
+    block_checks(mesh, [("zigzag", None, True), ("contiguous", None, False), ("zigzag", CHUNKS, False)],
+                 out_dir, "2x2")
+    dtensor_rule_checks(mesh)
+    bad_input_checks(mesh, rank)
+
+
+def worker_1x2_2x1(rank, world_size, out_dir):
+    for tp, cp in ((1, 2), (2, 1)):
+        mesh = init_mesh(tp, cp, "cpu")
+        drift = attention_checks(mesh, tp, cp, compile_modes=("contiguous",) if cp == 2 else ())
+        if rank == 0:
+            _write(out_dir, f"attention_drift_{tp}x{cp}.json", drift)
+        # compile budget (~10-20 s per compiled graph on 2 cores): one block graph per mesh
+        runs = [("contiguous", None, tp == 2), ("zigzag", None, False), ("contiguous", CHUNKS, tp == 1)]
+        block_checks(mesh, runs, out_dir, f"{tp}x{cp}")
+    timeout_check(rank)
