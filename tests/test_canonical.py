@@ -85,10 +85,10 @@ def test_plan_pieces_are_the_documented_ones():
 
 
 def test_decode_pairs_layout():
-    table = torch.tensor([[7, 3, 9, 1, 4], [2, 8, 0, 0, 0]], dtype=torch.int32)
+    table = torch.tensor([[7, 3, 9, 1, 4], [2, 8, 77, -1, 5]], dtype=torch.int32)  # row 1 past page 1: padding
     pair_table, pair_lens, n = canonical.decode_pairs(table, torch.tensor([300, 40], dtype=torch.int32), 64, 128)
     assert n == 3  # ceil(5 pages * 64 / 128) chunks, from the table width alone
-    assert pair_table.tolist() == [[7, 3], [2, 8], [9, 1], [0, 0], [4, 0], [0, 0]]  # chunk-major
+    assert pair_table.tolist() == [[7, 3], [2, 8], [9, 1], [0, 0], [4, 0], [0, 0]]  # chunk-major; empty pairs: 0
     assert pair_lens.tolist() == [128, 40, 128, 0, 44, 0]
     with pytest.raises(ValueError, match="chunk_size % page_size == 0"):
         canonical.decode_pairs(table, torch.tensor([1, 1], dtype=torch.int32), 48, 128)

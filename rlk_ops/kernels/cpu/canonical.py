@@ -156,8 +156,10 @@ def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     int32, pair_lens [N*B] int32, N)`` with ``pair_lens = clamp(seq_lens[b] - c*C, 0, C)``
     and ``pair_table`` the page-table slice of the chunk (C % page_size == 0 needed). N
     comes from the table width, so nothing is read back to the host; pairs of length 0
-    must come back with lse = -inf (the merge skips them). Chunk-major order makes the
-    kernel's ``[N*B, 1, H, D]`` output a ``[N, B, 1, H, D]`` state stack by a view."""
+    must come back with lse = -inf (the merge skips them) and their table rows are zeroed
+    (page 0), so even a kernel that touched them would read a valid page. Chunk-major
+    order makes the kernel's ``[N*B, 1, H, D]`` output a ``[N, B, 1, H, D]`` state stack
+    by a view."""
     if chunk_size % page_size:
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
@@ -167,6 +169,7 @@ def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     pair_table = padded.view(bsz, n, per).transpose(0, 1).reshape(n * bsz, per)
     starts = torch.arange(n, device=seq_lens.device, dtype=torch.int64)[:, None] * chunk_size
     pair_lens = (seq_lens.to(torch.int64)[None, :] - starts).clamp(0, chunk_size).reshape(n * bsz)
+    pair_table = torch.where(pair_lens[:, None] > 0, pair_table, 0)
     return pair_table.to(torch.int32), pair_lens.to(torch.int32), n
 
 
