@@ -81,6 +81,15 @@ def check_local(q, k, v, layout: CPLayout, group) -> None:
     if not isinstance(layout, CPLayout):
         raise ValueError(f"{what}: layout must be a CPLayout (rlk_ops.distributed.build_layout), "
                          f"got {type(layout).__name__}")
+    if group is None:
+        if layout.cp != 1:
+            raise ValueError(f"{what}: group is None (one process) but the layout shards over cp = {layout.cp}")
+    else:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != layout.cp or dist.get_rank(group) != layout.rank:
+            raise ValueError(f"{what}: layout is for cp rank {layout.rank} of {layout.cp}, but this process is "
+                             f"rank {dist.get_rank(group)} of {dist.get_world_size(group)} in the cp group")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -96,15 +105,6 @@ def check_local(q, k, v, layout: CPLayout, group) -> None:
     if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0:
         raise ValueError(f"{what}: need k.shape == v.shape == [T_local, Hkv, D] with Hq % Hkv == 0 and q's D; "
                          f"got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    if group is None:
-        if layout.cp != 1:
-            raise ValueError(f"{what}: group is None (one process) but the layout shards over cp = {layout.cp}")
-    else:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) != layout.cp or dist.get_rank(group) != layout.rank:
-            raise ValueError(f"{what}: layout is for cp rank {layout.rank} of {layout.cp}, but this process is "
-                             f"rank {dist.get_rank(group)} of {dist.get_world_size(group)} in the cp group")
 
 
 def _attend(q, ks, vs, cu_q, cu_k, max_q, max_k, scale, per_kv_head):
