@@ -90,7 +90,7 @@ def test_flashinfer_unavailable_without_cuda():
 
 
 # ----------------------------------------------------------------------- CUDA side
-LENS = [1000, 1, 17, 256, 2049, 700, 33, 4096]
+LENS = [1000, 4, 17, 256, 2049, 700, 33, 4096]  # >= 4: the Sq=4 case needs 4 cached tokens
 
 
 def _batch(sq=1, seed=1):

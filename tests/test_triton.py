@@ -99,6 +99,20 @@ def test_rope_accuracy_and_invariance(dtype, rd):
 
 
 @cuda_test
+def test_rope_table_and_in_kernel_cos_sin_agree():
+    from rlk_ops.kernels.triton.norm_rope import TABLE_LEN, TOK
+
+    x = _rand(4 * TOK, HKV, D)
+    pos = torch.randint(0, TABLE_LEN, (4 * TOK,), generator=_g(6))
+    pos[TOK + 4] = TABLE_LEN + 12345  # the program of tokens TOK..2*TOK-1 computes cos/sin itself
+    pos = pos.cuda()
+    y = rlk_ops.rope(x, pos, 1e6)
+    for t in range(TOK, 2 * TOK):  # alone, every one of them but TOK + 4 reads the table
+        assert bitwise_equal(rlk_ops.rope(x[t:t + 1], pos[t:t + 1], 1e6)[0], y[t])
+    assert rel_err(y.cpu(), cpu.rope(x.cpu(), pos.cpu(), 1e6, D)) < TOL[torch.bfloat16]
+
+
+@cuda_test
 def test_rope_dense_layout_equals_packed():
     x = _rand(2, 150, HKV, D)
     pos = torch.arange(150).repeat(2, 1).cuda()

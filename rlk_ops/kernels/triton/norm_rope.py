@@ -14,10 +14,10 @@ bitwise equal to ``qk_rmsnorm`` then ``rope``:
 * no FMA contraction (``_common.LAUNCH``), so each step is one IEEE operation.
 
 RoPE angles follow the CPU reference: ``fp32(position) * inv_freq`` in fp32 (fp64 for
-fp64), then sin/cos evaluated in fp64 and rounded once, so cos/sin agree with the
-reference's fp64 polynomial except in (practically never seen) rounding ties. cos/sin
-are computed once per (token, column) and reused for every head; the measured cost is
-in results/h200/kernels.json.
+fp64), then sin/cos evaluated in fp64 (libdevice) and rounded once, so cos/sin agree with
+the reference's fp64 polynomial except in rounding ties (none seen on 8M values, H200).
+Evaluated per token inside the kernel this held rope to 1.4 TB/s, so positions below
+TABLE_LEN read cos/sin from a table built once by the same code (same bits).
 
 Backward of the norm: ``dx`` per row; ``dweight`` sums over every (token, head) row in a
 fixed order without atomics: each program sums its TOK_BWD tokens (heads ascending),
@@ -39,6 +39,10 @@ from rlk_ops.kernels.triton.reduce import sum_partials
 TOK = 16        # tokens per program (forward)
 TOK_BWD = 32    # tokens per program (norm backward); one dweight partial per program
 NUM_WARPS = 4   # fixed: the row reduction's order depends on it
+# RoPE cos/sin for positions below TABLE_LEN come from a cached table (fp32: 32 MiB per
+# (theta, rotary_dim) at rotary_dim 128); Qwen3's native context (40960) fits. A program
+# with any position at or beyond it computes cos/sin itself, with the same code and bits.
+TABLE_LEN = 65536
 
 
 @triton.jit
@@ -59,10 +63,9 @@ def _normalized(xa, rstd, w, OUT: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(pos_ptr, inv_ptr, tok, tmask, cols, R: tl.constexpr, HALF: tl.constexpr,
-             ACC: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _compute_cos_sin(pos, inv_ptr, cols, R: tl.constexpr, HALF: tl.constexpr, ACC: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
     """cos, sin [TOK, BLOCK_D] for column j (frequency j mod HALF), in ACC."""
-    pos = tl.load(pos_ptr + tok, mask=tmask, other=0)
     freq = tl.where(cols < HALF, cols, cols - HALF)
     inv = tl.load(inv_ptr + freq, mask=cols < R, other=0.0)
     angle = pos.to(ACC)[:, None] * inv.to(ACC)[None, :]
@@ -74,6 +77,34 @@ def _cos_sin(pos_ptr, inv_ptr, tok, tmask, cols, R: tl.constexpr, HALF: tl.const
         c = tl.cos(a64)
         s = tl.sin(a64)
     return c.to(ACC), s.to(ACC)
+
+
+@triton.jit
+def _cos_sin(pos_ptr, tab_ptr, inv_ptr, tok, tmask, cols, TABLE: tl.constexpr, R: tl.constexpr,
+             HALF: tl.constexpr, ACC: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """cos, sin of the program's tokens: read from the table when every position is in it,
+    else computed (the table holds exactly what ``_compute_cos_sin`` gives)."""
+    pos = tl.load(pos_ptr + tok, mask=tmask, other=0)
+    if tl.max(pos, axis=0) < TABLE:
+        freq = tl.where(cols < HALF, cols, cols - HALF)
+        m = tmask[:, None] & (cols < R)[None, :]
+        row = pos[:, None] * R + freq[None, :]
+        c = tl.load(tab_ptr + row, mask=m, other=0.0)
+        s = tl.load(tab_ptr + row + HALF, mask=m, other=0.0)
+    else:
+        c, s = _compute_cos_sin(pos, inv_ptr, cols, R, HALF, ACC, LIBDEVICE)
+    return c, s
+
+
+@triton.jit
+def _table_kernel(tab_ptr, inv_ptr, n_pos, R: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TOK_: tl.constexpr, ACC: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """table[p, j] = cos(p * inv_freq[j]) for j < HALF, sin(p * inv_freq[j - HALF]) for HALF <= j < R."""
+    pos = tl.program_id(0).to(tl.int64) * TOK_ + tl.arange(0, TOK_)
+    cols = tl.arange(0, BLOCK_D)
+    c, s = _compute_cos_sin(pos, inv_ptr, cols, R, HALF, ACC, LIBDEVICE)
+    tl.store(tab_ptr + pos[:, None] * R + cols[None, :], tl.where((cols < HALF)[None, :], c, s),
+             mask=(pos < n_pos)[:, None] & (cols < R)[None, :])
 
 
 @triton.jit
@@ -116,8 +147,8 @@ def _heads(x_ptr, y_ptr, w_ptr, eps_ptr, tok, tmask, cols, c, s,
 
 
 @triton.jit(do_not_specialize=["n_tok"])
-def _one_kernel(x_ptr, y_ptr, w_ptr, eps_ptr, pos_ptr, inv_ptr, n_tok,
-                H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+def _one_kernel(x_ptr, y_ptr, w_ptr, eps_ptr, pos_ptr, tab_ptr, inv_ptr, n_tok,
+                H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, TABLE: tl.constexpr,
                 BLOCK_D: tl.constexpr, TOK_: tl.constexpr,
                 NORM: tl.constexpr, ROPE: tl.constexpr, SIGN: tl.constexpr,
                 ACC: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -125,7 +156,7 @@ def _one_kernel(x_ptr, y_ptr, w_ptr, eps_ptr, pos_ptr, inv_ptr, n_tok,
     tmask = tok < n_tok
     cols = tl.arange(0, BLOCK_D)
     if ROPE:
-        c, s = _cos_sin(pos_ptr, inv_ptr, tok, tmask, cols, R, HALF, ACC, LIBDEVICE)
+        c, s = _cos_sin(pos_ptr, tab_ptr, inv_ptr, tok, tmask, cols, TABLE, R, HALF, ACC, LIBDEVICE)
     else:
         c = 0.0
         s = 0.0
@@ -133,13 +164,14 @@ def _one_kernel(x_ptr, y_ptr, w_ptr, eps_ptr, pos_ptr, inv_ptr, n_tok,
 
 
 @triton.jit(do_not_specialize=["n_tok"])
-def _pair_kernel(q_ptr, qo_ptr, qw_ptr, k_ptr, ko_ptr, kw_ptr, eps_ptr, pos_ptr, inv_ptr, n_tok,
+def _pair_kernel(q_ptr, qo_ptr, qw_ptr, k_ptr, ko_ptr, kw_ptr, eps_ptr, pos_ptr, tab_ptr, inv_ptr, n_tok,
                  HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+                 TABLE: tl.constexpr,
                  BLOCK_D: tl.constexpr, TOK_: tl.constexpr, ACC: tl.constexpr, LIBDEVICE: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64) * TOK_ + tl.arange(0, TOK_)
     tmask = tok < n_tok
     cols = tl.arange(0, BLOCK_D)
-    c, s = _cos_sin(pos_ptr, inv_ptr, tok, tmask, cols, R, HALF, ACC, LIBDEVICE)
+    c, s = _cos_sin(pos_ptr, tab_ptr, inv_ptr, tok, tmask, cols, TABLE, R, HALF, ACC, LIBDEVICE)
     _heads(q_ptr, qo_ptr, qw_ptr, eps_ptr, tok, tmask, cols, c, s, HQ, D, R, HALF, True, True, 1, ACC)
     _heads(k_ptr, ko_ptr, kw_ptr, eps_ptr, tok, tmask, cols, c, s, HK, D, R, HALF, True, True, 1, ACC)
 
@@ -194,12 +226,31 @@ def _consts(x, eps, positions, theta, rotary_dim, norm, rope):
     if rope:
         pos = C.aligned(positions.reshape(-1))
         inv = _inv_freq(float(theta), int(rotary_dim), dev)
+        tab = _table(float(theta), int(rotary_dim), acc, dev)
     else:
-        pos, inv = x, x
-    return eps_t, pos, inv
+        pos, inv, tab = x, x, x
+    return eps_t, pos, tab, inv
 
 
 _INV_CACHE: dict = {}
+_TABLES: dict = {}
+
+
+def _table(theta: float, rotary_dim: int, acc: torch.dtype, device: torch.device) -> torch.Tensor:
+    """cos/sin of positions [0, TABLE_LEN) for (theta, rotary_dim), built once per device by
+    ``_table_kernel`` with the kernels' own code (so a table hit and an in-kernel computation
+    give the same bits). Measured: computing fp64 sin/cos in the rope kernel itself held it to
+    ~1.4 TB/s (190 us for 32k tokens x 16 heads); the table costs 2*HALF*4 bytes per token."""
+    key = (theta, rotary_dim, acc, str(device))
+    tab = _TABLES.get(key)
+    if tab is None:
+        tab = torch.empty((TABLE_LEN, rotary_dim), dtype=acc, device=device)
+        _table_kernel[(triton.cdiv(TABLE_LEN, TOK),)](
+            tab, _inv_freq(theta, rotary_dim, device), TABLE_LEN, R=rotary_dim, HALF=rotary_dim // 2,
+            BLOCK_D=C.pow2(rotary_dim), TOK_=TOK, ACC=C.tl_acc(acc), LIBDEVICE=not C.INTERPRET,
+            num_warps=NUM_WARPS, **C.LAUNCH)
+        _TABLES[key] = tab
+    return tab
 
 
 def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
@@ -219,10 +270,11 @@ def _run_one(x, w, eps, positions, theta, rotary_dim, norm, rope, sign):
     if x.numel() == 0:
         return y
     rd = int(rotary_dim) if rope else d
-    eps_t, pos, inv = _consts(x, eps, positions, theta, rd, norm, rope)
+    eps_t, pos, tab, inv = _consts(x, eps, positions, theta, rd, norm, rope)
     wt = C.aligned(w) if norm else x
     _one_kernel[(triton.cdiv(t, TOK),)](
-        x, y, wt, eps_t, pos, inv, t, H=h, D=d, R=rd, HALF=rd // 2, BLOCK_D=C.pow2(d), TOK_=TOK,
+        x, y, wt, eps_t, pos, tab, inv, t, H=h, D=d, R=rd, HALF=rd // 2, TABLE=TABLE_LEN,
+        BLOCK_D=C.pow2(d), TOK_=TOK,
         NORM=norm, ROPE=rope, SIGN=sign, ACC=C.tl_acc(x.dtype), LIBDEVICE=not C.INTERPRET,
         num_warps=NUM_WARPS, **C.LAUNCH)
     return y
@@ -248,10 +300,11 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, eps, theta, rotary_dim):
     _, hk, _ = _layout(k, rope=True)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
-    eps_t, pos, inv = _consts(q, eps, positions, theta, rotary_dim, True, True)
+    eps_t, pos, tab, inv = _consts(q, eps, positions, theta, rotary_dim, True, True)
     _pair_kernel[(triton.cdiv(t, TOK),)](
-        q, qo, C.aligned(q_weight), k, ko, C.aligned(k_weight), eps_t, pos, inv, t,
-        HQ=hq, HK=hk, D=d, R=int(rotary_dim), HALF=int(rotary_dim) // 2, BLOCK_D=C.pow2(d), TOK_=TOK,
+        q, qo, C.aligned(q_weight), k, ko, C.aligned(k_weight), eps_t, pos, tab, inv, t,
+        HQ=hq, HK=hk, D=d, R=int(rotary_dim), HALF=int(rotary_dim) // 2, TABLE=TABLE_LEN,
+        BLOCK_D=C.pow2(d), TOK_=TOK,
         ACC=C.tl_acc(q.dtype), LIBDEVICE=not C.INTERPRET, num_warps=NUM_WARPS, **C.LAUNCH)
     return qo, ko
 
