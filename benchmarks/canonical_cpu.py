@@ -1,6 +1,7 @@
 """canonical:C vs single pass on the CPU reference: cost and accuracy against float64 math.
 
     .venv/bin/python benchmarks/canonical_cpu.py                  # writes results/cpu/canonical.json
+    .venv/bin/python benchmarks/canonical_cpu.py --only cost      # re-measure one section, keep the others
     .venv/bin/python benchmarks/canonical_cpu.py --quick --out /tmp/c.json
 
 1. ``accuracy``: bf16 (and fp32) inputs, one causal sequence; for single pass and each C:
@@ -8,6 +9,7 @@
    from (a) the backward rlk uses under canonical:C (one single-pass backward at the merged
    out/lse) and (b) the explicit chain rule through merge_attn_states_bwd, chunk by chunk.
    Two input scales: q ~ N(0, 1) (flat softmax) and q ~ N(0, 4^2) (peaked).
+   ``accuracy_long``: the forward alone at 4096 tokens, so C=128 merges up to 32 states.
 2. ``cost``: seconds (wall and process CPU, median of interleaved repeats) of the training
    forward, forward+backward, paged decode and chunked prefill, canonical:C / single pass.
 
@@ -53,29 +55,36 @@ def _reference(q, k, v, dout, dlse):
     return out.detach(), lse.detach(), grads
 
 
-def accuracy(s, hq, hkv, d, chunks, dtypes, q_stds) -> list[dict]:
+def accuracy(s, hq, hkv, d, chunks, dtypes, q_stds, grads=True) -> list[dict]:
     rows = []
     for dtype in dtypes:
         for q_std in q_stds:
             q, k, v, dout, dlse = _inputs(s, hq, hkv, d, q_std, dtype)
-            ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, dlse)
+            if grads:
+                ref_out, ref_lse, ref_grads = _reference(q, k, v, dout, dlse)
+            else:
+                ref_out, ref_lse = ref_attention(q, k, v)
             for policy in ["disabled", *[f"canonical:{c}" for c in chunks]]:
                 out, lse = rlk_ops.attention(q, k, v, split_kv=policy)
-                grads = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, 1, d ** -0.5, None, None, 0, 0,
-                                                    policy)
                 row = {"dtype": str(dtype).split(".")[-1], "q_std": q_std, "split_kv": policy,
                        "out_rel_err": rel_err(out, ref_out),
                        "out_max_abs_err": (out.double() - ref_out).abs().max().item(),
                        "lse_max_abs_err": (lse.double() - ref_lse).abs().max().item()}
-                row.update({f"{n}_rel_err": rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
-                if policy != "disabled":
-                    chain = _chain_rule_backward(q, k, v, dout, dlse, int(policy.split(":")[1]), True)
-                    row.update({f"{n}_rel_err_chain_rule": rel_err(g, r)
-                                for n, g, r in zip(("dq", "dk", "dv"), chain, ref_grads)})
+                line = (f"  {row['dtype']:>8} q_std {q_std:<3} {policy:<15} out {row['out_rel_err']:.3e}  "
+                        f"lse {row['lse_max_abs_err']:.2e}")
+                if grads:
+                    got = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, 1, d ** -0.5, None, None, 0, 0,
+                                                      policy)
+                    row.update({f"{n}_rel_err": rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), got, ref_grads)})
+                    line += "  " + "  ".join(f"{n} {row[n + '_rel_err']:.3e}" for n in ("dq", "dk", "dv"))
+                    if policy != "disabled":
+                        chain = _chain_rule_backward(q, k, v, dout, dlse, int(policy.split(":")[1]), True)
+                        row.update({f"{n}_rel_err_chain_rule": rel_err(g, r)
+                                    for n, g, r in zip(("dq", "dk", "dv"), chain, ref_grads)})
+                        line += "  (chain rule: " + "  ".join(
+                            f"{n} {row[n + '_rel_err_chain_rule']:.3e}" for n in ("dq", "dk", "dv")) + ")"
                 rows.append(row)
-                print(f"  {row['dtype']:>8} q_std {q_std:<3} {policy:<15} out {row['out_rel_err']:.3e}  "
-                      f"lse {row['lse_max_abs_err']:.2e}  dq {row['dq_rel_err']:.3e}  dk {row['dk_rel_err']:.3e}  "
-                      f"dv {row['dv_rel_err']:.3e}", flush=True)
+                print(line, flush=True)
     return rows
 
 
@@ -140,32 +149,46 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "results", "cpu", "canonical.json"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes: checks the script, proves nothing")
+    ap.add_argument("--only", choices=["accuracy", "accuracy_long", "cost"], default=None,
+                    help="measure one section and keep the others of an existing --out file")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: process CPU time is not inflated by spinning threads)")
     args = ap.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     if args.quick:
         acc_shape, chunks, cost_shape, repeats = dict(s=300, hq=2, hkv=1, d=16), [128, 256], (300, 2, 2, 1, 16), 1
+        long_shape, long_chunks = dict(s=600, hq=1, hkv=1, d=16), [128]
     else:
         acc_shape, chunks, cost_shape, repeats = dict(s=1024, hq=4, hkv=1, d=128), [128, 256, 512, 1024], \
-            (1024, 4, 4, 1, 128), 3
-    print("accuracy against float64 math:")
-    acc = accuracy(**acc_shape, chunks=chunks, dtypes=(torch.bfloat16, torch.float32), q_stds=(1.0, 4.0))
-    print("cost:")
-    s, bsz, hq, hkv, d = cost_shape
-    costs = cost(s, bsz, hq, hkv, d, chunks, repeats)
-    for name, case in costs.items():
-        print(f"  {name:<24}" + "  ".join(f"{p} {v['wall_s']:.3f}s" for p, v in case.items()))
-    report = {
-        "what": "canonical:C vs single pass (split_kv disabled) on the CPU reference",
-        "accuracy": {"shape": {**acc_shape, "causal": True, "batch": 1},
-                     "metric": "out: ||out - ref|| / ||ref|| (Frobenius); lse: max abs; grads: relative Frobenius; "
-                               "ref: float64 math; loss = sum(out*dout) + sum(lse*dlse)",
-                     "rows": acc},
-        "cost": {"shape": dict(zip(("s", "batch_paged", "hq", "hkv", "d"), cost_shape)), "dtype": "bfloat16",
-                 "page_size": 16, "chunked_prefill_queries": s // 4, "repeats": repeats, "cases": costs},
-        "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                        "load_avg_1m_at_end": os.getloadavg()[0], "quick": args.quick},
-    }
+            (1024, 4, 4, 1, 128), 5
+        long_shape, long_chunks = dict(s=4096, hq=1, hkv=1, d=128), [128, 1024]
+    report = {}
+    if args.only and os.path.exists(args.out):
+        with open(args.out) as f:
+            report = json.load(f)
+    report["what"] = "canonical:C vs single pass (split_kv disabled) on the CPU reference"
+    metric = ("out: ||out - ref|| / ||ref|| (Frobenius); lse: max abs; grads: relative Frobenius; ref: float64 math; "
+              "loss = sum(out*dout) + sum(lse*dlse)")
+    if args.only in (None, "accuracy"):
+        print("accuracy against float64 math:")
+        acc = accuracy(**acc_shape, chunks=chunks, dtypes=(torch.bfloat16, torch.float32), q_stds=(1.0, 4.0))
+        report["accuracy"] = {"shape": {**acc_shape, "causal": True, "batch": 1}, "metric": metric, "rows": acc}
+    if args.only in (None, "accuracy_long"):
+        print("accuracy against float64 math, long sequence, forward:")
+        acc = accuracy(**long_shape, chunks=long_chunks, dtypes=(torch.bfloat16,), q_stds=(1.0, 4.0), grads=False)
+        report["accuracy_long"] = {"shape": {**long_shape, "causal": True, "batch": 1}, "metric": metric, "rows": acc}
+    if args.only in (None, "cost"):
+        print("cost:")
+        s, bsz, hq, hkv, d = cost_shape
+        costs = cost(s, bsz, hq, hkv, d, chunks, repeats)
+        for name, case in costs.items():
+            print(f"  {name:<24}" + "  ".join(f"{p} {v['cpu_s']:.3f}s" for p, v in case.items()))
+        report["cost"] = {"shape": dict(zip(("s", "batch_paged", "hq", "hkv", "d"), cost_shape)),
+                          "dtype": "bfloat16", "page_size": 16, "chunked_prefill_queries": s // 4,
+                          "repeats": repeats, "cases": costs,
+                          "environment": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                                          "load_avg_1m_at_end": os.getloadavg()[0]}}
+    report["environment"] = {"torch": torch.__version__, "python": platform.python_version(), "quick": args.quick}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -7,8 +7,7 @@ it gets a partial state ``(out_c, lse_c)``: the *single-pass* attention of the r
 that chunk's keys alone (same 128-key blocks, as C % 128 == 0; fp32 online softmax;
 ``out_c`` rounded to the input dtype, as the kernel returns it; ``lse_c`` fp32). The
 states are merged in ascending chunk order by ``rlk::merge_attn_states``
-(kernels/cpu/merge.py). Nothing here depends on the device: a backend supplies its
-single-pass kernels (``attend``) and its merge, and the plan is the same.
+(kernels/cpu/merge.py). Nothing here depends on the device or the backend.
 
 How the partials are computed: ``plan()`` splits each sequence into pieces, one per
 (sequence, chunk, kind):
@@ -49,7 +48,9 @@ class Pieces:
     causal: bool
     seq: tuple[int, ...]          # per piece: its sequence
     chunk: tuple[int, ...]        # per piece: its chunk (= merge slot)
-    k_start: tuple[int, ...]      # per piece: first key row in the packed k (keys are contiguous)
+    # per piece: first key row in the packed k. A piece's keys are contiguous there, so a
+    # kernel can read them in place (cu_seqlens_k = k_start, seqused_k = key counts)
+    k_start: tuple[int, ...]
     q_index: torch.Tensor         # int64 [rows]
     k_index: torch.Tensor         # int64 [keys]
     slot: torch.Tensor            # int64 [rows]: the chunk of each gathered query row
@@ -57,10 +58,6 @@ class Pieces:
     cu_seqlens_k: torch.Tensor    # int32 [pieces + 1]
     max_seqlen_q: int
     max_seqlen_k: int
-
-    @property
-    def rows(self) -> int:
-        return self.q_index.shape[0]
 
 
 @dataclass(frozen=True)
