@@ -88,6 +88,18 @@ _C10D_RS = DeterminismSpec(
     notes="all_to_all, then an fp32 sum in ascending rank order; the order depends on the world size",
 )
 
+# triton (kernels/triton/) and flashinfer (kernels/flashinfer.py): verified on sm90 (H200,
+# triton 3.6, flashinfer 0.7.2.post1) by tests/test_triton.py, tests/test_flashinfer.py and
+# benchmarks/kernels.py (results/h200/kernels.json). Not bitwise equal to the cpu reference
+# (other summation orders); the drift is reported there.
+_TRITON_ROW = DeterminismSpec(
+    True, True, notes="verified on sm90: a row's reduction order is fixed by head_dim, dtype and num_warps; "
+                      "rows computed in a batch equal the rows alone")
+_TRITON_COPY = DeterminismSpec(True, True, notes="pure data movement; equal to the cpu reference (verified on sm90)")
+_TRITON_GRAD = DeterminismSpec(
+    True, None, notes="sums over tokens in fixed-size chunks, partials added in ascending order, no atomics "
+                      "(run-to-run verified on sm90)")
+
 REGISTRY: dict[str, OpSpec] = {}
 
 
@@ -96,24 +108,29 @@ def _add(spec: OpSpec) -> None:
 
 
 _add(OpSpec("qk_rmsnorm", "norm", "(Tensor x, Tensor weight, float eps) -> Tensor",
-            differentiable=True, backward=("qk_rmsnorm_bwd",), backends={"cpu": _CPU_ROW}))
+            differentiable=True, backward=("qk_rmsnorm_bwd",), backends={"cpu": _CPU_ROW, "triton": _TRITON_ROW}))
 _add(OpSpec("qk_rmsnorm_bwd", "norm", "(Tensor dy, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_GRAD}))
+            backends={"cpu": _CPU_GRAD, "triton": _TRITON_GRAD}))
 _add(OpSpec("rope", "rope", "(Tensor x, Tensor positions, float theta, int rotary_dim) -> Tensor",
-            differentiable=True, backward=("rope_bwd",), backends={"cpu": _CPU_ROW}))
+            differentiable=True, backward=("rope_bwd",), backends={"cpu": _CPU_ROW, "triton": _TRITON_ROW}))
 _add(OpSpec("rope_bwd", "rope", "(Tensor dy, Tensor positions, float theta, int rotary_dim) -> Tensor",
-            backends={"cpu": _CPU_ROW}))
+            backends={"cpu": _CPU_ROW,
+                      "triton": DeterminismSpec(True, True, notes="the rope kernel with the inverse rotation, "
+                                                                  "elementwise per row; B=1 vs batch is measured "
+                                                                  "for the forward")}))
 _add(OpSpec("qk_norm_rope", "norm_rope",
             "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, float eps, float theta, "
             "int rotary_dim) -> (Tensor, Tensor)",
             differentiable=True, backward=("rope_bwd", "qk_rmsnorm_bwd"),
-            backends={"cpu": DeterminismSpec(True, True, notes="qk_rmsnorm then rope (bitwise, by construction)")}))
+            backends={"cpu": DeterminismSpec(True, True, notes="qk_rmsnorm then rope (bitwise, by construction)"),
+                      "triton": DeterminismSpec(True, True, notes="verified on sm90: bitwise equal to the triton "
+                                                                  "qk_rmsnorm then rope")}))
 _add(OpSpec("paged_kv_append", "kv_cache",
             "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
-            mutates=("k_cache", "v_cache"), backends={"cpu": _CPU_COPY}))
+            mutates=("k_cache", "v_cache"), backends={"cpu": _CPU_COPY, "triton": _TRITON_COPY}))
 _add(OpSpec("paged_kv_gather", "kv_cache",
             "(Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens) -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_COPY}))
+            backends={"cpu": _CPU_COPY, "triton": _TRITON_COPY}))
 _ATTN_ARGS = ("int causal, float softmax_scale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
               "int max_seqlen_q, int max_seqlen_k, str split_kv")
 # fa4 (flash_attn.cute, kernels/fa4/): verified on sm90 (H200) with flash-attn-4 4.0.0b36 by
@@ -135,7 +152,11 @@ _add(OpSpec("paged_attention", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale, "
             "str split_kv)"
             " -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
+            backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN,
+                      "flashinfer": DeterminismSpec(
+                          True, True, False,
+                          notes="split_kv disabled or fixed:N, tensor-core decode; verified on sm90: a sequence "
+                                "alone equals it in a batch of 8 (Sq 1 and 4); not attention_fwd's bits")}))
 # canonical:C split-KV merges chunk states with this op on both sides (kernels/cpu/merge.py).
 _add(OpSpec("merge_attn_states", "attention", "(Tensor out_parts, Tensor lse_parts) -> (Tensor, Tensor)",
             differentiable=True, backward=("merge_attn_states_bwd",),
@@ -150,13 +171,20 @@ _add(OpSpec("paged_attention_auto", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
             " -> (Tensor, Tensor)",
             backends={"cpu": DeterminismSpec(True, True, True, notes="the cpu backend never splits: its "
-                                                                     "automatic choice is one pass")},
+                                                                     "automatic choice is one pass"),
+                      "flashinfer": DeterminismSpec(True, False, False,
+                                                    notes="FlashInfer's automatic split-KV: run-to-run for a "
+                                                          "fixed batch; alone vs in a batch of 8 differ (sm90)")},
             extra_tags=(torch.Tag.nondeterministic_bitwise,)))
 _add(OpSpec("linear", "projection", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-            differentiable=True, backward=("linear_bwd", "linear_bias_bwd"), backends={"cpu": _CPU_ROW}))
+            differentiable=True, backward=("linear_bwd", "linear_bias_bwd"),
+            backends={"cpu": _CPU_ROW,
+                      "triton": DeterminismSpec(True, True, notes="verified on sm90: fixed 64x128x64 tiles, no "
+                                                                  "split-K; rows at M=1/16/256 equal M=4096")}))
 _add(OpSpec("linear_bwd", "projection", "(Tensor dy, Tensor x, Tensor weight) -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_GRAD}))
-_add(OpSpec("linear_bias_bwd", "projection", "(Tensor dy) -> Tensor", backends={"cpu": _CPU_GRAD}))
+            backends={"cpu": _CPU_GRAD, "triton": _TRITON_GRAD}))
+_add(OpSpec("linear_bias_bwd", "projection", "(Tensor dy) -> Tensor",
+            backends={"cpu": _CPU_GRAD, "triton": _TRITON_GRAD}))
 _add(OpSpec("all_gather", "collective", "(Tensor x, int dim, str group_name) -> Tensor",
             differentiable=True, backward=("reduce_scatter",), backends={"c10d": _C10D_AG}))
 _add(OpSpec("reduce_scatter", "collective", "(Tensor x, int dim, str group_name) -> Tensor",
