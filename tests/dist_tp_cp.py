@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import rlk_ops
 from rlk_ops.compile import Qwen3Attention
 from rlk_ops.compile.examples import init_block, packed_batch
 from rlk_ops.distributed import (DistributedInputError, ParallelQwen3Attention, build_layout,
-                                 context_parallel_attention, init_mesh)
+                                 context_parallel_attention, init_mesh, preflight)
 from rlk_ops.distributed.compare import compare_block
 from rlk_ops.meta.drift import drift_stats
 
@@ -212,9 +213,8 @@ def bad_input_checks(mesh, rank):
     k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)
     expect_everywhere(lambda: context_parallel_attention(q_bad, k_bad, k_bad, lay, group),
                       "rejected its input", f"must be this rank's token count {t}")
-    # after all that, the mesh still works (no rank is stuck in a collective)
-    c = compare_block(block, mesh, x, pos, cu, "contiguous")
-    assert c.claims_hold(), c.table()
+    # after all that, every rank reaches the same next collective (none is stuck in one)
+    preflight(None, "after the bad inputs", None, {"step": 1})
 
 
 def timeout_check(rank):
@@ -231,24 +231,50 @@ def timeout_check(rank):
 
 
 # -------------------------------------------------------------------------- workers
+class _Clock:
+    """Phase timings, printed by rank 0 (pytest -s shows them): the suite's time budget."""
+
+    def __init__(self, rank):
+        self.rank, self.t = rank, time.time()
+
+    def __call__(self, what):
+        now = time.time()
+        if self.rank == 0:
+            print(f"[timing] {what}: {now - self.t:.1f} s", flush=True)
+        self.t = now
+
+
 def worker_2x2(rank, world_size, out_dir):
+    clock = _Clock(rank)
     mesh = init_mesh(2, 2, "cpu")
     drift = attention_checks(mesh, 2, 2, compile_modes=("zigzag",))
+    clock("2x2 attention checks")
     if rank == 0:
         _write(out_dir, "attention_drift_2x2.json", drift)
-    block_checks(mesh, [("zigzag", None, True), ("contiguous", None, False), ("zigzag", CHUNKS, False)],
-                 out_dir, "2x2")
+    # the eager 2x2 block tables (contiguous, zigzag, canonical) are the torchrun example's
+    # (tests/test_distributed_example.py); here: zigzag eager twice and compiled
+    block_checks(mesh, [("zigzag", None, True)], out_dir, "2x2")
+    clock("2x2 block checks")
     dtensor_rule_checks(mesh)
+    clock("2x2 DTensor rules")
     bad_input_checks(mesh, rank)
+    clock("2x2 bad input")
 
 
 def worker_1x2_2x1(rank, world_size, out_dir):
+    clock = _Clock(rank)
     for tp, cp in ((1, 2), (2, 1)):
         mesh = init_mesh(tp, cp, "cpu")
         drift = attention_checks(mesh, tp, cp, compile_modes=("contiguous",) if cp == 2 else ())
         if rank == 0:
             _write(out_dir, f"attention_drift_{tp}x{cp}.json", drift)
-        # compile budget (~10-20 s per compiled graph on 2 cores): one block graph per mesh
-        runs = [("contiguous", None, tp == 2), ("zigzag", None, False), ("contiguous", CHUNKS, tp == 1)]
+        # compile budget: one compiled block graph per mesh (cold Inductor cache on 2 cores:
+        # ~10 s for the default graph; the canonical graph has a cell per (chunk, kv group),
+        # measured 87 s cold with 8 chunks, hence 4 chunks for the compiled canonical run)
+        runs = [("contiguous", None, tp == 2), ("zigzag", None, False),
+                ("contiguous", CHUNKS // 2 if tp == 1 else CHUNKS, tp == 1)]
+        clock(f"{tp}x{cp} attention checks")
         block_checks(mesh, runs, out_dir, f"{tp}x{cp}")
+        clock(f"{tp}x{cp} block checks")
     timeout_check(rank)
+    clock("timeout check")

@@ -12,7 +12,7 @@
 
 Importing this package needs torch.distributed; ``import rlk_ops`` does not import it.
 """
-from rlk_ops.distributed import sharding as _sharding  # noqa: F401 - registers DTensor rules
+from rlk_ops.distributed import sharding as _sharding  # noqa: F401 - imported to register the DTensor rules
 from rlk_ops.distributed.checks import DistributedInputError, preflight
 from rlk_ops.distributed.cp_attention import context_parallel_attention
 from rlk_ops.distributed.layout import CPLayout, LayoutError, build_layout

@@ -96,7 +96,6 @@ class ParallelQwen3Attention(nn.Module):
             cp_name=None if cp_group is None else cp_group.group_name,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
             theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
-        self._cp_group = cp_group
         params = dict(block.named_parameters())
         for name in _PARAMS:
             w = params[name].detach()
@@ -113,7 +112,7 @@ class ParallelQwen3Attention(nn.Module):
         Returns (hidden_states, positions, layout): DTensors on the mesh (plain
         tensors when mesh is None), and the host-built ``CPLayout``."""
         cfg = self.config
-        tp, cp = self.topology.tp, self.topology.cp
+        cp = self.topology.cp
         state = {}
 
         def local_checks():

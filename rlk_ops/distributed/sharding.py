@@ -30,19 +30,25 @@ def _spec(x):
     return None if x is None or not hasattr(x, "placements") else R
 
 
+def _ndim(spec) -> int:
+    """Rank of a tensor argument as the rule sees it (a DTensorSpec; its tensor_meta on older torch)."""
+    ndim = getattr(spec, "ndim", None)
+    return int(ndim) if ndim is not None else len(spec.tensor_meta.shape)
+
+
 def _token_dims(x) -> range:
     """Dims of a [..., H, D] tensor that are neither heads nor head_dim."""
-    return range(x.ndim - 2)
+    return range(_ndim(x) - 2)
 
 
 @register_sharding(_ops.attention_fwd.default)
 def _attention_fwd(q, k, v, causal, softmax_scale, cu_q, cu_k, max_q, max_k, split_kv):
     rest = [None, None, _spec(cu_q), _spec(cu_k), None, None, None]
     rules = [([R, R], [R, R, R, *rest])]
-    head = q.ndim - 2
-    lse_head = 0 if q.ndim == 3 else 1   # varlen lse [Hq, T], dense [B, Hq, S]
+    head = _ndim(q) - 2
+    lse_head = 0 if _ndim(q) == 3 else 1   # varlen lse [Hq, T], dense [B, Hq, S]
     rules.append(([Shard(head), Shard(lse_head)], [Shard(head)] * 3 + rest))
-    if q.ndim == 4:  # dense: batch rows are independent
+    if _ndim(q) == 4:  # dense: batch rows are independent
         rules.append(([Shard(0), Shard(0)], [Shard(0)] * 3 + rest))
     return rules
 
@@ -52,11 +58,11 @@ def _attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_q, c
     rest = [None, None, _spec(cu_q), _spec(cu_k), None, None, None]
     has_dlse = dlse is not None
     rules = [([R, R, R], [R] * 6 + [R if has_dlse else None] + rest)]
-    head = q.ndim - 2
-    lse_head = 0 if q.ndim == 3 else 1
+    head = _ndim(q) - 2
+    lse_head = 0 if _ndim(q) == 3 else 1
     sh, sl = Shard(head), Shard(lse_head)
     rules.append(([sh, sh, sh], [sh] * 5 + [sl, sl if has_dlse else None] + rest))
-    if q.ndim == 4:
+    if _ndim(q) == 4:
         s0 = Shard(0)
         rules.append(([s0, s0, s0], [s0] * 6 + [s0 if has_dlse else None] + rest))
     return rules
@@ -64,7 +70,7 @@ def _attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_q, c
 
 @register_sharding(_ops.qk_rmsnorm.default)
 def _qk_rmsnorm(x, weight, eps):
-    return [([R], [R, R, None])] + [([Shard(d)], [Shard(d), R, None]) for d in range(x.ndim - 1)]
+    return [([R], [R, R, None])] + [([Shard(d)], [Shard(d), R, None]) for d in range(_ndim(x) - 1)]
 
 
 @register_sharding(_ops.qk_rmsnorm_bwd.default)
@@ -77,7 +83,7 @@ def _rope_rules(x, positions):
     rules = [([R], [R, R, None, None])]
     for d in _token_dims(x):          # tokens: positions travel with them
         rules.append(([Shard(d)], [Shard(d), Shard(d), None, None]))
-    rules.append(([Shard(x.ndim - 2)], [Shard(x.ndim - 2), R, None, None]))  # heads
+    rules.append(([Shard(_ndim(x) - 2)], [Shard(_ndim(x) - 2), R, None, None]))  # heads
     return rules
 
 
@@ -95,8 +101,8 @@ def _rope_bwd(dy, positions, theta, rotary_dim):
 def _linear(x, weight, bias):
     b = _spec(bias)
     rules = [([R], [R, R, b])]
-    rules += [([Shard(d)], [Shard(d), R, b]) for d in range(x.ndim - 1)]           # rows
-    rules.append(([Shard(x.ndim - 1)], [R, Shard(0), None if b is None else Shard(0)]))  # column-parallel
+    rules += [([Shard(d)], [Shard(d), R, b]) for d in range(_ndim(x) - 1)]           # rows
+    rules.append(([Shard(_ndim(x) - 1)], [R, Shard(0), None if b is None else Shard(0)]))  # column-parallel
     return rules
 
 
