@@ -144,17 +144,18 @@ def test_mixed_decode_batch_equals_alone_and_training(qkv, train, chunk):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_and_batch_composition_equal_dense(qkv, train, causal):
+    """Packed varlen rows == each sequence alone (dense B=1) == the dense B=2 batch."""
     q, k, v = qkv
-    ref = train[128] if causal else rlk_ops.attention(q, k, v, causal=False, split_kv="canonical:128")
-    lens = [S, 129] if causal else [S, S]  # non-causal rows see every key: whole sequences only
+    lens = [S, 140]  # sequence b is the first lens[b] tokens of batch row b
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     pack = [torch.cat([t[b, :n] for b, n in enumerate(lens)]) for t in (q, k, v)]
     out, lse = rlk_ops.attention(*pack, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
     for b, n in enumerate(lens):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        assert bitwise_equal(out[rows], ref[0][b, :n]) and bitwise_equal(lse[:, rows], ref[1][b, :, :n])
-        alone = rlk_ops.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=causal, split_kv="canonical:128")
-        assert bitwise_equal(alone[0][0], ref[0][b]) and bitwise_equal(alone[1][0], ref[1][b])
+        alone = rlk_ops.attention(*(t[b:b + 1, :n] for t in (q, k, v)), causal=causal, split_kv="canonical:128")
+        assert bitwise_equal(out[rows], alone[0][0]) and bitwise_equal(lse[:, rows], alone[1][0])
+        if causal:  # a causal prefix's rows are the batch's rows (they do not see the rest)
+            assert bitwise_equal(alone[0][0], train[128][0][b, :n]) and bitwise_equal(alone[1][0], train[128][1][b, :, :n])
 
 
 def test_rows_without_keys_match_single_pass():
@@ -172,8 +173,8 @@ def test_rows_without_keys_match_single_pass():
 
 # ------------------------------------------------------------------ run-to-run, backward
 def test_forward_and_backward_run_to_run(qkv):
-    q, k, v = (t[:2, :260].clone().requires_grad_() for t in qkv)
-    dlse_w = torch.randn(2, HQ, 260)
+    q, k, v = (t[:1, :260].clone().requires_grad_() for t in qkv)
+    dlse_w = torch.randn(1, HQ, 260)
     results = []
     for _ in range(2):
         out, lse = rlk_ops.attention(q, k, v, split_kv="canonical:128")
@@ -245,9 +246,9 @@ def test_backward_equals_chain_rule_through_the_merge(causal):
     is the exact gradient of the merged forward: equal, in float64, to going chunk by
     chunk through merge_attn_states_bwd with each chunk's d_lse."""
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 270, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    q, k, v = (torch.randn(1, 200, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1))
     dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
-    dlse = torch.randn(1, 2, 270, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, 2, 200, generator=g, dtype=torch.float64)
     out, lse = rlk_ops.attention(q, k, v, causal=causal, split_kv="canonical:128")
     ours = torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, dlse, int(causal), 8 ** -0.5, None, None, 0, 0,
                                        "canonical:128")
@@ -348,12 +349,12 @@ def test_cpu_paged_fixed_split_is_refused_clearly():
 def _batches(draw):
     chunk = draw(st.sampled_from([128, 256]))
     page_size = draw(st.sampled_from([1, 3, 16, 128]))
-    lens = draw(st.lists(st.integers(1, 400), min_size=1, max_size=3))
+    lens = draw(st.lists(st.integers(1, 300), min_size=1, max_size=3))
     sq = draw(st.integers(1, min(lens)))
     return chunk, page_size, lens, sq, draw(st.integers(0, 2**31 - 1)), draw(st.permutations(range(len(lens))))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches())
 def test_property_paged_rows_equal_packed_training(case):
     chunk, page_size, lens, sq, seed, order = case
