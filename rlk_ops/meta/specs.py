@@ -75,7 +75,8 @@ class OpSpec:
 _CPU_ROW = DeterminismSpec(True, True, notes="per-row fixed-order reductions (kernels/cpu/numerics.py)")
 _CPU_ATTN = DeterminismSpec(
     True, True, True,
-    notes="online softmax over 128-key blocks aligned to absolute position 0, ascending, fp32",
+    notes="online softmax over 128-key blocks aligned to absolute position 0, ascending, fp32; "
+          "canonical:C: one such pass per C-key chunk, states merged by rlk::merge_attn_states",
 )
 _CPU_COPY = DeterminismSpec(True, True, notes="pure data movement")
 _CPU_GRAD = DeterminismSpec(
