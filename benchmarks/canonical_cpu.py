@@ -162,7 +162,7 @@ def main() -> int:
         long_shape, long_chunks = dict(s=600, hq=1, hkv=1, d=16), [128]
     else:
         acc_shape, chunks, cost_shape, repeats = dict(s=1024, hq=4, hkv=1, d=128), [128, 256, 512, 1024], \
-            (1024, 4, 4, 1, 128), 7
+            (1024, 4, 4, 1, 128), 15
         long_shape, long_chunks = dict(s=4096, hq=1, hkv=1, d=128), [128, 1024]
     report = {}
     if args.only and os.path.exists(args.out):
