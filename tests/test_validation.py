@@ -193,3 +193,29 @@ def test_split_kv_policy_errors():
         rlk_ops.attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), split_kv="canonical:100")
     with pytest.raises(RlkInputError, match=r"split_kv 'fixed:256' is not allowed here"):
         rlk_ops.attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), split_kv="fixed:256")
+
+
+@pytest.mark.parametrize("name,call,pattern", CASES, ids=[c[0] for c in CASES])
+def test_device_fast_path_rejects_the_same(name, call, pattern, monkeypatch):
+    """On CUDA the value checks first test device-side masks with one sync; simulate
+    that path on CPU tensors: bad input must still raise the detailed message."""
+    from rlk_ops.ops import _validate as V
+
+    monkeypatch.setattr(V, "on_device", lambda t: True)
+    with pytest.raises(RlkInputError, match=pattern):
+        call()
+
+
+def test_device_fast_path_accepts_valid_input(monkeypatch):
+    from rlk_ops.ops import _validate as V
+
+    monkeypatch.setattr(V, "on_device", lambda t: True)
+    q, kc, vc, table, lens = _paged(q_len=2)
+    ref = rlk_ops.paged_attention(q, kc, vc, table, lens)
+    kc2, vc2 = kc.clone(), vc.clone()
+    rlk_ops.paged_kv_append(kc2, vc2, torch.ones(2, 2, 8), torch.ones(2, 2, 8), torch.tensor([-1, 7]))
+    assert kc2.view(-1, 2, 8)[7].eq(1).all()
+    rlk_ops.rope(torch.randn(3, 2, 8), torch.tensor([0, 5, 9]))
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    rlk_ops.attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert torch.equal(rlk_ops.paged_attention(q, kc, vc, table, lens)[0], ref[0])

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass
 
@@ -30,7 +31,11 @@ class SplitKVPolicy:
     def parse(cls, text: "str | SplitKVPolicy") -> "SplitKVPolicy":
         if isinstance(text, SplitKVPolicy):
             return text
-        m = _POLICY.match(str(text).strip())
+        return _parse(str(text))
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> "SplitKVPolicy":
+        m = _POLICY.match(text.strip())
         if not m:
             raise ValueError(f"split_kv must be 'disabled', 'auto', 'fixed:N' or 'canonical:C', got {text!r}")
         kind = m.group(1).split(":")[0]
@@ -49,6 +54,12 @@ class SplitKVPolicy:
     def strict(self) -> bool:
         """Allowed in strict mode (the result does not depend on the batch)."""
         return self.kind != "auto"
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> SplitKVPolicy:
+    """Every op call validates its policy string: parse each distinct string once."""
+    return SplitKVPolicy._parse_uncached(text)
 
 
 @dataclass(frozen=True)

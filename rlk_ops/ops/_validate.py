@@ -78,6 +78,18 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or VALUE_CHECKS
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Tensor data lives off the host: value checks then take the one-sync fast path."""
+    return t.device.type != "cpu"
+
+
+def all_clear(*bad: torch.Tensor) -> bool:
+    """True when no element of any device-side violation mask is set, at the cost of a
+    single device-to-host sync. The detailed (host-side) check that builds the error
+    message runs only when this returns False."""
+    return not bool(torch.stack([b.any() for b in bad]).any())
+
+
 def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout: str) -> None:
     """positions: int64 with x's leading shape (all dims but the last two), >= 0."""
     if positions.dtype != torch.int64:
@@ -88,12 +100,23 @@ def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout:
                  f"got {shape_str(positions)}")
 
 
-def check_positions_values(op: str, positions: torch.Tensor) -> None:
-    if positions.numel() and value_checks_enabled(positions):
+def check_positions_values(op: str, positions: torch.Tensor, max_position: int | None = None) -> None:
+    if not positions.numel() or not value_checks_enabled(positions):
+        return
+    if on_device(positions):
+        bad = positions < 0 if max_position is None else (positions < 0) | (positions > max_position)
+        if all_clear(bad):
+            return
+        positions = positions.cpu()
+    if True:
         neg = positions < 0
         if bool(neg.any()):
             i = first_bad(neg)
             fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} is negative; positions must be >= 0")
+        if max_position is not None and bool((positions > max_position).any()):
+            i = first_bad(positions > max_position)
+            fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} exceeds the largest "
+                     f"supported position {max_position}")
 
 
 def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:

@@ -109,14 +109,19 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping):
 def _check_slots(op, slot_mapping, n_slots):
     if slot_mapping.numel() == 0:
         return
+    if V.on_device(slot_mapping):
+        s = slot_mapping
+        ids = torch.where(s >= 0, s, -1 - torch.arange(s.numel(), device=s.device)).sort().values
+        if V.all_clear((s < -1) | (s >= n_slots), ids[1:] == ids[:-1]):
+            return
     slots = slot_mapping.cpu()
     bad = (slots < -1) | (slots >= n_slots)
     if bool(bad.any()):
         i = V.first_bad(bad)[0]
         V.fail(op, f"slot_mapping[{i}] = {int(slots[i])} is out of range for {n_slots} slots "
                    f"(valid: 0..{n_slots - 1}, or -1 to skip)")
-    used = slots[slots >= 0]
-    if used.numel() != torch.unique(used).numel():
+    ids = torch.where(slots >= 0, slots, -1 - torch.arange(slots.numel())).sort().values
+    if bool((ids[1:] == ids[:-1]).any()):
         seen: dict[int, int] = {}
         for i, s in enumerate(slots.tolist()):
             if s >= 0 and s in seen:
@@ -141,6 +146,8 @@ def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
     if not V.value_checks_enabled(page_table) or page_table.shape[0] == 0:
         return
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
+    if V.on_device(page_table) and _page_values_clear(page_table, seq_lens, num_pages, ps, min_len):
+        return
     table = page_table.cpu()
     lens = seq_lens.cpu().to(torch.int64)
     capacity = table.shape[1] * ps
@@ -174,3 +181,15 @@ def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
                 V.fail(op, f"page_table[{b}, {j}] = {p} duplicates page_table[{b}, {first[p]}]; "
                            f"a sequence cannot hold the same page twice")
             first[p] = j
+
+
+def _page_values_clear(page_table, seq_lens, num_pages, ps, min_len) -> bool:
+    """The checks of check_page_values as device-side masks, one sync."""
+    lens = seq_lens.to(torch.int64)
+    width = page_table.shape[1]
+    bad_len = (lens < (min_len or 0)) | (lens > width * ps)
+    cols = torch.arange(width, device=page_table.device).view(1, -1)
+    used = cols < ((lens + ps - 1) // ps).view(-1, 1)
+    bad_id = used & ((page_table < 0) | (page_table >= num_pages))
+    ids = torch.where(used, page_table, -1 - cols.to(page_table.dtype)).sort(dim=1).values
+    return V.all_clear(bad_len, bad_id, ids[:, 1:] == ids[:, :-1])

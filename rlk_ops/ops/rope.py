@@ -94,10 +94,4 @@ def _check(op, x, positions, theta, rotary_dim, name="x"):
 
 
 def _check_values(op, positions):
-    V.check_positions_values(op, positions)
-    if positions.numel() and V.value_checks_enabled(positions):
-        big = positions > MAX_POSITION
-        if bool(big.any()):
-            i = V.first_bad(big)
-            V.fail(op, f"{V.fmt_index('positions', i)} = {int(positions[i])} exceeds the largest "
-                       f"supported position {MAX_POSITION}")
+    V.check_positions_values(op, positions, MAX_POSITION)
