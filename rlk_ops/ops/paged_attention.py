@@ -53,8 +53,12 @@ def _paged_attention_fake(q, k_cache, v_cache, page_table, seq_lens, softmax_sca
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv):
-    op = "paged_attention"
-    check_split_kv(op, split_kv, allowed=("disabled", "fixed", "canonical"))
+    check_split_kv("paged_attention", split_kv, allowed=("disabled", "fixed", "canonical"))
+    check_paged_inputs("paged_attention", q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
+
+
+def check_paged_inputs(op, q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    """Metadata checks shared by every paged attention op (also run by the fakes)."""
     V.ndim(op, "q", q, 4, "[B, Sq, Hq, D]")
     V.float_dtype(op, "q", q)
     check_cache(op, k_cache, v_cache)

@@ -14,15 +14,13 @@ splits, so its "automatic" choice is a single pass (== paged_attention "disabled
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlk_ops.kernels.dispatch import StrictModeError, kernel_for, strict_mode
-from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import define, fake, impl
-from rlk_ops.ops.attention import check_heads, lse_dtype
-from rlk_ops.ops.paged_kv import check_cache, check_page_table, check_page_values
+from rlk_ops.ops.attention import lse_dtype
+from rlk_ops.ops.paged_attention import check_paged_inputs
+from rlk_ops.ops.paged_kv import check_page_values
 
 OP = "paged_attention_auto"
 
@@ -58,16 +56,4 @@ def _paged_attention_auto_fake(q, k_cache, v_cache, page_table, seq_lens, softma
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
-    V.ndim(OP, "q", q, 4, "[B, Sq, Hq, D]")
-    V.float_dtype(OP, "q", q)
-    check_cache(OP, k_cache, v_cache)
-    V.same_dtype(OP, "k_cache", k_cache, "q", q)
-    if k_cache.shape[-1] != q.shape[-1]:
-        V.fail(OP, f"k_cache's head_dim ({k_cache.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
-    check_heads(OP, q.shape[2], k_cache.shape[2])
-    check_page_table(OP, k_cache, page_table, seq_lens)
-    if page_table.shape[0] != q.shape[0]:
-        V.fail(OP, f"page_table must have one row per sequence of q ({q.shape[0]}), got {page_table.shape[0]}")
-    if not math.isfinite(softmax_scale):
-        V.fail(OP, f"softmax_scale must be finite, got {softmax_scale}")
-    V.same_device(OP, {"q": q, "k_cache": k_cache})
+    check_paged_inputs(OP, q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
