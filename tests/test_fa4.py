@@ -308,8 +308,8 @@ def test_through_the_dispatch_point(fake, monkeypatch):
         ("attention_fwd", "fa4", False), ("paged_attention", "fa4", False)}
 
 
-@pytest.mark.parametrize("policy", ["canonical:256", "fixed:512"])
-def test_split_kv_other_than_disabled_is_refused(fake, policy):
+@pytest.mark.parametrize("policy", ["fixed:512", "auto"])
+def test_split_kv_other_than_disabled_or_canonical_is_refused(fake, policy):
     q, k, v = _dense()
     with pytest.raises(ValueError, match=rf"split_kv '{policy}' is not supported by the fa4 backend"):
         fa4_backend.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0, policy)

@@ -430,7 +430,9 @@ def _merge_entries(per_entry: list[tuple[str, dict[str, Fact]]]) -> dict[str, Fa
         if rule.tier == RECORDED:
             value = _one(list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in vals)), None)
             value = json.loads(value) if isinstance(value, str) else [json.loads(v) for v in value]
-        elif len(present) == len(per_entry) and all(v == vals[0] for v in vals):
+        elif all(v == vals[0] for v in vals) and (len(present) == len(per_entry) or rule.one_sided):
+            # a one-sided field (an op) that only some entry points run, e.g. the K/V gather of
+            # canonical:C chunked prefill that decode does not need, is judged where it runs
             value = first.value
         else:
             value = {e: _jsonable(f[name].value) if name in f else "missing" for e, f in per_entry}

@@ -1,5 +1,8 @@
 """The three FA4 kernels, with the CPU kernels' signatures (kernels/cpu/attention.py).
 
+``split_kv``: "disabled" (one pass) or "canonical:C" (kernels/fa4/canonical.py: the chunk
+partials are these same single-pass calls, merged by rlk::merge_attn_states).
+
 Every call pins what decides the reduction order: ``num_splits=1`` (one pass over the
 keys), ``pack_gqa=PACK_GQA`` and ``deterministic=True`` in the backward. Layouts are
 FA4's own and the contract's: dense ``[B, S, H, D]`` with lse ``[B, Hq, Sq]``, varlen
@@ -28,18 +31,21 @@ from __future__ import annotations
 
 import torch
 
-from rlk_ops.kernels.fa4 import loader
+from rlk_ops.kernels.fa4 import canonical, loader
 from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
+from rlk_ops.meta.contract import SplitKVPolicy
 from rlk_ops.ops._validate import fail
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _fa4(op: str, q: torch.Tensor, split_kv: str) -> "loader.FA4":
-    if split_kv != "disabled":
+def _fa4(op: str, q: torch.Tensor, split_kv: str) -> tuple["loader.FA4", SplitKVPolicy]:
+    policy = SplitKVPolicy.parse(split_kv)
+    if policy.kind not in ("disabled", "canonical"):
         raise ValueError(
-            f"rlk::{op}: split_kv {split_kv!r} is not supported by the fa4 backend (supported: 'disabled'). "
-            "FA4 on SM90 has no split-KV (num_splits > 1 asserts), and a split changes the bits.")
+            f"rlk::{op}: split_kv {split_kv!r} is not supported by the fa4 backend (supported: 'disabled', "
+            "'canonical:C'). FA4 on SM90 has no split-KV of its own (num_splits > 1 asserts); canonical:C "
+            "splits outside the kernel, with a merge whose bits both sides share.")
     if q.dtype not in _DTYPES:
         fail(op, f"the fa4 backend needs bfloat16 or float16 inputs, got {q.dtype} "
                  "(FA4 has no fp32/fp64 kernels; run those on the cpu backend)")
@@ -48,7 +54,7 @@ def _fa4(op: str, q: torch.Tensor, split_kv: str) -> "loader.FA4":
         fail(op, f"the fa4 backend needs head_dim in [8, 256] and a multiple of 8, got {d}")
     fa4 = loader.load()
     loader.note_device(fa4, q.device)
-    return fa4
+    return fa4, policy
 
 
 def _max_len(cu: torch.Tensor, given: int) -> int:
@@ -59,7 +65,10 @@ def _max_len(cu: torch.Tensor, given: int) -> int:
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   split_kv="disabled"):
-    fa4 = _fa4("attention_fwd", q, split_kv)
+    fa4, policy = _fa4("attention_fwd", q, split_kv)
+    if policy.kind == "canonical":  # partials are this function's single pass (split_kv="disabled")
+        return canonical.attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size,
+                                       attend=attention_fwd)
     with torch.no_grad():
         if cu_seqlens_q is None:
             out, lse = fa4.module.flash_attn_func(
@@ -76,7 +85,9 @@ def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, ma
 
 def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k,
                   max_seqlen_q, max_seqlen_k, split_kv="disabled"):
-    fa4 = _fa4("attention_bwd", q, split_kv)
+    # canonical:C needs nothing else: the single-pass backward at the merged (out, lse) is its
+    # exact gradient (kernels/fa4/canonical.py)
+    fa4, _ = _fa4("attention_bwd", q, split_kv)
     varlen = cu_seqlens_q is not None
     with torch.no_grad():
         grads = fa4.module._flash_attn_bwd(
@@ -90,7 +101,10 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
 
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
-    fa4 = _fa4("paged_attention", q, split_kv)
+    fa4, policy = _fa4("paged_attention", q, split_kv)
+    if policy.kind == "canonical":
+        return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
+                                         attend=attention_fwd, attend_paged=paged_attention)
     with torch.no_grad():
         out, lse = fa4.module.flash_attn_varlen_func(
             q, k_cache, v_cache, seqused_k=seq_lens, page_table=page_table,

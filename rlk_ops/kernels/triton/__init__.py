@@ -1,4 +1,5 @@
-"""Triton backend (CUDA): norm, rope, fused norm+rope, paged KV cache, linear.
+"""Triton backend (CUDA): norm, rope, fused norm+rope, paged KV cache, linear, and the
+canonical:C merge of partial attention states (merge.py; bitwise equal to the CPU merge).
 
 Functions are named like the ops and take the CPU kernels' arguments. Nothing here
 imports triton until a kernel runs: ``check_available`` (called by the dispatch point
@@ -22,6 +23,7 @@ _MODULE = {
     "qk_rmsnorm": "norm_rope", "qk_rmsnorm_bwd": "norm_rope", "rope": "norm_rope", "rope_bwd": "norm_rope",
     "qk_norm_rope": "norm_rope", "paged_kv_append": "paged_kv", "paged_kv_gather": "paged_kv",
     "linear": "gemm", "linear_bwd": "gemm", "linear_bias_bwd": "gemm",
+    "merge_attn_states": "merge", "merge_attn_states_bwd": "merge",
 }
 
 
@@ -80,3 +82,15 @@ def linear_bwd(dy, x, weight):
 
 def linear_bias_bwd(dy):
     return _kernel("linear_bias_bwd")(dy)
+
+
+def merge_attn_states(out_parts, lse_parts, state_lens=None):
+    return _kernel("merge_attn_states")(out_parts, lse_parts, state_lens)
+
+
+# kernels/fa4/canonical.py passes decode pair lengths instead of masking lse first
+merge_attn_states.accepts_state_lens = True
+
+
+def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
+    return _kernel("merge_attn_states_bwd")(dout, dlse, out_parts, lse_parts, out, lse)

@@ -1,0 +1,708 @@
+"""canonical:C split-KV on the H200 (FA4 partials + Triton merge): bitwise matrix, accuracy, speed.
+
+    python benchmarks/canonical.py --out results/h200/canonical.json --md results/h200/canonical.md --commit SHA
+    python benchmarks/canonical.py --md-only --out results/h200/canonical.json --md results/h200/canonical.md
+    RLK_FA4_DRY_RUN=1 TRITON_INTERPRET=1 python benchmarks/canonical.py --dry-run --out /tmp/c.json --md /tmp/c.md
+
+Shapes: Qwen3-8B TP=2 shard, Hq=16, Hkv=4, D=128, bf16, causal.
+
+* ``bitwise`` (every cell a torch.equal): the Triton merge vs the CPU reference merge; the
+  two FA4 equalities the policy rests on (training diagonal row vs its decode pair,
+  training full row vs a causal decode pair that sees every key); for each C and page
+  size: every decode row (alone, B = 1) and all of them in one batch (with a table padded
+  wider, i.e. extra empty pairs) vs the packed training forward, at positions on and off
+  chunk boundaries; chunked-prefill rows vs training; run-to-run forward and backward.
+* ``accuracy``: out and lse against float64 math, single pass next to canonical:C.
+* ``decode``: paged decode (page 16, Sq=1, value checks off), CUDA-graph replay medians:
+  FA4 strict single pass and canonical:C for several C, the fused decode route and the
+  generic one; ratios against FlashInfer auto split (measured here when flashinfer is
+  installed, else read from results/h200/kernels.json, named in ``flashinfer_auto_source``).
+* ``training``: forward and forward+backward at B=4, S=8192, single pass vs canonical:C
+  (eager, CUDA events, interleaved repetitions; canonical's host-side plan is included).
+
+--dry-run: CPU, tiny shapes, stand-in FA4 (tests/test_fa4.py) and the Triton interpreter
+for the merge: checks the script, proves nothing. Exit status 1 if a bitwise cell is false
+or a section failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import rlk_ops  # noqa: E402
+from rlk_ops.kernels.cpu import canonical  # noqa: E402
+from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
+from rlk_ops.meta import provenance  # noqa: E402
+from rlk_ops.ops import _validate  # noqa: E402
+
+BF16 = torch.bfloat16
+TARGET_DECODE_VS_FI = 1.15      # canonical decode / FlashInfer auto, batch 1 and 8
+TARGET_TRAIN_VS_SINGLE = 1.15   # canonical fwd+bwd / single-pass fwd+bwd, B=4 S=8k
+
+
+@dataclass
+class Shapes:
+    hq: int = 16
+    hkv: int = 4
+    d: int = 128
+    lens: tuple = (8192, 3000, 1029)        # packed training sequences of the bitwise matrix
+    chunks: tuple = (256, 1024, 2048)       # C of the bitwise matrix
+    pages: tuple = (16, 128)
+    acc_s: int = 8192
+    acc_chunks: tuple = (256, 512, 1024, 2048)
+    decode_cases: tuple = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
+    decode_chunks: tuple = (256, 512, 1024, 2048)
+    decode_page: int = 16
+    train: tuple = (4, 8192)
+    train_chunks: tuple = (256, 512, 1024, 2048)
+    target_ms: float = 8.0
+    reps: int = 5
+
+
+DRY = Shapes(hq=4, hkv=1, d=128, lens=(300, 140, 129), chunks=(128, 256), pages=(16, 128), acc_s=300,
+             acc_chunks=(128,), decode_cases=((1, 512), (3, 320)), decode_chunks=(128,), train=(1, 300),
+             train_chunks=(128,), target_ms=1.0, reps=2)
+
+
+def beq(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class Bench:
+    def __init__(self, dev, sh: Shapes, out_path, dry):
+        self.dev, self.sh, self.out_path, self.dry = dev, sh, out_path, dry
+        self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.scale = sh.d ** -0.5
+        self.res = {"script": "benchmarks/canonical.py", "dry_run": dry, "command": " ".join(sys.argv),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": asdict(sh), "bitwise": [],
+                    "errors": {}, "section_seconds": {}}
+
+    # ------------------------------------------------------------ helpers
+    def rand(self, *shape, dtype=BF16):
+        return torch.randn(*shape, device=self.dev, generator=self.gen).to(dtype)
+
+    def cell(self, name, equal, what, **extra):
+        self.res["bitwise"].append({"name": name, "equal": bool(equal), "what": what, **extra})
+        print(f"  [{'ok' if equal else 'FAIL'}] {name}: {what} {extra or ''}", flush=True)
+
+    def sync(self):
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def save(self):
+        self.res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.out_path, "w") as f:
+            json.dump(self.res, f, indent=1, default=str)
+
+    def section(self, name, fn):
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # recorded; the other sections still run; the exit status says it failed
+            self.res["errors"][name] = traceback.format_exc()
+            print(self.res["errors"][name], flush=True)
+        self.res["section_seconds"][name] = round(time.perf_counter() - t0, 1)
+        self.save()
+        if self.dev == "cuda":
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a faulted context (recorded above) must not lose the report
+                self.res["errors"].setdefault(name, traceback.format_exc())
+
+    def graph_us(self, fn):
+        """Median us per call: n calls captured in one CUDA graph, replayed reps times
+        (GPU time of every launch the call makes; no host overhead). CPU: wall clock."""
+        fn()
+        self.sync()
+        if self.dev != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(2):
+                fn()
+            return (time.perf_counter() - t0) * 1e6 / 2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        n = max(3, min(200, int(self.sh.target_ms * 3 / max(start.elapsed_time(end), 1e-3))))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n):
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(self.sh.reps):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / n)
+        del g
+        return statistics.median(samples)
+
+    def eager_us(self, fns: dict) -> dict:
+        """Median us per call of each fn, interleaved per repetition (eager, CUDA events)."""
+        iters = {}
+        for name, fn in fns.items():
+            fn()
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            iters[name] = max(2, min(50, int(self.sh.target_ms * 5e-3 / max(time.perf_counter() - t0, 1e-6))))
+        times = {name: [] for name in fns}
+        for _ in range(self.sh.reps):
+            for name, fn in fns.items():
+                self.sync()
+                t0 = time.perf_counter()
+                for _ in range(iters[name]):
+                    fn()
+                self.sync()
+                times[name].append((time.perf_counter() - t0) * 1e6 / iters[name])
+        return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+    def fa4_single(self):
+        from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+        return fa4_kernels
+
+    def cache(self, k, v, starts, lens, page_size, extra_cols=3):
+        """Sequences' K/V in shuffled pages (finite garbage elsewhere), padded tables."""
+        sh = self.sh
+        need = [math.ceil(n / page_size) for n in lens]
+        num_pages = sum(need) + 4
+        k_cache = self.rand(num_pages, page_size, sh.hkv, sh.d)
+        v_cache = self.rand(num_pages, page_size, sh.hkv, sh.d)
+        perm = torch.randperm(num_pages, device=self.dev, generator=self.gen)
+        table = torch.full((len(lens), max(need) + extra_cols), 10**6, dtype=torch.int32, device=self.dev)
+        used = 0
+        for b, n in enumerate(need):
+            pages = perm[used:used + n]
+            used += n
+            table[b, :n] = pages.int()
+            slots = (pages[:, None] * page_size + torch.arange(page_size, device=self.dev)).flatten()[:lens[b]]
+            k_cache.view(-1, sh.hkv, sh.d)[slots] = k[starts[b]:starts[b] + lens[b]]
+            v_cache.view(-1, sh.hkv, sh.d)[slots] = v[starts[b]:starts[b] + lens[b]]
+        return k_cache, v_cache, table
+
+    # ------------------------------------------------------------ sections
+    def environment(self):
+        from rlk_ops.kernels.fa4 import loader
+
+        self.res["env"] = provenance.environment()
+        self.res["fa4"] = loader.backend_info()
+
+    def merge(self):
+        """Triton merge == CPU reference merge (bitwise), at training and decode layouts."""
+        sh = self.sh
+        t = 512 if self.dry else 4096
+        for n, lead, rows in ((8, (), t), (32, (64,), 1)):
+            out_parts = self.rand(n, *lead, rows, sh.hq, sh.d)
+            lse_parts = self.rand(n, *lead, sh.hq, rows, dtype=torch.float32) * 3
+            lse_parts[n // 2, ..., 1, :] = -math.inf  # empty states
+            with provenance.capture() as log:
+                got = rlk_ops.merge_attn_states(out_parts, lse_parts)
+            backends = sorted({r.actual_backend for r in log.records()})
+            ref = cpu_merge.merge_attn_states(out_parts.cpu(), lse_parts.cpu())
+            self.cell(f"merge_vs_cpu_N{n}_{'x'.join(map(str, lead)) or 'varlen'}",
+                      beq(got[0].cpu(), ref[0]) and beq(got[1].cpu(), ref[1]),
+                      "triton merge == cpu reference merge (out and lse)", backend=backends)
+            again = rlk_ops.merge_attn_states(out_parts, lse_parts)
+            self.cell(f"merge_run_to_run_N{n}", beq(got[0], again[0]) and beq(got[1], again[1]), "run to run")
+        if self.dev == "cuda":
+            out_parts = self.rand(8, 4 * 8192, sh.hq, sh.d)
+            lse_parts = self.rand(8, sh.hq, 4 * 8192, dtype=torch.float32)
+            us = self.graph_us(lambda: rlk_ops.merge_attn_states(out_parts, lse_parts))
+            gb = (out_parts.numel() * 2 + out_parts[0].numel() * 2) / 1e9
+            self.res["merge_timing"] = {"states": 8, "rows": 4 * 8192, "us": round(us, 1),
+                                        "GBps": round(gb / (us * 1e-6), 1)}
+
+    def fa4_equalities(self):
+        """The two FA4 single-pass equalities, measured directly (no merge involved)."""
+        sh, fa4 = self.sh, self.fa4_single()
+        n = sh.lens[0]
+        q, k, v = self.rand(n, sh.hq, sh.d), self.rand(n, sh.hkv, sh.d), self.rand(n, sh.hkv, sh.d)
+        cu1 = lambda m: torch.tensor([0, m], dtype=torch.int32, device=self.dev)  # noqa: E731
+        for page_size in sh.pages:
+            k_cache, v_cache, table = self.cache(k, v, [0], [n], page_size)
+            for chunk in sh.chunks:
+                if 2 * chunk > n or chunk % page_size:
+                    continue
+                per = chunk // page_size
+                c0 = chunk  # chunk 1's diagonal piece; chunk 0's full piece
+                diag = fa4.attention_fwd(q[c0:c0 + chunk], k[c0:c0 + chunk], v[c0:c0 + chunk], 1, self.scale,
+                                         cu1(chunk), cu1(chunk), chunk, chunk)
+                full = fa4.attention_fwd(q[chunk:n], k[:chunk], v[:chunk], 0, self.scale, cu1(n - chunk),
+                                         cu1(chunk), n - chunk, chunk)
+                ok_d, ok_f = True, True
+                idx_d = sorted({i for i in (0, 1, 63, 64, 127, 128, 129, chunk // 2, chunk - 2, chunk - 1)
+                                if i < chunk})
+                for i in idx_d:
+                    o, l = fa4.paged_attention(q[None, c0 + i:c0 + i + 1], k_cache, v_cache,
+                                               table[:1, per:2 * per].contiguous(),
+                                               torch.tensor([i + 1], dtype=torch.int32, device=self.dev), self.scale)
+                    ok_d &= beq(o[0, 0], diag[0][i]) and beq(l[0, :, 0], diag[1][:, i])
+                idx_f = sorted({p for p in (chunk, chunk + 1, chunk + 127, 2 * chunk, n // 2, n - 1) if p < n})
+                for p in idx_f:
+                    o, l = fa4.paged_attention(q[None, p:p + 1], k_cache, v_cache, table[:1, :per].contiguous(),
+                                               torch.tensor([chunk], dtype=torch.int32, device=self.dev), self.scale)
+                    ok_f &= beq(o[0, 0], full[0][p - chunk]) and beq(l[0, :, 0], full[1][:, p - chunk])
+                self.cell(f"fa4_diag_row_vs_decode_pair_C{chunk}_p{page_size}", ok_d,
+                          "training diagonal row (causal varlen piece) == decode pair of its chunk "
+                          "(causal paged, seqused_k = keys seen)", rows=idx_d)
+                self.cell(f"fa4_full_row_vs_decode_pair_C{chunk}_p{page_size}", ok_f,
+                          "training full row (non-causal, C keys) == decode pair (causal paged, seqused_k = C)",
+                          positions=idx_f)
+
+    def seqused_zero_probe(self):
+        """Does FA4 accept seqused_k = 0? The decode route never relies on it (an empty pair is
+        handed one key and skipped by the merge). Last section: a kernel fault would poison
+        the CUDA context, and everything else is saved by then."""
+        sh, fa4 = self.sh, self.fa4_single()
+        n = 256
+        q, k, v = self.rand(n, sh.hq, sh.d), self.rand(n, sh.hkv, sh.d), self.rand(n, sh.hkv, sh.d)
+        k_cache, v_cache, table = self.cache(k, v, [0], [n], 16)
+        try:
+            o, l = fa4.paged_attention(q[None, :1].expand(2, 1, sh.hq, sh.d).contiguous(), k_cache, v_cache,
+                                       table[:2 if table.shape[0] > 1 else 1].expand(2, -1).contiguous(),
+                                       torch.tensor([0, 5], dtype=torch.int32, device=self.dev), self.scale)
+            self.sync()
+            self.res["fa4_seqused_k_zero"] = {"ran": True, "out_all_zero": bool((o[0] == 0).all()),
+                                              "lse": str(l[0, :2, 0].tolist())}
+        except Exception as e:  # noqa: BLE001 - recorded, the policy does not depend on it
+            self.res["fa4_seqused_k_zero"] = {"ran": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    def bitwise(self):
+        """Training rows == decode rows (alone and batched) == chunked-prefill rows, per C and page size."""
+        sh = self.sh
+        lens = list(sh.lens)
+        total = sum(lens)
+        starts = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+        q, k, v = self.rand(total, sh.hq, sh.d), self.rand(total, sh.hkv, sh.d), self.rand(total, sh.hkv, sh.d)
+        cu = torch.tensor([*starts, total], dtype=torch.int32, device=self.dev)
+        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, True
+        for chunk in sh.chunks:
+            policy = f"canonical:{chunk}"
+            args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+            out, lse = rlk_ops.attention(q, k, v, split_kv=policy, **args)
+            again = rlk_ops.attention(q, k, v, split_kv=policy, **args)
+            self.cell(f"train_run_to_run_C{chunk}", beq(out, again[0]) and beq(lse, again[1]),
+                      "packed training forward, run to run", lens=lens)
+            single = rlk_ops.attention(q, k, v, **args)
+            first = slice(0, chunk)
+            self.cell(f"first_chunk_rows_equal_single_pass_C{chunk}",
+                      beq(out[first], single[0][first]) and beq(lse[:, first], single[1][:, first]),
+                      "rows whose keys all sit in chunk 0 are single-pass rows (one state merges exactly)")
+            later = slice(chunk, lens[0])
+            self.res.setdefault("policy_in_effect", {})[policy] = round(
+                (out[later] != single[0][later]).flatten(1).any(-1).float().mean().item(), 4)
+            for page_size in sh.pages:
+                if chunk % page_size:
+                    continue
+                k_cache, v_cache, table = self.cache(k, v, starts, lens, page_size)
+                rows, positions, seqs = [], [], []
+                for b, n in enumerate(lens):
+                    for p in sorted({p for p in (0, 1, 127, 128, chunk - 1, chunk, chunk + 1, 2 * chunk - 1,
+                                                 2 * chunk, 2 * chunk + 129, 5 * chunk + 3, n // 2, n - 1)
+                                     if 0 <= p < n}):
+                        rows.append(starts[b] + p)
+                        positions.append(p)
+                        seqs.append(b)
+                alone_ok = True
+                for r, p, b in zip(rows, positions, seqs):
+                    o, l = rlk_ops.paged_attention(q[None, r:r + 1], k_cache, v_cache, table[b:b + 1],
+                                                   torch.tensor([p + 1], dtype=torch.int32, device=self.dev),
+                                                   split_kv=policy)
+                    alone_ok &= beq(o[0, 0], out[r]) and beq(l[0, :, 0], lse[:, r])
+                self.cell(f"decode_alone_C{chunk}_p{page_size}", alone_ok,
+                          "decode (B=1) row == training row, every listed position", n_rows=len(rows))
+                seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=self.dev)
+                qd = q[rows][:, None]
+                batch_table = table[seqs]
+                for name, tab in (("batch", batch_table),
+                                  ("batch_wide_table", torch.cat([batch_table, torch.zeros(
+                                      len(rows), 2 * chunk // page_size + 1, dtype=torch.int32,
+                                      device=self.dev)], 1))):
+                    o, l = rlk_ops.paged_attention(qd, k_cache, v_cache, tab, seq_lens, split_kv=policy)
+                    self.cell(f"decode_{name}_C{chunk}_p{page_size}",
+                              beq(o[:, 0], out[rows]) and beq(l[:, :, 0], lse[:, rows].t()),
+                              f"all positions in one decode batch (B={len(rows)}) == training rows"
+                              + (" (table padded: extra empty pairs)" if "wide" in name else ""))
+                ok = True
+                ranges = []
+                for b, n in enumerate(lens):
+                    for a, z in ((chunk - 70, chunk + 57), (0, 100), (n - 300, n), (2 * chunk - 1, 2 * chunk + 1)):
+                        a, z = max(a, 0), min(z, n)
+                        if a >= z:
+                            continue
+                        ranges.append((b, a, z))
+                        o, l = rlk_ops.paged_attention(q[None, starts[b] + a:starts[b] + z], k_cache, v_cache,
+                                                       table[b:b + 1],
+                                                       torch.tensor([z], dtype=torch.int32, device=self.dev),
+                                                       split_kv=policy)
+                        rr = slice(starts[b] + a, starts[b] + z)
+                        ok &= beq(o[0], out[rr]) and beq(l[0], lse[:, rr])
+                self.cell(f"chunked_prefill_C{chunk}_p{page_size}", ok,
+                          "chunked-prefill rows (query ranges across chunk boundaries) == training rows",
+                          ranges=ranges)
+        _validate.VALUE_CHECKS = old
+        # backward run to run (dlse nonzero), one sequence
+        n = sh.lens[0]
+        qs, ks, vs = (t[None, :n].clone().requires_grad_() for t in (q, k, v))
+        dout, dlse = self.rand(1, n, sh.hq, sh.d), self.rand(1, sh.hq, n, dtype=torch.float32)
+        for chunk in sh.chunks:
+            res = []
+            for _ in range(3):
+                o, l = rlk_ops.attention(qs, ks, vs, split_kv=f"canonical:{chunk}")
+                res.append(torch.autograd.grad((o.float() * dout.float()).sum() + (l * dlse).sum(), (qs, ks, vs)))
+            self.cell(f"backward_run_to_run_C{chunk}", all(beq(a, b) for r in res[1:] for a, b in zip(res[0], r)),
+                      "dq, dk, dv over 3 runs (dlse nonzero)", S=n)
+
+    def accuracy(self):
+        """out and lse vs float64 math (one sequence), single pass next to canonical:C."""
+        sh = self.sh
+        s = sh.acc_s
+        q, k, v = self.rand(1, s, sh.hq, sh.d), self.rand(1, s, sh.hkv, sh.d), self.rand(1, s, sh.hkv, sh.d)
+        g = sh.hq // sh.hkv
+        ref_o = torch.empty(s, sh.hq, sh.d, dtype=torch.float64, device=self.dev)
+        ref_l = torch.empty(sh.hq, s, dtype=torch.float64, device=self.dev)
+        mask = torch.arange(s, device=self.dev)[None, :] > torch.arange(s, device=self.dev)[:, None]
+        for h in range(sh.hq):  # one head at a time: [S, S] float64 scores
+            sc = (q[0, :, h].double() @ k[0, :, h // g].double().t()) * self.scale
+            sc.masked_fill_(mask, -math.inf)
+            ref_l[h] = torch.logsumexp(sc, -1)
+            ref_o[:, h] = torch.softmax(sc, -1) @ v[0, :, h // g].double()
+            del sc
+        rows = {}
+        for policy in ("disabled", *(f"canonical:{c}" for c in sh.acc_chunks)):
+            o, l = rlk_ops.attention(q, k, v, split_kv=policy)
+            rows[policy] = {"out_rel_err": rel(o[0], ref_o), "out_max_abs_err": (o[0].double() - ref_o).abs().max().item(),
+                            "lse_max_abs_err": (l[0].double() - ref_l).abs().max().item()}
+            print("   ", policy, rows[policy], flush=True)
+        base = rows["disabled"]["out_rel_err"]
+        for r in rows.values():
+            r["out_err_over_single_pass"] = round(r["out_rel_err"] / base, 4)
+        self.res["accuracy"] = {"S": s, "reference": "float64 math on the GPU (per head)", "rows": rows}
+
+    def _fi_auto(self):
+        """FlashInfer auto split: measured here if flashinfer is installed, else kernels.json."""
+        try:
+            import flashinfer  # noqa: F401
+            have = self.dev == "cuda"
+        except ImportError:
+            have = False
+        if have:
+            return "measured in this run (flashinfer installed)", None
+        path = os.path.join(ROOT, "results", "h200", "kernels.json")
+        with open(path) as f:
+            data = json.load(f)
+        ds = data["sections"]["decode_speed"]
+        table = {k: v["auto"]["us"] for k, v in ds.items() if isinstance(v, dict) and "auto" in v}
+        return (f"results/h200/kernels.json (benchmarks/kernels.py at {data.get('commit', '?')[:10]}, same machine "
+                f"kind, earlier run; page 16, CUDA-graph replay of the FlashInfer wrapper's run())"), table
+
+    def decode(self):
+        sh = self.sh
+        fa4 = self.fa4_single()
+        source, fi_table = self._fi_auto()
+        self.res["flashinfer_auto_source"] = source
+        rows = []
+        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
+        try:
+            for bsz, ctx in sh.decode_cases:
+                ps = sh.decode_page
+                n = ctx // ps
+                kc, vc = self.rand(bsz * n, ps, sh.hkv, sh.d), self.rand(bsz * n, ps, sh.hkv, sh.d)
+                pt = torch.randperm(bsz * n, device=self.dev, generator=self.gen).to(torch.int32).view(bsz, n)
+                sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
+                q = self.rand(bsz, 1, sh.hq, sh.d)
+                row = {"batch": bsz, "context": ctx, "page_size": ps}
+                row["fa4_strict_raw_us"] = round(self.graph_us(lambda: fa4.paged_attention(q, kc, vc, pt, sl,
+                                                                                           self.scale)), 2)
+                row["fa4_strict_rlk_us"] = round(self.graph_us(lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl)), 2)
+                for c in sh.decode_chunks:
+                    row[f"canonical_{c}_us"] = round(self.graph_us(
+                        lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)
+                if bsz == 1:  # the generic route (torch pair layout + mask + merge), for comparison
+                    c = sh.decode_chunks[0]
+                    row[f"canonical_{c}_generic_route_us"] = round(self.graph_us(
+                        lambda: canonical.paged_attention(q, kc, vc, pt, sl, self.scale, c, attend=fa4.attention_fwd,
+                                                          attend_paged=lambda *a: fa4.paged_attention(
+                                                              *a[:4], a[4].clamp_min(1), a[5]))), 2)
+                fi = None
+                if fi_table is None:
+                    fi = self._fi_measure(q, kc, vc, pt, sl)
+                else:
+                    fi = fi_table.get(f"B{bsz}_ctx{ctx}")
+                row["flashinfer_auto_us"] = None if fi is None else round(fi, 2)
+                for c in sh.decode_chunks:
+                    t = row[f"canonical_{c}_us"]
+                    row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
+                    if fi is not None:
+                        row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
+                row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
+                rows.append(row)
+                print("   ", row, flush=True)
+                del kc, vc
+                if self.dev == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            _validate.VALUE_CHECKS = old
+        self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off",
+                              "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
+
+    def _fi_measure(self, q, kc, vc, pt, sl):
+        from rlk_ops.kernels import flashinfer as FI
+
+        bsz, _, hq, d = q.shape
+        w = FI._wrapper(q.device)
+        indptr, indices, last = FI._csr(pt, sl, kc.shape[1])
+        args = FI.flashinfer_split_args("auto", kc.shape[1])
+        w.plan(indptr, indices, last, hq, self.sh.hkv, d, kc.shape[1], q_data_type=q.dtype, kv_data_type=kc.dtype,
+               sm_scale=self.scale, q_len_per_req=1, **args)
+        qq = q.reshape(bsz, hq, d)
+        return self.graph_us(lambda: w.run(qq, (kc, vc), return_lse=True))
+
+    def training(self):
+        sh = self.sh
+        bsz, s = sh.train
+        q, k, v = self.rand(bsz, s, sh.hq, sh.d), self.rand(bsz, s, sh.hkv, sh.d), self.rand(bsz, s, sh.hkv, sh.d)
+        dout = self.rand(bsz, s, sh.hq, sh.d)
+        fwd_op, bwd_op = torch.ops.rlk.attention_fwd, torch.ops.rlk.attention_bwd
+        fns = {}
+        for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
+            def fwd(p=policy):
+                return fwd_op(q, k, v, 1, self.scale, None, None, 0, 0, p)
+
+            def fwd_bwd(p=policy):
+                out, lse = fwd_op(q, k, v, 1, self.scale, None, None, 0, 0, p)
+                return bwd_op(dout, q, k, v, out, lse, None, 1, self.scale, None, None, 0, 0, p)
+
+            fns[f"{policy}/fwd"] = fwd
+            fns[f"{policy}/fwd_bwd"] = fwd_bwd
+        peak = {}
+        for name, fn in fns.items():
+            if self.dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            fn()
+            self.sync()
+            if self.dev == "cuda":
+                peak[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        t = self.eager_us(fns)
+        rows = []
+        for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
+            r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
+                 "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd")}
+            r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
+            r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
+            rows.append(r)
+            print("   ", r, flush=True)
+        self.res["training"] = {"B": bsz, "S": s, "rows": rows,
+                                "timing": "eager, CUDA-synchronized wall clock, interleaved repetitions, median"}
+
+    def verdict(self):
+        sh = self.sh
+        out = {}
+        dec = {(r["batch"], r["context"]): r for r in self.res.get("decode", {}).get("rows", [])}
+        train = {r["policy"]: r for r in self.res.get("training", {}).get("rows", [])}
+        for c in sh.decode_chunks:
+            v = {"decode_vs_fi_auto": {}, "decode_vs_fa4_strict_b64": {}, "train_fwd_bwd_over_single": None}
+            for (b, ctx), r in dec.items():
+                if b in (1, 8):
+                    v["decode_vs_fi_auto"][f"{b}x{ctx}"] = r.get(f"canonical_{c}_over_fi_auto")
+                if b == 64:
+                    v["decode_vs_fa4_strict_b64"][f"{b}x{ctx}"] = r.get(f"canonical_{c}_over_fa4_strict")
+            tr = train.get(f"canonical:{c}")
+            v["train_fwd_bwd_over_single"] = tr and tr["fwd_bwd_over_single"]
+            fi_vals = [x for x in v["decode_vs_fi_auto"].values() if x is not None]
+            v["decode_target_met"] = bool(fi_vals) and all(x <= TARGET_DECODE_VS_FI for x in fi_vals)
+            v["decode_fi_cells_missing"] = [k for k, x in v["decode_vs_fi_auto"].items() if x is None]
+            b64 = list(v["decode_vs_fa4_strict_b64"].values())
+            v["b64_target_met"] = bool(b64) and all(x is not None and x <= 1.0 for x in b64)
+            v["train_target_met"] = v["train_fwd_bwd_over_single"] is not None and \
+                v["train_fwd_bwd_over_single"] <= TARGET_TRAIN_VS_SINGLE
+            out[f"canonical:{c}"] = v
+        self.res["verdict"] = out
+
+
+# ----------------------------------------------------------------------- report
+def markdown(r: dict) -> str:
+    env = r.get("env", {})
+    cells = r.get("bitwise", [])
+    lines = ["# canonical:C split-KV on the H200 (FA4 partials + Triton merge)", "",
+             f"Generated by `benchmarks/canonical.py` from `canonical.json` (commit {str(r.get('commit'))[:10]}). "
+             f"GPU: {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+             f"flash-attn-4 {env.get('flash_attn_4')}. Qwen3-8B TP=2 shard: Hq=16, Hkv=4, D=128, bf16, causal.", "",
+             f"**Bitwise cells: {sum(c['equal'] for c in cells)}/{len(cells)} true** (torch.equal).", ""]
+    if cells:
+        lines += ["| cell | equal | what |", "|---|---|---|"]
+        lines += [f"| {c['name']} | {'yes' if c['equal'] else '**NO**'} | {c['what']} |" for c in cells]
+        lines.append("")
+    dec = r.get("decode", {}).get("rows", [])
+    if dec:
+        chunks = r["shapes"]["decode_chunks"]
+        lines += [f"## Paged decode (page {dec[0]['page_size']}, us, {r['decode']['timing']})", "",
+                  f"FlashInfer auto split: {r.get('flashinfer_auto_source')}. Ratios: time / FlashInfer auto "
+                  f"(target <= {TARGET_DECODE_VS_FI} at batch 1 and 8) and time / FA4 strict (target <= 1 at "
+                  "batch 64).", "",
+                  "| batch x context | FA4 strict | FlashInfer auto | " +
+                  " | ".join(f"canonical:{c}" for c in chunks) + " |",
+                  "|---|---|---|" + "---|" * len(chunks)]
+        for x in dec:
+            fi = x.get("flashinfer_auto_us")
+            cols = []
+            for c in chunks:
+                t = x[f"canonical_{c}_us"]
+                ratio = x.get(f"canonical_{c}_over_fi_auto") if x["batch"] in (1, 8) else \
+                    x.get(f"canonical_{c}_over_fa4_strict")
+                tag = "vs FI" if x["batch"] in (1, 8) else "vs FA4"
+                cols.append(f"{t:.1f} ({ratio if ratio is not None else '-'}x {tag})")
+            lines.append(f"| {x['batch']} x {x['context']} | {x['fa4_strict_raw_us']:.1f} | "
+                         f"{'-' if fi is None else f'{fi:.1f}'} | " + " | ".join(cols) + " |")
+        gen = [(x, k) for x in dec for k in x if k.endswith("_generic_route_us")]
+        if gen:
+            lines += ["", "Generic decode route (torch pair layout + lse mask + merge, ~15 launches) at batch 1: " +
+                      ", ".join(f"{x['batch']}x{x['context']} {x[k]:.1f} us" for x, k in gen) + "."]
+        lines.append("")
+    tr = r.get("training", {}).get("rows", [])
+    if tr:
+        lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
+                  f"(us, {r['training']['timing']})", "",
+                  f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
+                  "| peak GiB |", "|---|---|---|---|---|---|"]
+        lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
+                  f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} |" for x in tr]
+        lines.append("")
+    acc = r.get("accuracy")
+    if acc:
+        lines += [f"## Accuracy against {acc['reference']}, S={acc['S']}", "",
+                  "| policy | out rel. error | out / single pass | out max abs | lse max abs |", "|---|---|---|---|---|"]
+        lines += [f"| {p} | {x['out_rel_err']:.3e} | {x['out_err_over_single_pass']} | {x['out_max_abs_err']:.3e} | "
+                  f"{x['lse_max_abs_err']:.3e} |" for p, x in acc["rows"].items()]
+        lines.append("")
+    v = r.get("verdict")
+    if v:
+        lines += ["## Targets per C", "", "| policy | decode <= 1.15x FI auto (b1, b8) | b64 <= FA4 strict | "
+                  "training fwd+bwd <= 1.15x |", "|---|---|---|---|"]
+        for p, x in v.items():
+            miss = f" (no FI number: {', '.join(x['decode_fi_cells_missing'])})" if x["decode_fi_cells_missing"] else ""
+            lines.append(f"| {p} | {'yes' if x['decode_target_met'] else 'no'}{miss} | "
+                         f"{'yes' if x['b64_target_met'] else 'no'} | "
+                         f"{'yes' if x['train_target_met'] else 'no'} ({x['train_fwd_bwd_over_single']}) |")
+        lines.append("")
+    if r.get("merge_timing"):
+        m = r["merge_timing"]
+        lines += [f"Triton merge, {m['states']} states x {m['rows']} rows x 16 heads: {m['us']} us "
+                  f"({m['GBps']} GB/s of bf16 states read + out written).", ""]
+    if r.get("fa4_seqused_k_zero"):
+        lines += [f"FA4 with seqused_k = 0 (not relied on): {r['fa4_seqused_k_zero']}.", ""]
+    if r.get("errors"):
+        lines += ["Sections that failed: " + ", ".join(r["errors"]), ""]
+    return "\n".join(lines)
+
+
+def summary(r):
+    cells = r.get("bitwise", [])
+    print("\n==== summary")
+    print(f"bitwise cells: {sum(c['equal'] for c in cells)}/{len(cells)} true")
+    for c in cells:
+        if not c["equal"]:
+            print("  FALSE:", c["name"])
+    for x in r.get("decode", {}).get("rows", []):
+        print(f"decode {x['batch']}x{x['context']}: fa4 {x['fa4_strict_raw_us']} fi {x.get('flashinfer_auto_us')} " +
+              " ".join(f"C{c}={x[f'canonical_{c}_us']}" for c in r["shapes"]["decode_chunks"]))
+    for x in r.get("training", {}).get("rows", []):
+        print(f"train {x['policy']}: fwd {x['fwd_us']} fwd+bwd {x['fwd_bwd_us']} ratio {x['fwd_bwd_over_single']}")
+    for p, x in r.get("verdict", {}).items():
+        print(f"{p}: decode {x['decode_target_met']} b64 {x['b64_target_met']} train {x['train_target_met']}")
+    print("errors:", list(r.get("errors", {})) or "none")
+
+
+def install_dry_run():
+    """CPU, stand-in FA4 (tests/test_fa4.py), merge on the Triton interpreter."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_fa4 import make_fake_fa4
+
+    from rlk_ops.kernels import fa4 as fa4_backend
+    from rlk_ops.kernels import triton as triton_backend
+    from rlk_ops.kernels.fa4 import loader
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--dry-run needs TRITON_INTERPRET=1 (the merge runs on the Triton interpreter)")
+    sys.modules[loader.INTERFACE_MODULE] = make_fake_fa4()
+    loader.installed_version = lambda: "dry-run"
+    fa4_backend.check_available = lambda op: None
+    triton_backend.check_available = lambda op: None
+    rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4", paged_attention="fa4",
+                        merge_attn_states="triton", merge_attn_states_bwd="triton").__enter__()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--md", required=True)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--md-only", action="store_true")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--sections", default="")
+    args = ap.parse_args()
+    if args.md_only:
+        with open(args.out) as f:
+            r = json.load(f)
+        with open(args.md, "w") as f:
+            f.write(markdown(r))
+        summary(r)
+        return 0
+    if args.dry_run:
+        install_dry_run()
+        dev, sh = "cpu", DRY
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/canonical.py needs a CUDA GPU (--dry-run checks the script on a CPU)")
+        dev, sh = "cuda", Shapes()
+    t0 = time.perf_counter()
+    b = Bench(dev, sh, args.out, args.dry_run)
+    b.res["commit"] = args.commit
+    sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),
+                ("bitwise", b.bitwise), ("decode", b.decode), ("training", b.training), ("accuracy", b.accuracy),
+                ("seqused_zero_probe", b.seqused_zero_probe)]
+    only = set(filter(None, args.sections.split(",")))
+    for name, fn in sections:
+        if not only or name in only or name == "environment":
+            b.section(name, fn)
+    b.verdict()
+    r = b.res
+    r["all_bitwise_true"] = bool(r["bitwise"]) and all(c["equal"] for c in r["bitwise"])
+    r["total_seconds"] = round(time.perf_counter() - t0, 1)
+    b.save()
+    with open(args.md, "w") as f:
+        f.write(markdown(r))
+    summary(r)
+    return 0 if r["all_bitwise_true"] and not r["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Triton rlk::merge_attn_states (+ backward) and the canonical:C decode pair layout.
+
+Forward: one program per BLOCK_R (row, head) pairs of the states' common layout; it walks
+the N states in ascending order with the formula of kernels/cpu/merge.py, step for step:
+
+    M = max of the non-skipped lse_n;  w = exp(lse_n - M);  L += w;  acc += w * out_n
+    out = acc / L rounded once;  lse = M + log(L);  a state with lse = -inf is skipped
+    (its out is never loaded), a row with no state left gives out = 0, lse = -inf.
+
+Every step is one IEEE operation (no FMA contraction: ``_common.LAUNCH``; ``div_rn``, not
+Triton's default approximate fp32 division), ``exp`` is the same Cody-Waite + degree-7
+Horner polynomial as ``numerics.exp`` (fp32) and ``log`` the same float64 atanh series
+as ``numerics.log``, rounded once to fp32. So this kernel gives the CPU reference merge's
+bits, which tests/test_canonical_cuda.py checks with torch.equal. Nothing reduces across
+rows or over head_dim, so the bits of a row do not depend on the blocking or the batch.
+float64 states are not supported here (FA4 has no fp64; the cpu backend merges those).
+
+``state_lens`` (optional, int ``[N, ...]``, the lse layout without ``H, S``): a state
+whose length is 0 is skipped as if its lse were -inf. canonical:C decode passes the pair
+lengths, so the empty (chunk, sequence) pairs need no separate masking kernel.
+
+Backward: per (row, state) ``p = exp(lse_n - lse)``, ``d_out_n = p * dout``,
+``d_lse_n = p * (rowsum(dout * (out_n - out)) + dlse)``; the rowsum is a ``tl.sum`` over a
+fixed ``[BLOCK_R, BLOCK_D]`` tile (order fixed by head_dim, never by the batch). It is not
+the CPU reference's summation order, so only run-to-run and batch invariance are claimed.
+
+Decode pairs: ``decode_pairs`` writes what ``kernels/cpu/canonical.decode_pairs`` computes
+(pair table and lengths, chunk-major), the kernel lengths clamped to >= 1, and the
+per-pair copy of the query, in one launch: ten small torch ops would cost more than the
+attention itself at batch 1 (each launch is ~2 us even inside a CUDA graph).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from rlk_ops.kernels.triton import _common as C
+
+BLOCK_R = 16     # (row, head) pairs per program; any value gives the same bits (no cross-row math)
+NUM_WARPS = 4    # fixed: the backward's rowsum order depends on it
+
+# numerics.exp (fp32): clamp range, ln 2 split, 1/k! for k = 7..0 (Horner order)
+_LO = tl.constexpr(-126 * math.log(2.0))
+_HI = tl.constexpr(127 * math.log(2.0))
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2_HI = tl.constexpr(6.93145752e-01)
+_LN2_LO = tl.constexpr(1.42860677e-06)
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + R) - R rounds half to even for |t| < 2**22
+_E0 = tl.constexpr(1.0 / math.factorial(7))
+_E1 = tl.constexpr(1.0 / math.factorial(6))
+_E2 = tl.constexpr(1.0 / math.factorial(5))
+_E3 = tl.constexpr(1.0 / math.factorial(4))
+_E4 = tl.constexpr(1.0 / math.factorial(3))
+_E5 = tl.constexpr(1.0 / math.factorial(2))
+_E6 = tl.constexpr(1.0)
+_E7 = tl.constexpr(1.0)
+_NEG_INF = tl.constexpr(float("-inf"))
+_INF = tl.constexpr(float("inf"))
+_NAN = tl.constexpr(float("nan"))
+_N_LOG = 11  # numerics._LOG_TERMS
+_LOG_TERMS = tl.constexpr(_N_LOG)
+
+
+def _log_constants(device: torch.device) -> torch.Tensor:
+    """float64 constants of numerics.log, loaded by the kernel: a Python float literal in a
+    Triton kernel is typed fp32, which would round them."""
+    key = (device.type, device.index)
+    t = _LOG_CONST.get(key)
+    if t is None:
+        vals = [1.0 / (2 * k + 1) for k in range(_N_LOG - 1, -1, -1)]  # Horner order, 1/21 first
+        vals += [math.log(2.0), math.sqrt(0.5)]
+        t = _LOG_CONST[key] = torch.tensor(vals, dtype=torch.float64, device=device)
+    return t
+
+
+_LOG_CONST: dict = {}
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """numerics.exp for fp32, the same IEEE operations in the same order."""
+    xc = tl.where(x < _LO, _LO, x)  # clamp; NaN passes (comparisons are false)
+    xc = tl.where(xc > _HI, _HI, xc)
+    t = xc * _LOG2E
+    if LIBDEVICE:
+        n = libdevice.rint(t)  # round half to even, as torch.round
+    else:  # TRITON_INTERPRET (no libdevice): the magic-number rounding, same result here
+        n = (t + _ROUND) - _ROUND
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = _E0 * r + _E1
+    p = p * r + _E2
+    p = p * r + _E3
+    p = p * r + _E4
+    p = p * r + _E5
+    p = p * r + _E6
+    p = p * r + _E7
+    scale = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    y = p * scale
+    y = tl.where(x < _LO, 0.0, y)
+    y = tl.where(x > _HI, _INF, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _log(x, c_ptr):
+    """numerics.log: evaluated in float64 from x's exact value, rounded once to fp32."""
+    xd = x.to(tl.float64)
+    bits = xd.to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1022                                   # frexp, positive normal x
+    m = ((bits & 0xFFFFFFFFFFFFF) | (1022 << 52)).to(tl.float64, bitcast=True)  # in [0.5, 1)
+    small = m < tl.load(c_ptr + _LOG_TERMS + 1)
+    m = tl.where(small, m * 2.0, m)
+    e = tl.where(small, e - 1, e).to(tl.float64)
+    f = (m - 1.0) / (m + 1.0)                                           # fp64 division is IEEE
+    f2 = f * f
+    p = tl.zeros_like(f) + tl.load(c_ptr)
+    for k in tl.static_range(1, _LOG_TERMS):
+        p = p * f2 + tl.load(c_ptr + k)
+    y = (2.0 * f) * p + e * tl.load(c_ptr + _LOG_TERMS)
+    y = tl.where(xd == 0.0, _NEG_INF, y)
+    y = tl.where(xd == _INF, xd, y)
+    y = tl.where((xd < 0.0) | (xd != xd), _NAN, y)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr):
+    lse = tl.load(l_ptr + n * R + off, mask=rmask, other=_NEG_INF)
+    if HAS_LENS:
+        keys = tl.load(lens_ptr + n * n_lead + lead, mask=rmask, other=0)
+        lse = tl.where(keys > 0, lse, _NEG_INF)
+    return lse
+
+
+@triton.jit
+def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
+               LIBDEVICE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
+    rmask = r < R
+    h = r % H
+    s = (r // H) % S
+    lead = r // (H * S)
+    off = lead * (H * S) + h * S + s                                    # its place in [..., H, S]
+    d = tl.arange(0, BLOCK_D)
+    m2 = rmask[:, None] & (d < D)[None, :]
+    m = tl.full([BLOCK], _NEG_INF, tl.float32)
+    for n in range(N):
+        lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+        m = tl.where(lse > m, lse, m)
+        m = tl.where(lse != lse, lse, m)                                # NaN propagates, as amax
+    m_safe = tl.where(m == _NEG_INF, 0.0, m)
+    total = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    for n in range(N):
+        lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+        present = lse != _NEG_INF
+        w = _exp(lse - m_safe, LIBDEVICE)
+        total = tl.where(present, total + w, total)
+        o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None],
+                    other=0.0)
+        acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+    res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
+    res = tl.where(total[:, None] == 0.0, 0.0, res)
+    tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
+    tl.store(lse_ptr + off, m + _log(total, c_ptr), mask=rmask)
+
+
+@triton.jit
+def _merge_bwd(do_ptr, dl_ptr, o_ptr, l_ptr, out_ptr, lse_ptr, dop_ptr, dlp_ptr, N, R, S, H,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
+               LIBDEVICE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rmask = r < R
+    h = r % H
+    s = (r // H) % S
+    off = (r // (H * S)) * (H * S) + h * S + s
+    d = tl.arange(0, BLOCK_D)
+    m2 = rmask[:, None] & (d < D)[None, :]
+    dout = tl.load(do_ptr + r[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + r[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    lse_all = tl.load(lse_ptr + off, mask=rmask, other=_NEG_INF)
+    dlse = tl.zeros([BLOCK], tl.float32)
+    if HAS_DLSE:
+        dlse = tl.load(dl_ptr + off, mask=rmask, other=0.0)
+    for n in range(N):
+        base = n * R
+        lse = tl.load(l_ptr + base + off, mask=rmask, other=_NEG_INF)
+        present = (lse != _NEG_INF) & (lse_all != _NEG_INF)
+        p = tl.where(present, _exp(tl.where(present, lse - lse_all, 0.0), LIBDEVICE), 0.0)
+        o = tl.load(o_ptr + (base + r)[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        tl.store(dop_ptr + (base + r)[:, None] * D + d[None, :],
+                 (p[:, None] * dout).to(dop_ptr.dtype.element_ty), mask=m2)
+        dot = tl.sum(dout * (o - out), axis=1) + dlse
+        tl.store(dlp_ptr + base + off, tl.where(present, p * dot, 0.0), mask=rmask)
+
+
+@triton.jit
+def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, B, width, chunk,
+                  PER: tl.constexpr, BLOCK_P: tl.constexpr, QN: tl.constexpr, BLOCK_Q: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)        # pair c * B + b (chunk-major)
+    c = i // B
+    b = i % B
+    n = tl.load(lens_ptr + b).to(tl.int64)
+    plen = tl.minimum(tl.maximum(n - c * chunk, 0), chunk)
+    tl.store(plen_ptr + i, plen.to(tl.int32))
+    tl.store(klen_ptr + i, tl.maximum(plen, 1).to(tl.int32))
+    j = tl.arange(0, BLOCK_P)
+    col = c * PER + j
+    page = tl.load(table_ptr + b * width + col, mask=(j < PER) & (col < width) & (plen > 0), other=0)
+    tl.store(pt_ptr + i * PER + j, page, mask=j < PER)
+    for k0 in tl.static_range(0, QN, BLOCK_Q):
+        k = k0 + tl.arange(0, BLOCK_Q)
+        tl.store(qp_ptr + i * QN + k, tl.load(q_ptr + b * QN + k, mask=k < QN), mask=k < QN)
+
+
+# ------------------------------------------------------------------ host side
+def _rows(out_parts: torch.Tensor) -> tuple[int, int, int, int, int]:
+    n, *lead, s, h, d = out_parts.shape
+    return n, math.prod(lead) * s * h, s, h, d
+
+
+def _check_dtype(t: torch.Tensor) -> None:
+    if t.dtype == torch.float64:
+        raise TypeError("the triton merge_attn_states accumulates in fp32; float64 states run on the cpu "
+                        "backend (use_backend(merge_attn_states='cpu'))")
+
+
+def merge_attn_states(out_parts, lse_parts, state_lens=None):
+    _check_dtype(out_parts)
+    n, rows, s, h, d = _rows(out_parts)
+    out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
+    lse = torch.empty(lse_parts.shape[1:], dtype=lse_parts.dtype, device=lse_parts.device)
+    if rows == 0:
+        return out, lse
+    n_lead = rows // (s * h)
+    assert n * rows < 2**31, "state row index n * rows must fit int32"  # element offsets are int64
+    if state_lens is not None:
+        state_lens = C.aligned(state_lens.reshape(n, n_lead))
+    _merge_fwd[(triton.cdiv(rows, BLOCK_R),)](
+        C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
+        _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
+        D=d, BLOCK_D=C.pow2(d), BLOCK=BLOCK_R, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
+        num_warps=NUM_WARPS, **C.LAUNCH)
+    return out, lse
+
+
+merge_attn_states.accepts_state_lens = True
+
+
+def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
+    _check_dtype(out_parts)
+    n, rows, s, h, d = _rows(out_parts)
+    assert n * rows < 2**31, "state row index n * rows must fit int32"
+    d_out_parts = torch.empty_like(out_parts, memory_format=torch.contiguous_format)
+    d_lse_parts = torch.empty_like(lse_parts, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return d_out_parts, d_lse_parts
+    _merge_bwd[(triton.cdiv(rows, BLOCK_R),)](
+        C.aligned(dout), C.aligned(dlse) if dlse is not None else lse, C.aligned(out_parts), C.aligned(lse_parts),
+        C.aligned(out), C.aligned(lse), d_out_parts, d_lse_parts, n, rows, s, h,
+        D=d, BLOCK_D=C.pow2(d), BLOCK=BLOCK_R, HAS_DLSE=dlse is not None, LIBDEVICE=not C.INTERPRET,
+        num_warps=NUM_WARPS, **C.LAUNCH)
+    return d_out_parts, d_lse_parts
+
+
+def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
+    """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
+    [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
+    ``pair_table``/``pair_lens``/``N`` equal ``kernels/cpu/canonical.decode_pairs``;
+    ``kernel_lens = max(pair_lens, 1)`` is what the attention kernel is given (an empty
+    pair then reads one key of page 0 and the merge skips it through ``pair_lens``)."""
+    if chunk_size % page_size:
+        raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
+    bsz, width = page_table.shape
+    per = chunk_size // page_size
+    n = max(1, math.ceil(width / per))
+    dev = q.device
+    q_pairs = torch.empty((n * bsz, *q.shape[1:]), dtype=q.dtype, device=dev)
+    pair_table = torch.empty((n * bsz, per), dtype=torch.int32, device=dev)
+    pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
+    kernel_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
+    if bsz:
+        qn = q[0].numel()
+        _pairs_kernel[(n * bsz,)](
+            C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
+            bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn, BLOCK_Q=min(C.pow2(qn), 4096),
+            num_warps=NUM_WARPS, **C.LAUNCH)
+    return q_pairs, pair_table, pair_lens, kernel_lens, n

@@ -1,0 +1,501 @@
+"""canonical:C split-KV on the CUDA backends: FA4 partials, the Triton merge.
+
+CPU part (always runs): the fa4 backend's canonical:C routing against the stand-in FA4
+of tests/test_fa4.py (it computes with the CPU reference, so the fa4 route must give the
+cpu backend's canonical bits exactly, and the calls it makes are checked).
+
+CUDA part (``-m cuda``; skipped without a GPU): bitwise (torch.equal) claims on FA4 +
+Triton: the Triton merge equals the CPU reference merge; training rows == paged decode
+rows == chunked-prefill rows for several C, page sizes, batch compositions and positions
+on and off chunk boundaries; the two FA4 equalities the policy rests on (a training
+diagonal row vs its decode pair, a training full row vs a causal decode pair that sees
+every key); the fused decode route == the generic one; run-to-run forward and backward.
+Accuracy against float64 math. benchmarks/canonical.py runs the Qwen3-8B-shape matrix
+and the timings (results/h200/canonical.json).
+
+RLK_FA4_DRY_RUN=1 (with TRITON_INTERPRET=1 and triton importable) runs the CUDA part on
+the CPU against the stand-in FA4 and the Triton interpreter: it checks the tests, it
+proves nothing about FA4 or the GPU.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops.kernels import dispatch
+from rlk_ops.kernels import fa4 as fa4_backend
+from rlk_ops.kernels.cpu import canonical
+from rlk_ops.kernels.cpu import merge as cpu_merge
+from rlk_ops.kernels.fa4 import loader
+from rlk_ops.meta import provenance
+
+from conftest import bitwise_equal, rel_err
+from test_fa4 import install_fake
+
+BF16 = torch.bfloat16
+HAS_CUDA = torch.cuda.is_available()
+DRY = os.environ.get("RLK_FA4_DRY_RUN") == "1"
+DEV = "cpu" if DRY else "cuda"
+cuda = pytest.mark.skipif(not (HAS_CUDA or DRY), reason="needs a CUDA GPU (FA4 and triton)")
+
+HQ, HKV, D = 8, 2, 128  # G = 4, D = 128: the FA4 kernels of the Qwen3-8B shapes
+# (lengths, chunk sizes): every sequence crosses chunk boundaries; 129 = one key past a block
+LENS, CHUNKS = ([300, 140, 129], (128, 256)) if DRY else ([1300, 700, 129], (256, 512))
+# Accuracy against float64 math (invariance is bitwise, never a tolerance):
+OUT_TOL = 8e-3    # bf16 out rounding (2**-9) + P in bf16 for the PV MMA; canonical adds one bf16
+                  # rounding per partial (measured ~1.1x single pass on the CPU reference)
+LSE_TOL = 1e-3    # fp32 softmax statistics with ex2.approx (tests/test_fa4.py)
+GRAD_TOL = 2e-2   # P and dS fed to bf16 MMAs; dq/dk/dv rounded to bf16 once
+MERGE_BWD_TOL = 1e-6  # fp32 arithmetic; only the rowsum's summation order differs from the CPU
+
+
+# ===================================================================== CPU plumbing
+@pytest.fixture
+def fake(monkeypatch):
+    loader.reset()
+    monkeypatch.setattr(dispatch, "_cache", {})
+    f = install_fake(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the stand-in needs no GPU
+    yield f
+    loader.reset()
+
+
+def _cpu_qkv(seed=1, s=300):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, h, 16, generator=g).to(BF16) for h in (4, 2, 2))
+
+
+def test_fa4_canonical_forward_routes_to_single_pass_partials(fake):
+    q, k, v = _cpu_qkv()
+    cu = torch.tensor([0, 170, 300], dtype=torch.int32)
+    with rlk_ops.use_backend(attention_fwd="fa4"):
+        got = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
+    ref = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")  # cpu backend
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+    # one diagonal (causal) and one full (non-causal) varlen call, both single pass
+    assert [(c[0], c[2]["causal"], c[2]["num_splits"], c[2]["pack_gqa"]) for c in fake.calls] == [
+        ("flash_attn_varlen_func", True, 1, True), ("flash_attn_varlen_func", False, 1, True)]
+
+
+def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
+    q, k, v = _cpu_qkv(seed=2)
+    page_size, lens = 16, [300, 40]
+    k_cache = torch.zeros(40, page_size, 2, 16, dtype=BF16)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.full((2, 19), 10**6, dtype=torch.int32)  # padding may hold anything
+    table[0, :19] = torch.arange(19)
+    table[1, :3] = torch.tensor([30, 25, 21], dtype=torch.int32)
+    for b, n in enumerate(lens):
+        slots = (table[b, :math.ceil(n / page_size), None].long() * page_size + torch.arange(page_size)).flatten()[:n]
+        k_cache.view(-1, 2, 16)[slots] = k[:n]
+        v_cache.view(-1, 2, 16)[slots] = v[:n]
+    qd = torch.stack([q[n - 1] for n in lens])[:, None]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    with rlk_ops.use_backend(paged_attention="fa4"):
+        got = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv="canonical:128")
+    ref = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv="canonical:128")
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+    (name, args, kw), = fake.calls
+    assert name == "flash_attn_varlen_func" and kw["causal"] is True and kw["num_splits"] == 1
+    assert args[0].shape == (3 * 2, 1, 4, 16)  # N = ceil(19 * 16 / 128) = 3 chunks x 2 sequences
+    # pair lengths: empty pairs are handed one key (their state is skipped by the merge)
+    assert kw["seqused_k"].tolist() == [128, 40, 128, 1, 44, 1]
+
+
+def test_fa4_canonical_backward_is_single_pass_at_merged_state(fake):
+    q, k, v = (t[None, :200].clone().requires_grad_() for t in _cpu_qkv(seed=3))
+    with rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4"):
+        out, lse = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+        got = torch.autograd.grad(out.float().square().sum() + lse.sum(), (q, k, v))
+    out_r, lse_r = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+    ref = torch.autograd.grad(out_r.float().square().sum() + lse_r.sum(), (q, k, v))
+    assert all(bitwise_equal(a, b) for a, b in zip(got, ref))
+    bwd = [c for c in fake.calls if c[0] == "_flash_attn_bwd"]
+    assert len(bwd) == 1 and bwd[0][2]["deterministic"] is True and bwd[0][2]["dlse"] is not None
+    assert bitwise_equal(bwd[0][1][3], out.detach()) and bitwise_equal(bwd[0][1][5], lse.detach())
+
+
+def test_fa4_refuses_fixed_split(fake):
+    q, k, v = _cpu_qkv()
+    with pytest.raises(ValueError, match=r"split_kv 'fixed:256' is not supported by the fa4 backend"):
+        fa4_backend.attention_fwd(q[None], k[None], v[None], 1, 0.25, None, None, 0, 0, "fixed:256")
+    assert fake.calls == []
+
+
+# ===================================================================== CUDA
+@pytest.fixture(autouse=True)
+def _dry_run(request, monkeypatch):
+    if not DRY or "cuda" not in request.keywords:
+        yield
+        return
+    pytest.importorskip("triton", reason="the dry run needs triton (TRITON_INTERPRET=1) for the merge kernels")
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 for the dry run"
+    from rlk_ops.kernels import triton as triton_backend
+
+    install_fake(monkeypatch)
+    loader.reset()
+    monkeypatch.setattr(dispatch, "_cache", {})
+    monkeypatch.setattr(fa4_backend, "check_available", lambda op: None)  # no GPU here
+    monkeypatch.setattr(triton_backend, "check_available", lambda op: None)
+    with rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4", paged_attention="fa4",
+                             merge_attn_states="triton", merge_attn_states_bwd="triton"):
+        yield
+    loader.reset()
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _randn(*shape, seed, dtype=BF16):
+    return torch.randn(*shape, device=DEV, generator=_gen(seed)).to(dtype)
+
+
+def _states(n, rows, h, d, dtype, seed, lead=()):
+    out_parts = _randn(n, *lead, rows, h, d, seed=seed, dtype=dtype)
+    lse_parts = _randn(n, *lead, h, rows, seed=seed + 1, dtype=torch.float32) * 4
+    return out_parts, lse_parts
+
+
+def _with_empty(out_parts, lse_parts):
+    """Empty states (lse = -inf, out NaN: never read), a row with no state at all."""
+    out_parts, lse_parts = out_parts.clone(), lse_parts.clone()
+    lse_parts[1, ..., 0, 3] = -math.inf
+    out_parts[1, ..., 3, 0, :] = math.nan
+    lse_parts[:, ..., 1, 5] = -math.inf
+    out_parts[:, ..., 5, 1, :] = math.nan
+    lse_parts[0, ..., 2, :] = -math.inf
+    return out_parts, lse_parts
+
+
+def _cpu_merge(out_parts, lse_parts):
+    o, l = cpu_merge.merge_attn_states(out_parts.cpu(), lse_parts.cpu())
+    return o.to(out_parts.device), l.to(out_parts.device)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_cuda_merge_equals_cpu_reference(dtype, lead):
+    """The Triton merge is the CPU merge's formula op for op: same bits (fp32 exp/log polynomials)."""
+    base = _states(5, 37, 3, 128, dtype, seed=1, lead=lead)
+    out_parts, lse_parts = _with_empty(*base)
+    with provenance.capture() as log:
+        out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    assert {(r.op, r.actual_backend, r.fallback) for r in log.records()} == {("merge_attn_states", "triton", False)}
+    ref = _cpu_merge(out_parts, lse_parts)
+    assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1])
+    assert not out[..., 5, 1, :].any() and bool((lse[..., 1, 5] == -math.inf).all())
+    one = rlk_ops.merge_attn_states(base[0][2:3], base[1][2:3])  # one state merges to itself
+    assert bitwise_equal(one[0], base[0][2]) and bitwise_equal(one[1], base[1][2])
+    # a wide spread of lse values exercises exp's range reduction and log's frexp
+    wide = _states(4, 301, 2, 64, dtype, seed=3, lead=lead)
+    wide = (wide[0], wide[1] * 10)
+    got, ref = rlk_ops.merge_attn_states(*wide), _cpu_merge(*wide)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_merge_rows_batch_invariant_run_to_run_and_state_lens():
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    out_parts, lse_parts = _with_empty(*_states(4, 50, 4, 128, BF16, seed=5))
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    again = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    assert bitwise_equal(out, again[0]) and bitwise_equal(lse, again[1])
+    for r in (0, 17, 49):
+        o, l = rlk_ops.merge_attn_states(out_parts[:, r:r + 1].contiguous(), lse_parts[:, :, r:r + 1].contiguous())
+        assert bitwise_equal(o[0], out[r]) and bitwise_equal(l[:, 0], lse[:, r])
+    # decode layout [N, B, 1, H, D]: a zero state length skips the state like lse = -inf
+    op, lp = _states(3, 1, 4, 128, BF16, seed=6, lead=(5,))
+    lens = torch.tensor([[3, 0, 9, 1, 0], [0, 0, 4, 1, 7], [2, 5, 0, 0, 0]], dtype=torch.int32, device=DEV)
+    got = triton_merge.merge_attn_states(op, lp, lens)
+    masked = torch.where(lens[:, :, None, None] > 0, lp, -math.inf)
+    ref = rlk_ops.merge_attn_states(op, masked)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_merge_backward():
+    """Accuracy against the CPU backward (fp32; only the rowsum order differs), run to run,
+    batch invariance of rows, and the op's autograd on CUDA."""
+    out_parts, lse_parts = _with_empty(*_states(4, 40, 3, 128, torch.float32, seed=7))
+    out_parts = torch.nan_to_num(out_parts)
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    dout, dlse = _randn(40, 3, 128, seed=8, dtype=torch.float32), _randn(3, 40, seed=9, dtype=torch.float32)
+    for dl in (dlse, None):
+        got = torch.ops.rlk.merge_attn_states_bwd(dout, dl, out_parts, lse_parts, out, lse)
+        ref = cpu_merge.merge_attn_states_bwd(*(None if t is None else t.cpu()
+                                                for t in (dout, dl, out_parts, lse_parts, out, lse)))
+        assert rel_err(got[0].cpu(), ref[0]) < MERGE_BWD_TOL and rel_err(got[1].cpu(), ref[1]) < MERGE_BWD_TOL
+        again = torch.ops.rlk.merge_attn_states_bwd(dout, dl, out_parts, lse_parts, out, lse)
+        assert bitwise_equal(got[0], again[0]) and bitwise_equal(got[1], again[1])
+    got = torch.ops.rlk.merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse)
+    r = slice(11, 12)
+    one = torch.ops.rlk.merge_attn_states_bwd(dout[r].contiguous(), dlse[:, r].contiguous(),
+                                              out_parts[:, r].contiguous(), lse_parts[:, :, r].contiguous(),
+                                              out[r].contiguous(), lse[:, r].contiguous())
+    assert bitwise_equal(one[0], got[0][:, r]) and bitwise_equal(one[1], got[1][:, :, r])
+    op = out_parts.clone().requires_grad_()
+    lp = lse_parts.clone().requires_grad_()
+    o, l = rlk_ops.merge_attn_states(op, lp)
+    g = torch.autograd.grad((o * dout).sum() + (torch.nan_to_num(l, neginf=0.0) * dlse).sum(), (op, lp))
+    assert all(torch.isfinite(t).all() for t in g)
+    if not DRY:
+        torch.library.opcheck(torch.ops.rlk.merge_attn_states.default,
+                              (out_parts[:, :8].contiguous(), lse_parts[:, :, :8].contiguous()))
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_decode_pairs_kernel_equals_policy_layout():
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    table = torch.randint(-5, 10**6, (4, 13), dtype=torch.int32, device=DEV)  # padding: garbage
+    table[:, :7] = torch.randperm(28, device=DEV, generator=_gen(3)).view(4, 7).int()
+    seq_lens = torch.tensor([100, 1, 112, 65], dtype=torch.int32, device=DEV)  # <= 7 pages of 16
+    q = _randn(4, 1, HQ, D, seed=4)
+    for page_size, chunk in ((16, 128), (64, 128), (32, 256)):
+        q_pairs, pair_table, pair_lens, kernel_lens, n = triton_merge.decode_pairs(q, table, seq_lens, page_size,
+                                                                                  chunk)
+        ref_table, ref_lens, ref_n = canonical.decode_pairs(table, seq_lens, page_size, chunk)
+        assert n == ref_n and bitwise_equal(pair_table, ref_table) and bitwise_equal(pair_lens, ref_lens)
+        assert bitwise_equal(kernel_lens, ref_lens.clamp_min(1))
+        assert bitwise_equal(q_pairs, q[None].expand(n, *q.shape).reshape(n * 4, *q.shape[1:]))
+
+
+# ------------------------------------------------------------------ train == rollout
+@pytest.fixture(scope="module")
+def packed():
+    """Three packed sequences and their training forward under each canonical:C."""
+    total = sum(LENS)
+    q, k, v = (_randn(total, h, D, seed=10 + i) for i, h in enumerate((HQ, HKV, HKV)))
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    train = {}
+    for c in CHUNKS:
+        train[c] = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LENS),
+                                     max_seqlen_k=max(LENS), split_kv=f"canonical:{c}")
+    train["disabled"] = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LENS),
+                                          max_seqlen_k=max(LENS))
+    return q, k, v, cu.tolist(), train
+
+
+def _cache(k, v, cu, page_size, seed):
+    """Every sequence's K/V in shuffled pages, finite garbage elsewhere, padded tables."""
+    need = [math.ceil((cu[b + 1] - cu[b]) / page_size) for b in range(len(cu) - 1)]
+    num_pages = sum(need) + 5
+    k_cache = _randn(num_pages, page_size, HKV, D, seed=seed)
+    v_cache = _randn(num_pages, page_size, HKV, D, seed=seed + 1)
+    perm = torch.randperm(num_pages, device=DEV, generator=_gen(seed + 2))
+    table = torch.full((len(need), max(need) + 3), 10**6, dtype=torch.int32, device=DEV)
+    used = 0
+    for b, n in enumerate(need):
+        pages = perm[used:used + n]
+        used += n
+        table[b, :n] = pages.int()
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=DEV)).flatten()[:cu[b + 1] - cu[b]]
+        k_cache.view(-1, HKV, D)[slots] = k[cu[b]:cu[b + 1]]
+        v_cache.view(-1, HKV, D)[slots] = v[cu[b]:cu[b + 1]]
+    return k_cache, v_cache, table
+
+
+def _positions(n, chunk):
+    return sorted({p for p in (0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 2 * chunk, 2 * chunk + 3, n - 1)
+                   if 0 <= p < n})
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_cuda_decode_and_chunked_prefill_rows_equal_training(packed, page_size):
+    q, k, v, cu, train = packed
+    k_cache, v_cache, table = _cache(k, v, cu, page_size, seed=page_size)
+    for chunk in CHUNKS:
+        out, lse = train[chunk]
+        policy = f"canonical:{chunk}"
+        for b in range(len(LENS)):
+            for p in _positions(LENS[b], chunk):  # decode alone (B = 1): the row at position p
+                row = cu[b] + p
+                o, l = rlk_ops.paged_attention(q[None, row:row + 1], k_cache, v_cache, table[b:b + 1],
+                                               torch.tensor([p + 1], dtype=torch.int32, device=DEV),
+                                               split_kv=policy)
+                assert bitwise_equal(o[0, 0], out[row]) and bitwise_equal(l[0, :, 0], lse[:, row]), (chunk, b, p)
+            n = LENS[b]
+            for start, stop in ((chunk - 50, chunk + 70), (0, 77), (n - 200, n)):  # chunked prefill
+                start, stop = max(start, 0), min(stop, n)
+                if start >= stop:
+                    continue
+                o, l = rlk_ops.paged_attention(q[None, cu[b] + start:cu[b] + stop], k_cache, v_cache,
+                                               table[b:b + 1], torch.tensor([stop], dtype=torch.int32, device=DEV),
+                                               split_kv=policy)
+                rows = slice(cu[b] + start, cu[b] + stop)
+                assert bitwise_equal(o[0], out[rows]) and bitwise_equal(l[0], lse[:, rows]), (chunk, b, start, stop)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_cuda_mixed_decode_batch_equals_training(packed, chunk):
+    """One decode batch: sequences at different positions (1 to several chunks, and one
+    repeated), a table wider than needed (extra empty pairs), the fused route == the
+    generic route (torch pair layout, lse mask, merge) == training rows."""
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    q, k, v, cu, train = packed
+    out, lse = train[chunk]
+    k_cache, v_cache, table = _cache(k, v, cu, 16, seed=3)
+    seqs = [0, 1, 2, 0]
+    pos = [LENS[0] - 1, min(chunk, LENS[1] - 1), 5, chunk - 1]
+    rows = [cu[b] + p for b, p in zip(seqs, pos)]
+    qd = q[rows][:, None]
+    wide = torch.cat([table[seqs], torch.zeros(4, 70, dtype=torch.int32, device=DEV)], 1)
+    seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
+    o, l = rlk_ops.paged_attention(qd, k_cache, v_cache, wide, seq_lens, split_kv=f"canonical:{chunk}")
+    generic = canonical.paged_attention(qd, k_cache, v_cache, wide, seq_lens, D ** -0.5, chunk,
+                                        attend=fa4_kernels.attention_fwd, attend_paged=lambda *a: (
+                                            fa4_kernels.paged_attention(*a[:4], a[4].clamp_min(1), a[5])))
+    assert bitwise_equal(o, generic[0]) and bitwise_equal(l, generic[1])
+    for i, r in enumerate(rows):
+        assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_fa4_partial_equalities(packed):
+    """The two FA4 equalities canonical:C rests on, measured directly on FA4's single pass:
+    a training diagonal row (causal varlen piece) == the decode pair of its last chunk, and a
+    training full row (non-causal, C keys) == a decode pair (causal=True, seqused_k = C)."""
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    q, k, v, cu, _ = packed
+    chunk, scale = CHUNKS[0], D ** -0.5
+    n = LENS[0]
+    k_cache, v_cache, table = _cache(k, v, cu, 16, seed=4)
+    per = chunk // 16
+    cu1 = lambda m: torch.tensor([0, m], dtype=torch.int32, device=DEV)  # noqa: E731
+    # diagonal piece of chunk 1: queries chunk..2*chunk-1 against that chunk's keys
+    c0 = chunk
+    qs, ks = q[c0:c0 + chunk], k[c0:c0 + chunk]
+    diag = fa4_kernels.attention_fwd(qs, ks, v[c0:c0 + chunk], 1, scale, cu1(chunk), cu1(chunk), chunk, chunk)
+    # full piece of chunk 0: queries chunk..n-1 against keys 0..chunk-1
+    full = fa4_kernels.attention_fwd(q[chunk:n], k[:chunk], v[:chunk], 0, scale, cu1(n - chunk), cu1(chunk),
+                                     n - chunk, chunk)
+    for i in sorted({i for i in (0, 1, 63, 64, 127, 128, chunk - 1) if i < chunk}):
+        p = c0 + i
+        o, l = fa4_kernels.paged_attention(q[None, p:p + 1], k_cache, v_cache, table[:1, per:2 * per].contiguous(),
+                                           torch.tensor([i + 1], dtype=torch.int32, device=DEV), scale)
+        assert bitwise_equal(o[0, 0], diag[0][i]) and bitwise_equal(l[0, :, 0], diag[1][:, i]), ("diag", i)
+    for p in (chunk, chunk + 1, 2 * chunk + 7, n - 1):
+        o, l = fa4_kernels.paged_attention(q[None, p:p + 1], k_cache, v_cache, table[:1, :per].contiguous(),
+                                           torch.tensor([chunk], dtype=torch.int32, device=DEV), scale)
+        i = p - chunk
+        assert bitwise_equal(o[0, 0], full[0][i]) and bitwise_equal(l[0, :, 0], full[1][:, i]), ("full", p)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_first_chunk_rows_are_single_pass_and_later_rows_are_not(packed):
+    _, _, _, cu, train = packed
+    for chunk in CHUNKS:
+        rows = slice(0, chunk)  # sequence 0's first chunk: one state, merged to itself exactly
+        assert bitwise_equal(train[chunk][0][rows], train["disabled"][0][rows])
+        assert bitwise_equal(train[chunk][1][:, rows], train["disabled"][1][:, rows])
+        later = slice(chunk, LENS[0])
+        differs = (train[chunk][0][later] != train["disabled"][0][later]).flatten(1).any(-1)
+        assert differs.float().mean() > 0.5  # the policy is in effect past chunk 0
+
+
+def _ref64(q, k, v, causal=True):
+    """float64 attention of one sequence [S, H, D] (bottom-right causal): (out, lse [H, S])."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[0], k.shape[0]
+        qp = torch.arange(sq, device=q.device) + sk - sq
+        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > qp[:, None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.double().repeat_interleave(g, 1)), \
+        torch.logsumexp(s, -1)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_accuracy_run_to_run_and_backward(packed):
+    q, k, v, cu, train = packed
+    n = LENS[0]
+    ref_out, ref_lse = _ref64(q[:n], k[:n], v[:n])
+    single = rel_err(train["disabled"][0][:n], ref_out)
+    for chunk in CHUNKS:
+        out, lse = train[chunk]
+        err = rel_err(out[:n], ref_out)
+        assert err < OUT_TOL and err < 1.5 * single, (chunk, err, single)
+        assert (lse[:, :n].double() - ref_lse).abs().max().item() < LSE_TOL
+    # run to run, forward and backward (dlse nonzero), and the gradient against float64
+    chunk = CHUNKS[-1]
+    qs, ks, vs = (t[None, :n].clone().requires_grad_() for t in (q, k, v))
+    dout = _randn(1, n, HQ, D, seed=20)
+    dlse = _randn(1, HQ, n, seed=21, dtype=torch.float32)
+    results = []
+    for _ in range(2):
+        o, l = rlk_ops.attention(qs, ks, vs, split_kv=f"canonical:{chunk}")
+        grads = torch.autograd.grad((o.float() * dout.float()).sum() + (l * dlse).sum(), (qs, ks, vs))
+        results.append((o, l, *grads))
+    assert all(bitwise_equal(a, b) for a, b in zip(*results))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qs, ks, vs))
+    o64, l64 = _ref64(q64[0], k64[0], v64[0])
+    ref = torch.autograd.grad((o64 * dout[0].double()).sum() + (l64 * dlse[0].double()).sum(), (q64, k64, v64))
+    for got, want in zip(results[0][2:], ref):
+        assert rel_err(got, want) < GRAD_TOL
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_provenance_names_fa4_and_triton(packed):
+    q, k, v, cu, _ = packed
+    with provenance.capture() as log:
+        rlk_ops.attention(q[None, :300], k[None, :300], v[None, :300], split_kv=f"canonical:{CHUNKS[0]}")
+    assert {(r.op, r.actual_backend, r.fallback) for r in log.records()} == {
+        ("attention_fwd", "fa4", False), ("merge_attn_states", "triton", False)}
+
+
+@pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (graph capture)")
+@pytest.mark.cuda
+def test_cuda_graph_captured_decode_replays_the_same_bits(packed):
+    """The decode route makes no host sync: it captures into a CUDA graph and replays bitwise."""
+    from rlk_ops.ops import _validate
+
+    q, k, v, cu, train = packed
+    chunk = CHUNKS[0]
+    k_cache, v_cache, table = _cache(k, v, cu, 16, seed=6)
+    rows = [cu[0] + LENS[0] - 1, cu[1] + chunk + 1, cu[2] + 100]
+    qd = q[rows][:, None].contiguous()
+    seq_lens = torch.tensor([LENS[0], chunk + 2, 101], dtype=torch.int32, device=DEV)
+    old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False  # value checks sync (not capturable)
+    try:
+        eager = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        _validate.VALUE_CHECKS = old
+    assert bitwise_equal(captured[0], eager[0]) and bitwise_equal(captured[1], eager[1])
+    out, lse = train[chunk]
+    for i, r in enumerate(rows):
+        assert bitwise_equal(eager[0][i, 0], out[r]) and bitwise_equal(eager[1][i, :, 0], lse[:, r])
+
+
+def test_cpu_reference_merge_is_the_cpu_default():
+    """On CPU tensors the merge stays the reference (no triton needed to import rlk_ops)."""
+    assert dispatch.requested_backend("merge_attn_states", "cpu") == "cpu"
+    assert dispatch.requested_backend("merge_attn_states", "cuda") == "triton"
