@@ -512,16 +512,30 @@ class Bench:
             if self.dev == "cuda":
                 peak[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         t = self.eager_us(fns)
+        # host cost of a plan (what a forward pays when its shape is new: canonical.cached_plan misses)
+        seqs = [(i * s, s, i * s, s) for i in range(bsz)]
+        plan_ms = {}
+        for c in sh.train_chunks:
+            ts = []
+            for _ in range(3):
+                self.sync()
+                t0 = time.perf_counter()
+                canonical.plan(seqs, c, True, self.dev)
+                self.sync()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            plan_ms[f"canonical:{c}"] = round(statistics.median(ts), 2)
         rows = []
         for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
             r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
-                 "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd")}
+                 "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy)}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
             print("   ", r, flush=True)
         self.res["training"] = {"B": bsz, "S": s, "rows": rows,
-                                "timing": "eager, CUDA-synchronized wall clock, interleaved repetitions, median"}
+                                "timing": "eager, CUDA-synchronized wall clock, interleaved repetitions, median",
+                                "plan": "cached per shape (canonical.cached_plan); plan_build_ms is the host cost "
+                                        "of a shape not seen before, paid once"}
 
     def verdict(self):
         sh = self.sh
@@ -592,9 +606,12 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB |", "|---|---|---|---|---|---|"]
+                  "| peak GiB | plan build ms (new shape) |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
-                  f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} |" for x in tr]
+                  f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} |"
+                  for x in tr]
+        if r["training"].get("plan"):
+            lines += ["", f"Plan: {r['training']['plan']}."]
         lines.append("")
     acc = r.get("accuracy")
     if acc:

@@ -560,5 +560,5 @@ def test_cuda_refuses_unsupported_inputs(seq):
     q, k, v = seq
     with pytest.raises(RlkInputError, match="the fa4 backend needs bfloat16 or float16 inputs, got torch.float32"):
         rlk_ops.attention(q.float(), k.float(), v.float())
-    with pytest.raises(ValueError, match="split_kv 'canonical:256' is not supported by the fa4 backend"):
-        rlk_ops.attention(q, k, v, split_kv="canonical:256")
+    with pytest.raises(ValueError, match="split_kv 'fixed:256' is not supported by the fa4 backend"):
+        fa4_backend.attention_fwd(q, k, v, 1, D ** -0.5, None, None, 0, 0, "fixed:256")

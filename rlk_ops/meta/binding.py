@@ -67,6 +67,8 @@ _PLAN_BY_CONSTRUCTION: dict[tuple[str, str], Callable[[SplitKVPolicy], str]] = {
     ("cpu", "auto"): lambda p: "single_pass",
     ("cpu", "canonical"): lambda p: f"canonical:{p.size}",
     ("fa4", "disabled"): lambda p: "single_pass",
+    # fa4 runs canonical:C through the same plan (kernels/fa4/canonical.py), partials at num_splits=1
+    ("fa4", "canonical"): lambda p: f"canonical:{p.size}",
 }
 
 

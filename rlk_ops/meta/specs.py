@@ -162,11 +162,18 @@ _add(OpSpec("paged_attention", "attention",
 _add(OpSpec("merge_attn_states", "attention", "(Tensor out_parts, Tensor lse_parts) -> (Tensor, Tensor)",
             differentiable=True, backward=("merge_attn_states_bwd",),
             backends={"cpu": DeterminismSpec(True, True, notes="states in ascending order, skipping lse = -inf; "
-                                                               "fp32 elementwise, numerics.exp/log")}))
+                                                               "fp32 elementwise, numerics.exp/log"),
+                      "triton": DeterminismSpec(True, True, notes="verified on sm90: bitwise equal to the cpu "
+                                                                  "merge (same IEEE steps, no FMA, div_rn), rows "
+                                                                  "alone equal rows in a batch, run to run "
+                                                                  "(results/h200/canonical.json)")}))
 _add(OpSpec("merge_attn_states_bwd", "attention",
             "(Tensor dout, Tensor? dlse, Tensor out_parts, Tensor lse_parts, Tensor out, Tensor lse)"
             " -> (Tensor, Tensor)",
-            backends={"cpu": DeterminismSpec(True, True, notes="per row: elementwise and one rowsum over head_dim")}))
+            backends={"cpu": DeterminismSpec(True, True, notes="per row: elementwise and one rowsum over head_dim"),
+                      "triton": DeterminismSpec(True, True, notes="verified on sm90: per row, rowsum over a fixed "
+                                                                  "[16, D] tile; run to run and rows alone == rows "
+                                                                  "in a batch (not the cpu summation order)")}))
 # The diagnostic lane whose split-KV the backend picks from the batch: tagged, refused in strict mode.
 _add(OpSpec("paged_attention_auto", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
