@@ -117,6 +117,19 @@ def test_fa4_canonical_backward_is_single_pass_at_merged_state(fake):
     assert bitwise_equal(bwd[0][1][3], out.detach()) and bitwise_equal(bwd[0][1][5], lse.detach())
 
 
+def test_demo_binds_and_matches_under_canonical():
+    """Rollout chunked prefill gathers K/V (rlk::paged_kv_gather) and decode does not: the
+    binding judges that op where it runs (it used to flag the decode entry as 'missing' and
+    refuse to generate). Rows here merge one or two chunk states (C = 128)."""
+    from rlk_ops.rollout import demo
+
+    report = demo.run(device="cpu", layers=1, sequences=3, split_kv="canonical:128", backward=False,
+                      negative_control=False, progress=False)
+    assert report["binding"]["verdict"].startswith("PASS")
+    assert report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    assert max(report["prompt_lengths"]) > 128  # some rows really merge two states
+
+
 def test_fa4_refuses_fixed_split(fake):
     q, k, v = _cpu_qkv()
     with pytest.raises(ValueError, match=r"split_kv 'fixed:256' is not supported by the fa4 backend"):
