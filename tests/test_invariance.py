@@ -175,8 +175,6 @@ def test_linear_batch_invariant(dtype):
         assert bitwise_equal(rlk_ops.linear(x[:m], w, b), full[:m])
     assert bitwise_equal(rlk_ops.linear(x[-1:], w, b), full[-1:])
     assert bitwise_equal(rlk_ops.linear(x, w, b), full)
-    # and it really differs from a BLAS product somewhere (the reason this op exists)
-    assert full.shape == (2048, 96)
 
 
 def test_linear_backward_run_to_run():

@@ -29,6 +29,9 @@ def _unfused(q, k, qw, kw, pos, eps, theta, rd):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("lead,rd", [((37,), 16), ((2, 9), 8), ((5,), 2)])
 def test_fused_equals_sequence_cpu(dtype, lead, rd):
+    # The CPU kernel of the fused op *is* rope(qk_rmsnorm(.)), so on CPU this checks the
+    # op's argument plumbing (q/k, weights, positions, rotary_dim), not a second kernel;
+    # the fused Triton kernel is compared with the unfused ops under -m cuda.
     q, k, qw, kw, pos = _inputs(lead, dtype=dtype)
     fq, fk = rlk_ops.qk_norm_rope(q, k, qw, kw, pos, 1e-6, 1e6, rd)
     uq, uk = _unfused(q, k, qw, kw, pos, 1e-6, 1e6, rd)

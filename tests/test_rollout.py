@@ -172,3 +172,20 @@ def test_demo_cli_json(tmp_path):
     data = json.loads(out.read_text())
     assert set(data) >= {"tokens", "mismatched_tokens", "drift", "contract", "provenance", "negative_control"}
     assert set(data["negative_control"]) >= {"tokens", "mismatched_tokens"}
+
+
+def test_batch_reservation_is_all_or_nothing():
+    cache = PagedKVCache(1, num_pages=3, page_size=4, num_kv_heads=1, head_dim=8)
+    cache.add(0)
+    cache.add(1)
+    cache.reserve(0, 4)  # fills page 1 of 3
+    with pytest.raises(CacheFullError, match="this step needs 3 more pages for 2 sequences but only 2 of 3"):
+        cache.reserve_batch([(0, 1), (1, 5)])
+    assert (cache.length(0), cache.length(1), cache.free_pages) == (4, 0, 2)
+    slots = cache.reserve_batch([(0, 1), (1, 1)])
+    assert slots.shape == (2,) and cache.free_pages == 0
+
+
+def test_demo_refuses_policies_training_does_not_compute():
+    with pytest.raises(ValueError, match=r"split_kv must be 'disabled' or 'canonical:C'.*got 'fixed:256'"):
+        demo.run(split_kv="fixed:256", sequences=2, progress=False)

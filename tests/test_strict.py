@@ -48,3 +48,4 @@ def test_unknown_backend_name_is_rejected():
 def test_environment_record():
     env = provenance.environment()
     assert env["torch"] == torch.__version__ and "gpu_arch" in env and "flash_attn_4" in env
+

@@ -219,3 +219,17 @@ def test_device_fast_path_accepts_valid_input(monkeypatch):
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     rlk_ops.attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert torch.equal(rlk_ops.paged_attention(q, kc, vc, table, lens)[0], ref[0])
+
+
+def test_one_storage_for_k_and_v_cache_is_rejected():
+    cache = torch.zeros(4, 4, 2, 8)
+    before = cache.clone()
+    with pytest.raises(RlkInputError, match="k_cache and v_cache must be separate tensors"):
+        rlk_ops.paged_kv_append(cache, cache, torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), torch.tensor([3]))
+    assert torch.equal(cache, before)
+
+
+def test_zero_width_page_table_is_rejected():
+    q, kc, vc, _, _ = _paged()
+    with pytest.raises(RlkInputError, match=r"page_table must have at least one page column, got shape \[1, 0\]"):
+        rlk_ops.paged_attention(q[:, :0], kc, vc, torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))

@@ -108,15 +108,14 @@ def check_positions_values(op: str, positions: torch.Tensor, max_position: int |
         if all_clear(bad):
             return
         positions = positions.cpu()
-    if True:
-        neg = positions < 0
-        if bool(neg.any()):
-            i = first_bad(neg)
-            fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} is negative; positions must be >= 0")
-        if max_position is not None and bool((positions > max_position).any()):
-            i = first_bad(positions > max_position)
-            fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} exceeds the largest "
-                     f"supported position {max_position}")
+    neg = positions < 0
+    if bool(neg.any()):
+        i = first_bad(neg)
+        fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} is negative; positions must be >= 0")
+    if max_position is not None and bool((positions > max_position).any()):
+        i = first_bad(positions > max_position)
+        fail(op, f"{fmt_index('positions', i)} = {int(positions[i])} exceeds the largest "
+                 f"supported position {max_position}")
 
 
 def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:

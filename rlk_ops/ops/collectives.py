@@ -8,7 +8,9 @@
 
 Each is the other's gradient. ``group_name`` is a ProcessGroup's ``group_name``; the
 public functions take the group itself (None: the default group). Checks run before
-any communication, so bad input raises on the rank that has it instead of hanging.
+any communication, so bad input raises on the rank that has it before it sends anything;
+the other ranks then wait until the process group's timeout. To make every rank raise
+together, check inputs across ranks first (rlk_ops.distributed.checks.preflight).
 """
 from __future__ import annotations
 

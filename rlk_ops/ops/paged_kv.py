@@ -42,6 +42,9 @@ define("paged_kv_append")
 def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
     op = "paged_kv_append"
     _check_append(k_cache, v_cache, k, v, slot_mapping)
+    # views of one storage (not visible to a fake, which has no data pointer)
+    if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+        V.fail(op, _SHARED_CACHE)
     if V.value_checks_enabled(slot_mapping):
         _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
@@ -75,6 +78,8 @@ def _paged_kv_gather_fake(k_cache, v_cache, page_table, seq_lens):
 
 
 # ------------------------------------------------------------------ validation
+_SHARED_CACHE = "k_cache and v_cache must be separate tensors, got one storage for both (V rows would overwrite K rows)"
+
 def check_cache(op, k_cache, v_cache):
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, H_kv, D]")
     V.ndim(op, "v_cache", v_cache, 4, "[num_pages, page_size, H_kv, D]")
@@ -88,6 +93,8 @@ def check_cache(op, k_cache, v_cache):
 def _check_append(k_cache, v_cache, k, v, slot_mapping):
     op = "paged_kv_append"
     check_cache(op, k_cache, v_cache)
+    if k_cache is v_cache:
+        V.fail(op, _SHARED_CACHE)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not c.is_contiguous():
             V.fail(op, f"{name} must be contiguous (slots address it as [num_pages * page_size, H_kv, D])")
@@ -133,6 +140,8 @@ def _check_slots(op, slot_mapping, n_slots):
 def check_page_table(op, k_cache, page_table, seq_lens):
     V.int_dtype(op, "page_table", page_table, torch.int32)
     V.ndim(op, "page_table", page_table, 2, "[batch, max_pages]")
+    if page_table.shape[1] == 0:
+        V.fail(op, f"page_table must have at least one page column, got shape {V.shape_str(page_table)}")
     V.int_dtype(op, "seq_lens", seq_lens, torch.int32)
     V.ndim(op, "seq_lens", seq_lens, 1, "[batch]")
     if seq_lens.shape[0] != page_table.shape[0]:

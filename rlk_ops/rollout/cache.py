@@ -71,6 +71,21 @@ class PagedKVCache:
         pages = torch.tensor(self._pages[seq], dtype=torch.int64)
         return (pages[pos // ps] * ps + pos % ps).to(self.device)
 
+    def reserve_batch(self, requests: list[tuple[int, int]]) -> torch.Tensor:
+        """Reserve ``(seq, n_new)`` for several sequences at once, all or nothing:
+        the pages for every request are counted before any is taken. Returns the
+        concatenated slot_mapping."""
+        need = 0
+        for seq, n_new in requests:
+            if seq not in self._lens:
+                raise KeyError(f"sequence {seq} is not in the cache (add it first)")
+            need += max(0, -(-(self._lens[seq] + n_new) // self.page_size) - len(self._pages[seq]))
+        if need > len(self._free):
+            raise CacheFullError(
+                f"this step needs {need} more pages for {len(requests)} sequences but only {len(self._free)} of "
+                f"{self.num_pages} pages are free; finish or evict a sequence first")
+        return torch.cat([self.reserve(seq, n_new) for seq, n_new in requests])
+
     def release(self, seq: int) -> None:
         """Finish ``seq``: its pages go back to the free list."""
         self._free.extend(self._pages.pop(seq))

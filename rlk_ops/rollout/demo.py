@@ -143,6 +143,9 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
     if not policy.strict and rlk_ops.strict_mode():
         raise rlk_ops.StrictModeError(f"split_kv {split_kv!r} is not batch-invariant; strict mode (the default) "
                                       f"refuses it")
+    if policy.kind not in ("disabled", "canonical"):
+        raise ValueError(f"demo: split_kv must be 'disabled' or 'canonical:C' (a policy both the training "
+                         f"forward and the rollout compute), got {split_kv!r}")
     t0 = time.perf_counter()
     cfg = TinyQwen3Config(num_layers=layers, split_kv=str(policy))
     model = TinyQwen3(cfg, device=device, seed=seed)
@@ -235,8 +238,8 @@ def summary(report: dict) -> str:
         lines.append(f"  {'negative control (plain rollout)':<34} {nc['tokens']:>7} {nc['mismatched_tokens']:>11} "
                      f"{nc['drift']['dlogp']['max']:>12.3g} {nc['drift']['out']['max']:>12.3g} "
                      f"{nc['drift']['lse']['max']:>12.3g}")
-    lines.append(f"  attention positions compared: {report['attention_positions']} x {report['model']['layers']} "
-                 f"layers, mismatched: {report['mismatched_attention_positions']}")
+    lines.append(f"  attention (position, layer) pairs compared: {report['attention_positions']} "
+                 f"(out and lse), mismatched: {report['mismatched_attention_positions']}")
     tb = report.get("training_backward")
     if tb:
         lines.append(f"  training backward: gradients bitwise equal run to run: {tb['grads_bitwise_run_to_run']}")

@@ -89,7 +89,7 @@ class RolloutEngine:
         """Forward the given new tokens of each sequence (same count each); returns
         log-probs [B, Sq, vocab] and records the per-layer attention trace."""
         dev = self.cache.device
-        slots = torch.cat([self.cache.reserve(s.seq_id, len(t)) for s, t in zip(seqs, tokens)])
+        slots = self.cache.reserve_batch([(s.seq_id, len(t)) for s, t in zip(seqs, tokens)])
         tok = torch.tensor(tokens, dtype=torch.int64, device=dev)
         pos = torch.tensor([[st + j for j in range(len(t))] for st, t in zip(starts, tokens)], dtype=torch.int64,
                            device=dev)

@@ -5,7 +5,8 @@ forms. Its definition of a query row's result, which every form reproduces bit f
 bit:
 
 * keys are visited in blocks of ``BLOCK`` = 128 aligned to absolute key position 0,
-  in ascending order (the blocking FA4 uses on SM90);
+  in ascending order (FA4 on SM90 uses the same 128-key tiles, but visits them last to
+  first, so the two agree to rounding, not bitwise);
 * per block: scores ``s = rowsum(q * k) * scale`` (numerics.rowsum: order fixed by
   head_dim), masked keys -> -inf, then the online-softmax update in fp32
   ``m' = max(m, max s); a = exp(m - m'); p = exp(s - m'); l = l*a + rowsum(p);

@@ -47,11 +47,6 @@ def rowsum(x: torch.Tensor) -> torch.Tensor:
     return x.sum(-1)
 
 
-def dot_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b, -1)`` with broadcasting, in the fixed ``rowsum`` order."""
-    return rowsum(a * b)
-
-
 # --------------------------------------------------------------------------- exp
 _LOG2E = 1.4426950408889634
 # ln 2 split so that n * LN2_HI is exact for the |n| that can occur.

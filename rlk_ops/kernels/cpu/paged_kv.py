@@ -1,8 +1,6 @@
 """CPU reference paged KV cache append and gather (pure data movement: exact)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlk_ops.kernels.cpu.attention import gather_pages
@@ -23,7 +21,3 @@ def paged_kv_gather(k_cache, v_cache, page_table, seq_lens):
     valid = torch.arange(max_pages * ps).view(1, -1) < seq_lens.to(torch.int64).view(-1, 1)
     valid = valid[:, :, None, None]
     return torch.where(valid, k, 0), torch.where(valid, v, 0)
-
-
-def pages_needed(seq_len: int, page_size: int) -> int:
-    return math.ceil(seq_len / page_size)
