@@ -29,6 +29,25 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def fill_paged_cache(k, v, page_size, generator, extra_pages=5, pad=-7):
+    """Write each sequence's K/V [B, S, Hkv, D] into shuffled, non-contiguous pages;
+    random garbage in every other slot, ``pad`` in the unused page_table entries (they
+    may hold anything). Returns (k_cache, v_cache, page_table)."""
+    bsz, s, h_kv, d = k.shape
+    per_seq = math.ceil(s / page_size)
+    num_pages = bsz * per_seq + extra_pages
+    k_cache = torch.randn(num_pages, page_size, h_kv, d, generator=generator).to(k.dtype)
+    v_cache = torch.randn(num_pages, page_size, h_kv, d, generator=generator).to(k.dtype)
+    perm = torch.randperm(num_pages, generator=generator)
+    page_table = torch.full((bsz, per_seq + 2), pad, dtype=torch.int32)
+    for b in range(bsz):
+        pages = perm[b * per_seq:(b + 1) * per_seq]
+        page_table[b, :per_seq] = pages.int()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:s]
+        rlk_ops.paged_kv_append(k_cache, v_cache, k[b], v[b], slots)
+    return k_cache, v_cache, page_table
+
+
 def ref_attention(q, k, v, causal=True, scale=None):
     """float64 attention on dense [B, S, H, D] inputs: (out [B,Sq,Hq,D], lse [B,Hq,Sq])."""
     _, sq, hq, d = q.shape

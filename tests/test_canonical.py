@@ -20,7 +20,7 @@ from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.cpu import merge as merge_kernels
 from rlk_ops.rollout.cache import PagedKVCache
 
-from conftest import TOL, bitwise_equal, ref_attention, rel_err
+from conftest import TOL, bitwise_equal, fill_paged_cache, ref_attention, rel_err
 
 DT = torch.bfloat16
 B, S, HQ, HKV, D = 2, 300, 4, 2, 16
@@ -45,21 +45,7 @@ def train(qkv):
 
 
 def _fill_cache(k, v, page_size, seed):
-    """Each sequence's K/V in shuffled, non-contiguous pages; garbage everywhere else."""
-    g = torch.Generator().manual_seed(seed)
-    bsz, s = k.shape[:2]
-    per_seq = math.ceil(s / page_size)
-    num_pages = bsz * per_seq + 3
-    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(k.dtype)
-    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(k.dtype)
-    perm = torch.randperm(num_pages, generator=g)
-    page_table = torch.full((bsz, per_seq + 2), 10**6, dtype=torch.int32)  # padding may hold anything
-    for b in range(bsz):
-        pages = perm[b * per_seq:(b + 1) * per_seq]
-        page_table[b, :per_seq] = pages.int()
-        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:s]
-        rlk_ops.paged_kv_append(k_cache, v_cache, k[b], v[b], slots)
-    return k_cache, v_cache, page_table
+    return fill_paged_cache(k, v, page_size, torch.Generator().manual_seed(seed), extra_pages=3, pad=10**6)
 
 
 # ------------------------------------------------------------------ the definition

@@ -1,13 +1,12 @@
 """The CPU reference's bitwise claims (torch.equal): run-to-run, batch invariance,
 prefill/decode invariance, chunked prefill, varlen == dense, paged == dense."""
-import math
 
 import pytest
 import torch
 
 import rlk_ops
 
-from conftest import bitwise_equal
+from conftest import bitwise_equal, fill_paged_cache
 
 DT = torch.bfloat16
 B, S, HQ, HKV, D = 4, 300, 8, 2, 64
@@ -69,28 +68,11 @@ def test_varlen_equals_dense(qkv, prefill):
         assert bitwise_equal(lse[:, rows], prefill[1][b, :, :n])
 
 
-def _fill_cache(k, v, page_size, generator, extra_pages=5):
-    """Write each sequence's K/V into shuffled, non-contiguous pages."""
-    bsz, s = k.shape[:2]
-    per_seq = math.ceil(s / page_size)
-    num_pages = bsz * per_seq + extra_pages
-    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=generator).to(DT)  # stale garbage
-    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=generator).to(DT)
-    perm = torch.randperm(num_pages, generator=generator)
-    page_table = torch.full((bsz, per_seq + 2), -7, dtype=torch.int32)  # padding may hold anything
-    for b in range(bsz):
-        pages = perm[b * per_seq:(b + 1) * per_seq]
-        page_table[b, :per_seq] = pages.int()
-        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:s]
-        rlk_ops.paged_kv_append(k_cache, v_cache, k[b], v[b], slots)
-    return k_cache, v_cache, page_table
-
-
 @pytest.mark.parametrize("page_size", [1, 16, 128])
 def test_paged_decode_and_chunks_equal_prefill(qkv, prefill, page_size):
     q, k, v = qkv
     g = torch.Generator().manual_seed(page_size)
-    k_cache, v_cache, page_table = _fill_cache(k, v, page_size, g)
+    k_cache, v_cache, page_table = fill_paged_cache(k, v, page_size, g)
     for p in (0, 127, 128, 129, S - 1):
         seq_lens = torch.full((B,), p + 1, dtype=torch.int32)
         out, lse = rlk_ops.paged_attention(q[:, p:p + 1], k_cache, v_cache, page_table, seq_lens)
@@ -107,7 +89,7 @@ def test_paged_decode_mixed_lengths_batch_invariant(qkv, prefill):
     """Each sequence at its own length in one decode batch == alone == prefill."""
     q, k, v = qkv
     g = torch.Generator().manual_seed(3)
-    k_cache, v_cache, page_table = _fill_cache(k, v, 16, g)
+    k_cache, v_cache, page_table = fill_paged_cache(k, v, 16, g)
     pos = [5, 299, 128, 64]
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
     qd = torch.stack([q[b, p] for b, p in enumerate(pos)])[:, None]

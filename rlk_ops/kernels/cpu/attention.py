@@ -43,9 +43,6 @@ BLOCK = 128
 _BUDGET = 1 << 22
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def _mm_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round an fp32 MMA operand to the 16-bit input dtype, as tensor cores consume it."""
@@ -57,7 +54,7 @@ def _mm_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _pad_blocks(x: torch.Tensor, n_keys: int) -> torch.Tensor:
     """[B, Sk, H, D] -> [B, H, n_keys, D] in acc dtype, zero beyond Sk (n_keys % BLOCK == 0)."""
     b, sk, h, d = x.shape
-    out = x.new_zeros((b, n_keys, h, d), dtype=_acc_dtype(x.dtype))
+    out = x.new_zeros((b, n_keys, h, d), dtype=nx.acc_dtype(x.dtype))
     n = min(sk, n_keys)
     out[:, :n] = x[:, :n]
     return out.permute(0, 2, 1, 3).contiguous()
@@ -127,7 +124,7 @@ def _forward(q, k, v, q_pos, k_len, causal, scale):
     bsz, sq, hq, d = q.shape
     h_kv = k.shape[2]
     g = hq // h_kv
-    acc_t = _acc_dtype(q.dtype)
+    acc_t = nx.acc_dtype(q.dtype)
     out = q.new_empty((bsz, sq, hq, d))
     lse = torch.empty((bsz, hq, sq), dtype=acc_t)
     if bsz == 0 or sq == 0:
@@ -165,7 +162,7 @@ def _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, causal, scale):
     bsz, sq, hq, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     g = hq // h_kv
-    acc_t = _acc_dtype(q.dtype)
+    acc_t = nx.acc_dtype(q.dtype)
     n_keys = max(BLOCK, math.ceil(max(sk, 1) / BLOCK) * BLOCK)
     dq = torch.zeros((bsz, sq, hq, d), dtype=q.dtype)
     dk = torch.zeros((bsz, h_kv, n_keys, d), dtype=acc_t)
@@ -239,7 +236,7 @@ def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, ma
         out, lse = _forward(q, k, v, q_pos, k_len, bool(causal), softmax_scale)
         return out, lse.float() if q.dtype != torch.float64 else lse
     total, hq, _ = q.shape
-    acc_t = _acc_dtype(q.dtype)
+    acc_t = nx.acc_dtype(q.dtype)
     out = q.new_empty(q.shape)
     lse = torch.empty((hq, total), dtype=acc_t)
     for q0, q1, k0, k1 in _varlen_bounds(cu_seqlens_q, cu_seqlens_k):

@@ -12,9 +12,6 @@ from rlk_ops.kernels.cpu import numerics as nx
 _BUDGET = 1 << 22  # elements of one temporary product
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b[N, K].T in a's (acc) dtype; row m reduced over K by rowsum."""
@@ -35,7 +32,7 @@ def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x, weight, bias):
-    acc = _acc(x.dtype)
+    acc = nx.acc_dtype(x.dtype)
     k = x.shape[-1]
     x2 = x.reshape(-1, k).to(acc)
     y = _matmul_nt(x2, weight.to(acc).contiguous())
@@ -46,7 +43,7 @@ def linear(x, weight, bias):
 
 def linear_bwd(dy, x, weight):
     """dx = dy @ w (reduce over N per row); dw = dy.T @ x (reduce over tokens M)."""
-    acc = _acc(x.dtype)
+    acc = nx.acc_dtype(x.dtype)
     n, k = weight.shape
     dy2 = dy.reshape(-1, n).to(acc)
     x2 = x.reshape(-1, k).to(acc)
@@ -57,5 +54,5 @@ def linear_bwd(dy, x, weight):
 
 def linear_bias_bwd(dy):
     n = dy.shape[-1]
-    acc = _acc(dy.dtype)
+    acc = nx.acc_dtype(dy.dtype)
     return nx.rowsum(dy.reshape(-1, n).to(acc).t()).to(dy.dtype)

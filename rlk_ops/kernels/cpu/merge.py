@@ -30,12 +30,9 @@ import torch
 from rlk_ops.kernels.cpu import numerics as nx
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def merge_attn_states(out_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    acc_t = _acc_dtype(out_parts.dtype)
+    acc_t = nx.acc_dtype(out_parts.dtype)
     # [N, ..., S, H], like out rows; contiguous so every result below is contiguous too
     lse_rows = lse_parts.transpose(-1, -2).to(acc_t).contiguous()
     present = lse_rows != -math.inf                                # NaN counts as present: it propagates
@@ -60,7 +57,7 @@ def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
     With p_n = exp(lse_n - lse) (the share of state n; 0 for skipped states):
     d out_n = p_n * dout;  d lse_n = p_n * (rowsum(dout * (out_n - out)) + dlse).
     Per row: elementwise, plus one rowsum over head_dim (numerics.rowsum order)."""
-    acc_t = _acc_dtype(out_parts.dtype)
+    acc_t = nx.acc_dtype(out_parts.dtype)
     lse_n = lse_parts.transpose(-1, -2).to(acc_t).contiguous()     # [N, ..., S, H]
     lse_all = lse.transpose(-1, -2).to(acc_t).contiguous()         # [..., S, H]
     present = (lse_n != -math.inf) & (lse_all != -math.inf)

@@ -11,12 +11,9 @@ import torch
 from rlk_ops.kernels.cpu import numerics as nx
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x32 = x.to(_acc(x.dtype)).contiguous()
+    x32 = x.to(nx.acc_dtype(x.dtype)).contiguous()
     return x32, x32.pow(2).mean(-1, keepdim=True)
 
 

@@ -30,6 +30,11 @@ import math
 
 import torch
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the reference kernels: fp64 for fp64 inputs (gradcheck), else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # ATen switches to a two-pass parallel reduction (which splits one output's sum
 # across threads) when there is a single output and numel >= GRAIN_SIZE.
 _ATEN_GRAIN_SIZE = 32768
