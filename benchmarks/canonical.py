@@ -277,6 +277,114 @@ class Bench:
                           "training full row (non-causal, C keys) == decode pair (causal paged, seqused_k = C)",
                           positions=idx_f)
 
+    def in_place(self):
+        """FA4 writing each state slot in place (the fa4 backend's executor) == copying each
+        piece out and running the tight single pass (the gathering executor): every state
+        row, merged out and lse; causal whole sequences, bottom-right query ranges
+        (chunked-prefill shapes), non-causal."""
+        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+        sh, fa4 = self.sh, self.fa4_single()
+        lens = list(sh.lens)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        total = sum(lens)
+        q, k, v = self.rand(total, sh.hq, sh.d), self.rand(total, sh.hkv, sh.d), self.rand(total, sh.hkv, sh.d)
+        nq = [lens[0], min(333, lens[1]), lens[2]]
+        shapes = {"causal_whole": ([(a, n, a, n) for a, n in zip(starts, lens)], True),
+                  "causal_bottom_right": ([(a + n - m, m, a, n) for a, n, m in zip(starts, lens, nq)], True),
+                  "noncausal": ([(a, n, a, n) for a, n in zip(starts, lens)], False)}
+        for chunk in sh.chunks:
+            for name, (seqs, causal) in shapes.items():
+                chunk_plan = canonical.plan(seqs, chunk, causal, self.dev)
+                seen = []
+
+                def merge(o, l, seen=seen):
+                    seen.append((o.clone(), l.clone()))
+                    return rlk_ops.merge_attn_states(o, l)
+
+                got = canonical.run(chunk_plan, q, k, v, self.scale, fa4_canonical.attend_into, merge)
+                ref = canonical.run(chunk_plan, q, k, v, self.scale, canonical.gathered(fa4.attention_fwd), merge)
+                (oa, la), (ob, lb) = seen
+                present = (la != -math.inf).transpose(1, 2)
+                ok = beq(la, lb) and beq(oa[present], ob[present]) and beq(got[0], ref[0]) and beq(got[1], ref[1])
+                self.cell(f"in_place_vs_gathering_C{chunk}_{name}", ok,
+                          "FA4 in place per state slot (seqused_q/seqused_k, out=/lse=) == pieces copied out, "
+                          "tight single pass: every state row, merged out and lse",
+                          calls=len(chunk_plan.calls), slots=chunk_plan.num_slots)
+                del seen
+
+    def decode_profile(self):
+        """Where canonical:C decode time goes: each of its three launches timed alone
+        (CUDA-graph replay), the merge with its former blocking (16 rows per program, looped
+        walk) next to merge_config's, and FA4's pair call with FA4's default SM90 tile
+        (128 x 128, two MMA warpgroups) next to tile (64, 128) (one warpgroup; decode has
+        G = 4 query rows per tile): same bits (every pair's out and lse) and time."""
+        from rlk_ops.kernels.fa4 import loader
+        from rlk_ops.kernels.triton import merge as tm
+
+        sh, fa4 = self.sh, self.fa4_single()
+        mod = loader.load().module
+        rows = []
+        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
+        cases = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192)) if not self.dry else sh.decode_cases
+        chunks = (512, 1024, 2048) if not self.dry else sh.decode_chunks
+        try:
+            for bsz, ctx in cases:
+                ps = sh.decode_page
+                n_pages = ctx // ps
+                kc, vc = self.rand(bsz * n_pages, ps, sh.hkv, sh.d), self.rand(bsz * n_pages, ps, sh.hkv, sh.d)
+                pt = torch.randperm(bsz * n_pages, device=self.dev, generator=self.gen).to(torch.int32)
+                pt = pt.view(bsz, n_pages)
+                sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
+                q = self.rand(bsz, 1, sh.hq, sh.d)
+
+                def strict(tile=None):
+                    return mod._flash_attn_fwd(q, kc, vc, page_table=pt, seqused_k=sl, softmax_scale=self.scale,
+                                               causal=True, num_splits=1, pack_gqa=True, return_lse=True,
+                                               tile_mn=tile)[:2]
+
+                so, sl_ = strict()
+                so64, sl64 = strict((64, 128))
+                row = {"batch": bsz, "context": ctx,
+                       "strict_us": round(self.graph_us(strict), 2),
+                       "strict_tile64_us": round(self.graph_us(lambda: strict((64, 128))), 2),
+                       "strict_tile64_equal": beq(so, so64) and beq(sl_, sl64)}
+                for c in chunks:
+                    qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, ps, c)
+
+                    def pairs(tile=None, qp=qp, ptab=ptab, klens=klens):
+                        return mod._flash_attn_fwd(qp, kc, vc, page_table=ptab, seqused_k=klens,
+                                                   softmax_scale=self.scale, causal=True, num_splits=1,
+                                                   pack_gqa=True, return_lse=True, tile_mn=tile)[:2]
+
+                    o, l = pairs()
+                    o64, l64 = pairs((64, 128))
+                    st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
+                    old_cfg = (16, 1, 0)
+                    m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
+                    row[f"C{c}"] = {
+                        "pairs": n * bsz,
+                        "layout_us": round(self.graph_us(lambda: tm.decode_pairs(q, pt, sl, ps, c)), 2),
+                        "fa4_pairs_us": round(self.graph_us(pairs), 2),
+                        "fa4_pairs_tile64_us": round(self.graph_us(lambda: pairs((64, 128))), 2),
+                        "tile64_equal": beq(o, o64) and beq(l, l64),
+                        "merge_us": round(self.graph_us(lambda: tm.merge_attn_states(*st)), 2),
+                        "merge_old_config_us": round(self.graph_us(
+                            lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
+                        "merge_config": list(tm.merge_config(bsz * sh.hq, n, sh.d, q.device)),
+                        "merge_configs_equal": beq(m_new[0], m_old[0]) and beq(m_new[1], m_old[1]),
+                        "total_us": round(self.graph_us(lambda: rlk_ops.paged_attention(
+                            q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)}
+                rows.append(row)
+                print("   ", row, flush=True)
+                del kc, vc
+                if self.dev == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            _validate.VALUE_CHECKS = old
+        self.res["decode_profile"] = {"rows": rows, "page_size": self.sh.decode_page,
+                                      "timing": "CUDA-graph replay median (us per call), each launch alone"}
+
     def seqused_zero_probe(self):
         """Does FA4 accept seqused_k = 0? The decode route never relies on it (an empty pair is
         handed one key and skipped by the merge). Last section: a kernel fault would poison
@@ -449,7 +557,8 @@ class Bench:
                 if bsz == 1:  # the generic route (torch pair layout + mask + merge), for comparison
                     c = sh.decode_chunks[0]
                     row[f"canonical_{c}_generic_route_us"] = round(self.graph_us(
-                        lambda: canonical.paged_attention(q, kc, vc, pt, sl, self.scale, c, attend=fa4.attention_fwd,
+                        lambda: canonical.paged_attention(q, kc, vc, pt, sl, self.scale, c,
+                                                          attend_into=canonical.gathered(fa4.attention_fwd),
                                                           attend_paged=lambda *a: fa4.paged_attention(
                                                               *a[:4], a[4].clamp_min(1), a[5]))), 2)
                 fi = None
@@ -503,6 +612,12 @@ class Bench:
 
             fns[f"{policy}/fwd"] = fwd
             fns[f"{policy}/fwd_bwd"] = fwd_bwd
+        # the executor before the in-place one (queries copied per piece, partials scattered)
+        from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+        gathering = canonical.gathered(fa4_kernels.attention_fwd)
+        for c in sh.train_chunks:
+            fns[f"canonical:{c} gathering executor/fwd"] = lambda c=c: canonical.attention_fwd(
+                q, k, v, True, self.scale, None, None, c, attend_into=gathering)
         peak = {}
         for name, fn in fns.items():
             if self.dev == "cuda":
@@ -527,7 +642,8 @@ class Bench:
         rows = []
         for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
             r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
-                 "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy)}
+                 "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy),
+                 "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd")}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
@@ -704,7 +820,8 @@ def main():
     b = Bench(dev, sh, args.out, args.dry_run)
     b.res["commit"] = args.commit
     sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),
-                ("bitwise", b.bitwise), ("decode", b.decode), ("training", b.training), ("accuracy", b.accuracy),
+                ("in_place", b.in_place), ("bitwise", b.bitwise), ("decode_profile", b.decode_profile),
+                ("decode", b.decode), ("training", b.training), ("accuracy", b.accuracy),
                 ("seqused_zero_probe", b.seqused_zero_probe)]
     only = set(filter(None, args.sections.split(",")))
     for name, fn in sections:

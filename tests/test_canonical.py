@@ -51,23 +51,48 @@ def _fill_cache(k, v, page_size, seed):
 # ------------------------------------------------------------------ the definition
 def test_plan_pieces_are_the_documented_ones():
     p = canonical.plan([(0, 300, 0, 300), (300, 50, 300, 260)], 128, causal=True)
-    diag, full = p.groups
-    assert p.num_slots == 3 and diag.causal and not full.causal
+    assert p.num_slots == 3
     # (seq, chunk, first query row, queries, first key row, keys), piece by piece
-    def pieces(g):
-        cq, ck = g.cu_seqlens_q.tolist(), g.cu_seqlens_k.tolist()
-        return [(s, c, int(g.q_index[cq[j]]), cq[j + 1] - cq[j], int(g.k_index[ck[j]]), ck[j + 1] - ck[j])
-                for j, (s, c) in enumerate(zip(g.seq, g.chunk))]
+    def pieces(c):
+        return list(zip(c.seq, c.chunk, c.q_start, c.q_len, c.k_start, c.k_len))
+    # the diagonal call writes the last slot, chunk c's full call slot c; chunk 2 has no full piece
+    assert [(c.causal, c.slot) for c in p.calls] == [(True, 2), (False, 0), (False, 1)]
+    diag, full0, full1 = p.calls
     # sequence 1: 50 queries at positions 210..259 of 260 keys (bottom-right)
     assert pieces(diag) == [(0, 0, 0, 128, 0, 128), (0, 1, 128, 128, 128, 128), (0, 2, 256, 44, 256, 44),
                             (1, 1, 300, 46, 428, 128), (1, 2, 346, 4, 556, 4)]
-    assert pieces(full) == [(0, 0, 128, 172, 0, 128), (0, 1, 256, 44, 128, 128),
-                            (1, 0, 300, 50, 300, 128), (1, 1, 346, 4, 428, 128)]
-    assert diag.slot.tolist()[:3] == [0, 0, 0] and full.slot.tolist()[-1] == 1
+    assert pieces(full0) == [(0, 0, 128, 172, 0, 128), (1, 0, 300, 50, 300, 128)]
+    assert pieces(full1) == [(0, 1, 256, 44, 128, 128), (1, 1, 346, 4, 428, 128)]
+    # FA4's varlen convention: starts (plus the end of the last piece) and lengths
+    assert full1.cu_seqlens_q.tolist() == [256, 346, 350] and full1.seqused_q.tolist() == [44, 4]
+    assert full1.cu_seqlens_k.tolist() == [128, 428, 556] and full1.seqused_k.tolist() == [128, 128]
+    assert (full1.max_seqlen_q, full1.max_seqlen_k) == (44, 128)
+    assert full1.q_index.tolist() == list(range(256, 300)) + list(range(346, 350))
+    for c in p.calls:  # a call's pieces are disjoint, ascending row ranges
+        ends = [a + n for a, n in zip(c.q_start, c.q_len)]
+        assert all(e <= a for e, a in zip(ends, c.q_start[1:]))
     nc = canonical.plan([(0, 5, 0, 300)], 256, causal=False)
-    assert [(g.causal, g.chunk, g.cu_seqlens_k.tolist()) for g in nc.groups] == [(False, (0, 1), [0, 256, 300])]
+    assert [(c.causal, c.slot, c.chunk, c.k_start, c.k_len) for c in nc.calls] == [
+        (False, 0, (0,), (0,), (256,)), (False, 1, (1,), (256,), (44,))]
     with pytest.raises(ValueError, match="multiple of 128, got 100"):
         canonical.plan([(0, 1, 0, 1)], 100, causal=True)
+
+
+def test_gathered_writes_only_the_calls_rows():
+    """``gathered`` (the cpu backend's in-place kernel) writes a call's rows and nothing else:
+    the rows no piece covers keep what the slot held (-inf lse: skipped by the merge)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, 8, generator=g) for n, h in ((350, 2), (560, 1), (560, 1)))
+    p = canonical.plan([(0, 300, 0, 300), (300, 50, 300, 260)], 128, causal=True)
+    attend_into = canonical.gathered(rlk_ops.kernels.cpu.attention_fwd)
+    for c in p.calls:
+        out = torch.full((350, 2, 8), 7.0)
+        lse = torch.full((2, 350), -math.inf)
+        attend_into(q, k, v, c, 8 ** -0.5, out, lse)
+        covered = torch.zeros(350, dtype=torch.bool)
+        covered[c.q_index] = True
+        assert bool((out[~covered] == 7.0).all()) and bool((lse[:, ~covered] == -math.inf).all())
+        assert bool(torch.isfinite(lse[:, covered]).all())
 
 
 def test_decode_pairs_layout():
@@ -209,20 +234,21 @@ def _chain_rule_backward(q, k, v, dout, dlse, chunk, causal):
     cpu = rlk_ops.kernels.cpu
     qp, kp, vp = q.reshape(sq, hq, d), k.reshape(sk, hkv, d), v.reshape(sk, hkv, d)
     chunk_plan = canonical.plan([(0, sq, 0, sk)], chunk, causal)
-    out, lse = canonical.run(chunk_plan, qp, kp, vp, scale, cpu.attention_fwd, merge)
+    out, lse = canonical.run(chunk_plan, qp, kp, vp, scale, canonical.gathered(cpu.attention_fwd), merge)
     out_parts, lse_parts = seen[0]
     d_out_parts, d_lse_parts = torch.ops.rlk.merge_attn_states_bwd(dout.reshape(sq, hq, d), dlse.reshape(hq, sq),
                                                                    out_parts, lse_parts, out, lse)
     dq, dk, dv = torch.zeros_like(qp), torch.zeros_like(kp), torch.zeros_like(vp)
-    for g in chunk_plan.groups:
-        rows = (g.slot, g.q_index)
+    for c in chunk_plan.calls:
+        cu_q, cu_k = c.tight
+        rows = (c.slot, c.q_index)
         gq, gk, gv = torch.ops.rlk.attention_bwd(
-            d_out_parts[rows], qp[g.q_index], kp[g.k_index], vp[g.k_index], out_parts[rows],
-            lse_parts[g.slot, :, g.q_index].t().contiguous(), d_lse_parts[g.slot, :, g.q_index].t().contiguous(),
-            int(g.causal), scale, g.cu_seqlens_q, g.cu_seqlens_k, g.max_seqlen_q, g.max_seqlen_k, "disabled")
-        dq.index_add_(0, g.q_index, gq)
-        dk.index_add_(0, g.k_index, gk)
-        dv.index_add_(0, g.k_index, gv)
+            d_out_parts[rows], qp[c.q_index], kp[c.k_index], vp[c.k_index], out_parts[rows],
+            lse_parts[c.slot][:, c.q_index].contiguous(), d_lse_parts[c.slot][:, c.q_index].contiguous(),
+            int(c.causal), scale, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, "disabled")
+        dq.index_add_(0, c.q_index, gq)
+        dk.index_add_(0, c.k_index, gk)
+        dv.index_add_(0, c.k_index, gv)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 

@@ -74,9 +74,18 @@ def test_fa4_canonical_forward_routes_to_single_pass_partials(fake):
         got = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
     ref = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")  # cpu backend
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-    # one diagonal (causal) and one full (non-causal) varlen call, both single pass
-    assert [(c[0], c[2]["causal"], c[2]["num_splits"], c[2]["pack_gqa"]) for c in fake.calls] == [
-        ("flash_attn_varlen_func", True, 1, True), ("flash_attn_varlen_func", False, 1, True)]
+    # two state slots: the diagonal (causal) call writes slot 1, chunk 0's full (non-causal)
+    # call slot 0; both single pass, in place (out/lse are the slots of one buffer)
+    calls = [c for c in fake.calls if c[0] == "_flash_attn_fwd"]
+    assert [(c[2]["causal"], c[2]["num_splits"], c[2]["pack_gqa"]) for c in calls] == [(True, 1, True),
+                                                                                          (False, 1, True)]
+    assert len(calls) == len(fake.calls)
+    diag, full = (c[2] for c in calls)
+    assert diag["cu_seqlens_q"].tolist() == [0, 128, 170, 298, 300] and diag["seqused_q"].tolist() == [128, 42, 128, 2]
+    assert full["cu_seqlens_q"].tolist() == [128, 298, 300] and full["seqused_q"].tolist() == [42, 2]
+    assert full["cu_seqlens_k"].tolist() == [0, 170, 298] and full["seqused_k"].tolist() == [128, 128]
+    slots = diag["out"]._base if diag["out"]._base is not None else diag["out"]
+    assert full["out"]._base is slots and slots.shape == (2, 300, 4, 16)
 
 
 def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
@@ -209,6 +218,20 @@ def test_cuda_merge_equals_cpu_reference(dtype, lead):
     wide = (wide[0], wide[1] * 10)
     got, ref = rlk_ops.merge_attn_states(*wide), _cpu_merge(*wide)
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5)])
+def test_cuda_merge_config_changes_no_bit(config):
+    """Rows per program, head_dim slices, unrolled or looped walk: the CPU reference's bits."""
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, BF16, seed=11))
+    got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config)
+    ref = _cpu_merge(out_parts, lse_parts)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+    assert triton_merge.merge_config(37 * 3, 5, 128, out_parts.device)[2] == 5  # default: unrolled
 
 
 @cuda
@@ -370,11 +393,44 @@ def test_cuda_mixed_decode_batch_equals_training(packed, chunk):
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     o, l = rlk_ops.paged_attention(qd, k_cache, v_cache, wide, seq_lens, split_kv=f"canonical:{chunk}")
     generic = canonical.paged_attention(qd, k_cache, v_cache, wide, seq_lens, D ** -0.5, chunk,
-                                        attend=fa4_kernels.attention_fwd, attend_paged=lambda *a: (
+                                        attend_into=canonical.gathered(fa4_kernels.attention_fwd),
+                                        attend_paged=lambda *a: (
                                             fa4_kernels.paged_attention(*a[:4], a[4].clamp_min(1), a[5])))
     assert bitwise_equal(o, generic[0]) and bitwise_equal(l, generic[1])
     for i, r in enumerate(rows):
         assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_in_place_partials_equal_gathered(packed, causal):
+    """FA4 writing each slot's pieces in place (seqused_q/seqused_k, out=/lse=; the fa4
+    backend's route) gives the bits of copying every piece out and running the tight
+    varlen single pass (the cpu backend's route): every slot, every row, and no row
+    outside a call's pieces written. Bottom-right query ranges (chunked-prefill shapes)
+    next to whole sequences."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    q, k, v, cu, _ = packed
+    nq = [LENS[0], 70, LENS[2]]
+    seqs = [(cu[b + 1] - nq[b], nq[b], cu[b], LENS[b]) for b in range(len(LENS))]
+    for chunk in CHUNKS:
+        chunk_plan = canonical.plan(seqs, chunk, causal, DEV)
+        seen = []
+
+        def merge(o, l):
+            seen.append((o.clone(), l.clone()))
+            return rlk_ops.merge_attn_states(o, l)
+
+        got = canonical.run(chunk_plan, q, k, v, D ** -0.5, fa4_canonical.attend_into, merge)
+        ref = canonical.run(chunk_plan, q, k, v, D ** -0.5, canonical.gathered(fa4_kernels.attention_fwd), merge)
+        (out_a, lse_a), (out_b, lse_b) = seen
+        assert bitwise_equal(lse_a, lse_b), chunk
+        present = (lse_a != -math.inf).transpose(1, 2)  # [N, T, H]
+        assert int(present.sum()) > 0 and bitwise_equal(out_a[present], out_b[present]), chunk
+        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1]), chunk
 
 
 @cuda

@@ -44,6 +44,9 @@ _FWD = ("q", "k", "v", "softmax_scale", "causal", "window_size", "num_splits", "
 _VARLEN = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q",
            "seqused_k", "page_table", "softmax_scale", "causal", "num_splits", "pack_gqa", "deterministic",
            "return_lse")
+_FWD_IN_PLACE = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
+                 "max_seqlen_k", "page_table", "softmax_scale", "causal", "num_splits", "pack_gqa", "return_lse",
+                 "out", "lse", "tile_mn")
 _BWD = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "pack_gqa", "cu_seqlens_q", "cu_seqlens_k",
         "max_seqlen_q", "max_seqlen_k", "deterministic", "dlse")
 
@@ -66,13 +69,34 @@ def make_fake_fa4(drop=()):
         return cpu_attn.attention_fwd(q, k, v, int(kw["causal"]), kw["softmax_scale"], kw["cu_seqlens_q"],
                                       kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
 
+    def _flash_attn_fwd(q, k, v, **kw):
+        """FA4's varlen convention as canonical:C uses it: piece j reads q rows
+        [cu_seqlens_q[j], + seqused_q[j]) and key rows [cu_seqlens_k[j], + seqused_k[j]) and
+        writes its rows of ``out``/``lse`` in place; no other row is touched."""
+        mod.calls.append(("_flash_attn_fwd", (q, k, v), kw))
+        if kw.get("page_table") is not None:  # paged decode (benchmarks/canonical.py's profile)
+            assert kw["causal"] is True
+            out, lse = cpu_attn.paged_attention(q, k, v, kw["page_table"], kw["seqused_k"], kw["softmax_scale"])
+            return out, lse, None, None, None
+        out, lse = kw["out"], kw["lse"]
+        assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and kw["return_lse"]
+        lens_q, lens_k = kw["seqused_q"].tolist(), kw["seqused_k"].tolist()
+        assert max(lens_q) <= kw["max_seqlen_q"] and max(lens_k) <= kw["max_seqlen_k"]
+        for a, n, b, m in zip(kw["cu_seqlens_q"].tolist(), lens_q, kw["cu_seqlens_k"].tolist(), lens_k):
+            o, l = cpu_attn.attention_fwd(q[a:a + n], k[b:b + m], v[b:b + m], int(kw["causal"]), kw["softmax_scale"],
+                                          torch.tensor([0, n], dtype=torch.int32),
+                                          torch.tensor([0, m], dtype=torch.int32), n, m)
+            out[a:a + n], lse[:, a:a + n] = o, l
+        return out, lse, None, None, None
+
     def _flash_attn_bwd(q, k, v, out, dout, lse, **kw):
         mod.calls.append(("_flash_attn_bwd", (q, k, v, out, dout, lse), kw))
         return cpu_attn.attention_bwd(dout, q, k, v, out, lse, kw.get("dlse"), int(kw["causal"]),
                                       kw["softmax_scale"], kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
                                       kw.get("max_seqlen_q") or 0, kw.get("max_seqlen_k") or 0)
 
-    for fn, names in ((flash_attn_func, _FWD), (flash_attn_varlen_func, _VARLEN), (_flash_attn_bwd, _BWD)):
+    for fn, names in ((flash_attn_func, _FWD), (flash_attn_varlen_func, _VARLEN), (_flash_attn_fwd, _FWD_IN_PLACE),
+                      (_flash_attn_bwd, _BWD)):
         fn.__signature__ = _sig(*(n for n in names if n not in drop))
         setattr(mod, fn.__name__, fn)
     return mod

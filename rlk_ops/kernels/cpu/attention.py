@@ -230,7 +230,7 @@ def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, ma
     policy = _policy("attention_fwd", split_kv)
     if policy.kind == "canonical":
         return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k,
-                                       policy.size, attend=attention_fwd)
+                                       policy.size, attend_into=canonical.gathered(attention_fwd))
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         out, lse = _forward(q, k, v, q_pos, k_len, bool(causal), softmax_scale)
@@ -300,7 +300,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, sp
     policy = _policy("paged_attention", split_kv)
     if policy.kind == "canonical":
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
-                                         attend=attention_fwd, attend_paged=paged_attention)
+                                         attend_into=canonical.gathered(attention_fwd),
+                                         attend_paged=paged_attention)
     sq = q.shape[1]
     k_len = seq_lens.to(torch.int64)
     k, v = _logical_kv(k_cache, v_cache, page_table, k_len)

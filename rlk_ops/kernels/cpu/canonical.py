@@ -17,21 +17,28 @@ How the partials are computed: ``plan()`` splits each sequence into pieces, one 
   bottom-right causal alignment is right: an ordinary causal varlen sequence.
 * full (non-causal): the queries after chunk c against all C keys of chunk c.
 
-One single-pass varlen call per kind computes every partial (``run()``); row r's
-partial for chunk c lands in slot c of a ``[N, T, H, D]`` state buffer, whose unused
-slots keep ``lse = -inf`` and are skipped by the merge. Non-causal attention has only
-full pieces. For decode (one query per sequence), ``decode_pairs()`` lays the
+Each state slot is written by one single-pass varlen call, in place (``run()``): slot
+c (c < N - 1) holds every full piece of chunk c, slot N - 1 every diagonal piece (N =
+the most chunks any sequence has); a row's unused slots keep ``lse = -inf`` and the
+merge skips them, so it merges the row's chunks in ascending order. Non-causal
+attention has only full pieces, slot c = chunk c. A call's pieces are disjoint, ordered
+row ranges of the packed q (and key ranges of the packed k), so a kernel with FA4's
+varlen convention (``cu_seqlens_*`` = piece starts, ``seqused_*`` = piece lengths,
+``out=``/``lse=`` buffers) reads and writes everything in place: no query copies, no
+scatter of the partials; ``gathered()`` gives the same rows by copying, for kernels
+without that convention. For decode (one query per sequence), ``decode_pairs()`` lays the
 (chunk, sequence) pairs out of the page table with tensor ops alone (no host sync),
 so a paged single-pass kernel computes all partials in one call.
 
 ``attention_fwd`` / ``paged_attention`` below are the whole policy for any backend: it
-passes its own single-pass kernels (the CPU reference passes kernels/cpu/attention.py's,
-a GPU backend its FA4 ones, same signatures); the merge and the paged-KV gather come
+passes its own single-pass kernels (the CPU reference ``gathered()`` around
+kernels/cpu/attention.py's, the fa4 backend FA4's in-place call); the merge and the paged-KV gather come
 from the one dispatch point, so training and rollout on a device share one merge.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,111 +49,145 @@ from rlk_ops.kernels.dispatch import kernel_for
 
 
 @dataclass(frozen=True)
-class Pieces:
-    """One single-pass varlen call: piece j attends the gathered query rows
-    ``q_index[cu_seqlens_q[j]:cu_seqlens_q[j+1]]`` to the key rows
-    ``k_index[cu_seqlens_k[j]:cu_seqlens_k[j+1]]`` (rows of the packed q / k)."""
+class Call:
+    """One single-pass varlen call that writes state slot ``slot`` in place.
+
+    Piece j attends query rows ``[q_start[j], q_start[j] + q_len[j])`` of the packed q to
+    key rows ``[k_start[j], k_start[j] + k_len[j])`` of the packed k; its (out, lse) land
+    in the same query rows of the slot. A call's pieces never share a query row and are
+    in ascending row order, so a kernel that takes ``cu_seqlens_*`` as piece starts and
+    ``seqused_*`` as piece lengths reads q/k/v and writes out/lse in place (FA4's varlen
+    convention). Rows no piece covers are not written."""
     causal: bool
+    slot: int
     seq: tuple[int, ...]          # per piece: its sequence
-    chunk: tuple[int, ...]        # per piece: its chunk (= merge slot)
-    # per piece: first key row in the packed k. A piece's keys are contiguous there, so a
-    # kernel can read them in place (cu_seqlens_k = k_start, seqused_k = key counts)
+    chunk: tuple[int, ...]        # per piece: its chunk
+    q_start: tuple[int, ...]
+    q_len: tuple[int, ...]
     k_start: tuple[int, ...]
-    q_index: torch.Tensor         # int64 [rows]
-    k_index: torch.Tensor         # int64 [keys]
-    slot: torch.Tensor            # int64 [rows]: the chunk of each gathered query row
-    cu_seqlens_q: torch.Tensor    # int32 [pieces + 1]
-    cu_seqlens_k: torch.Tensor    # int32 [pieces + 1]
+    k_len: tuple[int, ...]
+    cu_seqlens_q: torch.Tensor    # int32 [pieces + 1]: q_start, then the end of the last piece
+    cu_seqlens_k: torch.Tensor    # int32 [pieces + 1]: k_start, then the end of the last piece
+    seqused_q: torch.Tensor       # int32 [pieces]: q_len
+    seqused_k: torch.Tensor       # int32 [pieces]: k_len
     max_seqlen_q: int
     max_seqlen_k: int
+
+    @functools.cached_property
+    def q_index(self) -> torch.Tensor:
+        """int64 [rows]: the query rows of every piece, piece by piece."""
+        return _ranges(self.q_start, self.q_len, self.cu_seqlens_q.device)
+
+    @functools.cached_property
+    def k_index(self) -> torch.Tensor:
+        return _ranges(self.k_start, self.k_len, self.cu_seqlens_k.device)
+
+    @functools.cached_property
+    def tight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens_q, cu_seqlens_k) of the pieces packed back to back (for ``gathered``)."""
+        dev = self.cu_seqlens_q.device
+        return (torch.tensor([0, *itertools.accumulate(self.q_len)], dtype=torch.int32, device=dev),
+                torch.tensor([0, *itertools.accumulate(self.k_len)], dtype=torch.int32, device=dev))
+
+
+def _ranges(starts, lens, device) -> torch.Tensor:
+    parts = [torch.arange(a, a + n, dtype=torch.int64) for a, n in zip(starts, lens)]
+    return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)).to(device)
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     chunk_size: int
-    num_slots: int                # N of the state buffer: the most chunks any row has (>= 1)
-    groups: tuple[Pieces, ...]    # the causal (diagonal) call, then the full one; empty ones dropped
+    num_slots: int                # N of the state buffer (>= 1)
+    calls: tuple[Call, ...]       # the diagonal call first, then one full call per chunk; empty ones dropped
 
 
-class _Group:
-    def __init__(self, causal: bool):
-        self.causal = causal
-        self.seq, self.chunk, self.k_start, self.q_ranges, self.k_ranges = [], [], [], [], []
+class _Call:
+    def __init__(self, causal: bool, slot: int):
+        self.causal, self.slot, self.pieces = causal, slot, []
 
     def add(self, seq: int, chunk: int, q0: int, nq: int, k0: int, nk: int) -> None:
-        self.seq.append(seq)
-        self.chunk.append(chunk)
-        self.k_start.append(k0)
-        self.q_ranges.append((q0, nq))
-        self.k_ranges.append((k0, nk))
+        self.pieces.append((seq, chunk, q0, nq, k0, nk))
 
-    def build(self, device) -> Pieces:
-        def index(ranges):
-            parts = [torch.arange(a, a + n, dtype=torch.int64) for a, n in ranges]
-            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    def build(self, device) -> Call:
+        seq, chunk, q0, nq, k0, nk = (tuple(col) for col in zip(*self.pieces))
 
-        def cu(ranges):
-            return torch.tensor([0, *torch.tensor([n for _, n in ranges]).cumsum(0).tolist()], dtype=torch.int32)
+        def i32(vals):
+            return torch.tensor(vals, dtype=torch.int32).to(device)
 
-        slot = torch.repeat_interleave(torch.tensor(self.chunk, dtype=torch.int64),
-                                       torch.tensor([n for _, n in self.q_ranges], dtype=torch.int64))
-        return Pieces(self.causal, tuple(self.seq), tuple(self.chunk), tuple(self.k_start),
-                      index(self.q_ranges).to(device), index(self.k_ranges).to(device), slot.to(device),
-                      cu(self.q_ranges).to(device), cu(self.k_ranges).to(device),
-                      max(n for _, n in self.q_ranges), max(n for _, n in self.k_ranges))
+        return Call(self.causal, self.slot, seq, chunk, q0, nq, k0, nk,
+                    i32([*q0, q0[-1] + nq[-1]]), i32([*k0, k0[-1] + nk[-1]]), i32(nq), i32(nk), max(nq), max(nk))
 
 
 def plan(seqs: list[tuple[int, int, int, int]], chunk_size: int, causal: bool, device=None) -> ChunkPlan:
-    """The pieces for sequences given as ``(q_start, q_len, k_start, k_len)`` rows of a
+    """The calls for sequences given as ``(q_start, q_len, k_start, k_len)`` rows of a
     packed q / k. Causal rows are bottom-right aligned: query i of a sequence sits at
-    absolute key position ``k_len - q_len + i``."""
+    absolute key position ``k_len - q_len + i``.
+
+    Slots: with N the most chunks any sequence has, a causal plan writes the full state
+    of chunk c to slot c (c < N - 1) and every diagonal state to slot N - 1; a row in
+    chunk i therefore has its states in slots 0..i-1 and N-1, slots i..N-2 empty, which
+    the merge skips: it merges the row's chunks in ascending order. A non-causal plan
+    writes chunk c to slot c."""
     if chunk_size <= 0 or chunk_size % 128:
         raise ValueError(f"canonical chunk_size must be a positive multiple of 128, got {chunk_size}")
-    diag, full = _Group(True), _Group(False)
-    slots = 1
+    n_slots = max([1] + [math.ceil(nk / chunk_size) for _, nq, _, nk in seqs if nq and nk])
+    diag = _Call(True, n_slots - 1)
+    full = [_Call(False, c) for c in range(n_slots)]
     for s, (q0, nq, k0, nk) in enumerate(seqs):
         if nq == 0 or nk == 0:
             continue  # no pieces: every row of s keeps lse = -inf (out 0), as single pass gives
         first = nk - nq  # absolute position of the first query (causal)
-        n_chunks = math.ceil(nk / chunk_size)
-        slots = max(slots, n_chunks)
-        for c in range(n_chunks):
+        for c in range(math.ceil(nk / chunk_size)):
             cs, ce = c * chunk_size, min((c + 1) * chunk_size, nk)
             if not causal:
-                full.add(s, c, q0, nq, k0 + cs, ce - cs)
+                full[c].add(s, c, q0, nq, k0 + cs, ce - cs)
                 continue
             lo = max(cs, first)
             if lo < ce:  # queries inside the chunk; the last one is at key ce - 1
                 diag.add(s, c, q0 + lo - first, ce - lo, k0 + cs, ce - cs)
             lo = max(ce, first)
             if lo < nk:  # queries after the chunk see all of it
-                full.add(s, c, q0 + lo - first, nk - lo, k0 + cs, ce - cs)
-    groups = tuple(g.build(device) for g in (diag, full) if g.seq)
-    return ChunkPlan(chunk_size, slots, groups)
+                full[c].add(s, c, q0 + lo - first, nk - lo, k0 + cs, ce - cs)
+    calls = tuple(g.build(device) for g in ([diag] if causal else []) + full if g.pieces)
+    return ChunkPlan(chunk_size, n_slots, calls)
 
 
 def run(chunk_plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        attend: Callable, merge: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        attend_into: Callable, merge: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute a plan on packed ``q [T, Hq, D]``, ``k``/``v [Tk, Hkv, D]``.
 
-    ``attend(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k) -> (out, lse [Hq, rows])`` is
-    a backend's single-pass varlen kernel; ``merge(out_parts, lse_parts)`` its merge kernel.
-    Returns the merged ``out [T, Hq, D]`` and ``lse [Hq, T]``."""
+    ``attend_into(q, k, v, call, scale, out, lse)`` is a backend's single-pass kernel
+    writing the call's pieces into ``out [T, Hq, D]`` / ``lse [Hq, T]`` (one slot of the
+    state buffer) in place; ``gathered`` makes one from any tight varlen kernel.
+    ``merge(out_parts, lse_parts)`` is the backend's merge. Returns the merged
+    ``out [T, Hq, D]`` and ``lse [Hq, T]``."""
     t, hq, d = q.shape
-    n = chunk_plan.num_slots
     lse_t = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # empty, not zeros: a slot no piece writes keeps lse = -inf and the merge never reads its
-    # out (at B=4, S=8k, C=1024 on a GPU the fill would be a 1 GiB memset per forward)
-    out_parts = q.new_empty((n * t, hq, d))
-    lse_rows = torch.full((n * t, hq), -math.inf, dtype=lse_t, device=q.device)
-    for g in chunk_plan.groups:
-        o, lse = attend(q.index_select(0, g.q_index), k.index_select(0, g.k_index), v.index_select(0, g.k_index),
-                        int(g.causal), scale, g.cu_seqlens_q, g.cu_seqlens_k, g.max_seqlen_q, g.max_seqlen_k)
-        dest = g.slot * t + g.q_index  # each (slot, row) is written by exactly one piece
-        out_parts.index_copy_(0, dest, o)
-        lse_rows.index_copy_(0, dest, lse.t().to(lse_t))
-    lse_parts = lse_rows.view(n, t, hq).transpose(1, 2).contiguous()
-    return merge(out_parts.view(n, t, hq, d), lse_parts)
+    # empty, not zeros: a row a call does not cover keeps lse = -inf and the merge never
+    # reads its out (a zero fill would be a 1 GiB memset per forward at B=4, S=8k, C=1024)
+    out_parts = q.new_empty((chunk_plan.num_slots, t, hq, d))
+    lse_parts = torch.full((chunk_plan.num_slots, hq, t), -math.inf, dtype=lse_t, device=q.device)
+    for call in chunk_plan.calls:
+        attend_into(q, k, v, call, scale, out_parts[call.slot], lse_parts[call.slot])
+    return merge(out_parts, lse_parts)
+
+
+def gathered(attend: Callable) -> Callable:
+    """``attend_into`` from a backend's tight single-pass varlen kernel
+    ``attend(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k) -> (out, lse [Hq, rows])``:
+    copy the call's pieces out back to back, attend, copy the rows into the slot. This is
+    what an in-place kernel must write, row for row (a row's partial depends on its
+    piece alone); the cpu backend runs it, and the GPU checks FA4's in-place call against it."""
+    def attend_into(q, k, v, call: Call, scale, out, lse):
+        cu_q, cu_k = call.tight
+        qi, ki = call.q_index, call.k_index
+        o, l = attend(q.index_select(0, qi), k.index_select(0, ki), v.index_select(0, ki), int(call.causal),
+                      scale, cu_q, cu_k, call.max_seqlen_q, call.max_seqlen_k)
+        out.index_copy_(0, qi, o)
+        lse.index_copy_(1, qi, l.to(lse.dtype))
+
+    return attend_into
 
 
 def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
@@ -184,26 +225,26 @@ def cached_plan(seqs: tuple, chunk_size: int, causal: bool, device: str) -> Chun
 
 # ----------------------------------------------------------------- the policy, per op
 def attention_fwd(q, k, v, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_k, chunk_size: int,
-                  attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                  attend_into: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``rlk::attention_fwd`` under canonical:C, dense or varlen (the op's layouts).
-    ``attend`` is the backend's single-pass ``attention_fwd`` kernel."""
+    ``attend_into`` is the backend's in-place single-pass kernel (``run``)."""
     merge = kernel_for("merge_attn_states", q.device)
     if cu_seqlens_q is not None:
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         seqs = [(cq[i], cq[i + 1] - cq[i], ck[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
-        return run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q, k, v, scale, attend, merge)
+        return run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q, k, v, scale, attend_into, merge)
     bsz, sq, hq, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     seqs = [(b * sq, sq, b * sk, sk) for b in range(bsz)]
     out, lse = run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q.reshape(bsz * sq, hq, d),
-                   k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attend, merge)
+                   k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attend_into, merge)
     return _dense(out, lse, bsz, sq)
 
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, chunk_size: int,
-                    attend: Callable, attend_paged: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                    attend_into: Callable, attend_paged: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``rlk::paged_attention`` under canonical:C. ``attend_paged`` is the backend's
-    single-pass ``paged_attention`` kernel (decode), ``attend`` its ``attention_fwd``
+    single-pass ``paged_attention`` kernel (decode), ``attend_into`` its in-place varlen one
     (chunked prefill, over the gathered logical K/V)."""
     bsz, sq, hq, d = q.shape
     page_size = k_cache.shape[1]
@@ -220,7 +261,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, chu
     kmax, h_kv = k.shape[1], k.shape[2]
     seqs = [(b * sq, sq, b * kmax, n) for b, n in enumerate(seq_lens.tolist())]
     out, lse = run(plan(seqs, chunk_size, True, q.device), q.reshape(bsz * sq, hq, d),
-                   k.reshape(bsz * kmax, h_kv, d), v.reshape(bsz * kmax, h_kv, d), scale, attend, merge)
+                   k.reshape(bsz * kmax, h_kv, d), v.reshape(bsz * kmax, h_kv, d), scale, attend_into, merge)
     return _dense(out, lse, bsz, sq)
 
 

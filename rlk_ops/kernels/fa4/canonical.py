@@ -1,9 +1,20 @@
 """canonical:C split-KV on FA4: the policy of kernels/cpu/canonical.py with FA4's single pass.
 
 The definition is not restated here: ``canonical.attention_fwd`` / ``canonical.paged_attention``
-(plan, executor, merge through the dispatch point) run unchanged with the FA4 single-pass
-kernels of kernels.py as ``attend`` / ``attend_paged``. A partial is FA4's ordinary
-single pass (``num_splits=1``, ``pack_gqa=PACK_GQA``): bf16 out as returned, fp32 lse.
+(plan, executor, merge through the dispatch point) run unchanged with FA4 as the
+single-pass kernel. A partial is FA4's ordinary single pass (``num_splits=1``,
+``pack_gqa=PACK_GQA``): bf16 out as returned, fp32 lse.
+
+Training (and chunked prefill): ``attend_into`` runs one FA4 call per state slot of the
+plan, in place: ``cu_seqlens_q``/``cu_seqlens_k`` are the pieces' first rows in the
+packed q/k, ``seqused_q``/``seqused_k`` their lengths, and ``out=``/``lse=`` the slot
+of the state buffer (FA4's private ``_flash_attn_fwd``, the entry point that takes
+output buffers; the public varlen function allocates its own). So no query row is
+copied and no partial is scattered: the earlier executor gathered each full piece's
+queries (a query row once per earlier chunk) and scattered every partial, ~2 GiB of
+copies at B=4, S=8k, C=1024 on top of the partials themselves. The bits are those of
+the gathering route (a row's partial depends on its piece alone), which
+benchmarks/canonical.py checks on the GPU with torch.equal.
 
 Decode (one query per sequence, ``C % page_size == 0``) takes a faster route to the same
 bits: the triton ``decode_pairs`` kernel lays out every (chunk, sequence) pair (page-table
@@ -25,16 +36,31 @@ kernels/cpu/attention.py, checked there against the chain rule through the merge
 """
 from __future__ import annotations
 
+import torch
+
 from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.kernels.fa4 import loader
+from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
 
 
-def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size, attend):
+def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
+    """One plan call: FA4 single pass over the call's pieces, written into ``out``/``lse``."""
+    with torch.no_grad():
+        loader.load().module._flash_attn_fwd(
+            q, k, v, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+            seqused_q=call.seqused_q, seqused_k=call.seqused_k,
+            max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+            softmax_scale=scale, causal=call.causal, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
+            return_lse=True, out=out, lse=lse)
+
+
+def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
-                                   attend=attend)
+                                   attend_into=attend_into)
 
 
-def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size, attend, attend_paged):
+def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size, attend_paged):
     page_size = k_cache.shape[1]
     merge = kernel_for("merge_attn_states", q.device)
     fused = q.shape[1] == 1 and chunk_size % page_size == 0 and getattr(merge, "accepts_state_lens", False)
@@ -44,7 +70,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
             return attend_paged(q, k_cache, v_cache, pair_table, pair_lens.clamp_min(1), scale)
 
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                         attend=attend, attend_paged=paged_nonempty)
+                                         attend_into=attend_into, attend_paged=paged_nonempty)
     from rlk_ops.kernels.triton.merge import decode_pairs
 
     bsz, _, hq, d = q.shape

@@ -66,9 +66,8 @@ def _max_len(cu: torch.Tensor, given: int) -> int:
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   split_kv="disabled"):
     fa4, policy = _fa4("attention_fwd", q, split_kv)
-    if policy.kind == "canonical":  # partials are this function's single pass (split_kv="disabled")
-        return canonical.attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size,
-                                       attend=attention_fwd)
+    if policy.kind == "canonical":  # partials: FA4's single pass, written in place (canonical.attend_into)
+        return canonical.attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size)
     with torch.no_grad():
         if cu_seqlens_q is None:
             out, lse = fa4.module.flash_attn_func(
@@ -104,7 +103,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, sp
     fa4, policy = _fa4("paged_attention", q, split_kv)
     if policy.kind == "canonical":
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
-                                         attend=attention_fwd, attend_paged=paged_attention)
+                                         attend_paged=paged_attention)
     with torch.no_grad():
         out, lse = fa4.module.flash_attn_varlen_func(
             q, k_cache, v_cache, seqused_k=seq_lens, page_table=page_table,

@@ -6,14 +6,17 @@ re-scan ``sys.path`` on every call; ``reset()`` forgets it, for tests).
 
 What is checked, per op, against the installed FA4's function signatures (parameter
 names, read with ``inspect``; the public functions' names are FA4's documented API,
-``_flash_attn_bwd`` is the one entry point that runs a backward on its own):
+``_flash_attn_bwd`` is the one entry point that runs a backward on its own and
+``_flash_attn_fwd`` the one that takes output buffers):
 
 * ``num_splits``     we pass 1 (one pass over the keys; FA4 on SM90 has no split-KV);
 * ``pack_gqa``       we pass a fixed value (``PACK_GQA``), never FA4's per-shape default;
 * ``return_lse``     LSE export (the contract returns it);
 * ``deterministic``  the semaphore-ordered backward;
 * ``dlse``           the gradient of lse, folded into the backward's row term;
-* ``page_table`` / ``seqused_k``  paged KV read in place (no gather).
+* ``page_table`` / ``seqused_k``  paged KV read in place (no gather);
+* ``seqused_q`` / ``out`` / ``lse`` in ``_flash_attn_fwd``  canonical:C partials
+  computed and written in place (kernels/fa4/canonical.py).
 
 A missing control raises ``BackendUnavailable`` naming it; the dispatch point turns
 that into ``StrictModeError`` in strict mode, or a recorded CPU fallback otherwise.
@@ -55,9 +58,14 @@ NUM_SPLITS = 1
 # kernels per shape. The SM90 backward ignores it (FA4 forces pack_gqa=False there).
 PACK_GQA = True
 
+# canonical:C partials are written in place (kernels/fa4/canonical.attend_into)
+_IN_PLACE = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q", "max_seqlen_k",
+             "softmax_scale", "causal", "num_splits", "pack_gqa", "return_lse", "out", "lse")
+
 # op -> {FA4 function: parameters it must accept}
 REQUIRED: dict[str, dict[str, tuple[str, ...]]] = {
     "attention_fwd": {
+        "_flash_attn_fwd": _IN_PLACE,
         "flash_attn_func": ("softmax_scale", "causal", "num_splits", "pack_gqa", "return_lse"),
         "flash_attn_varlen_func": ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
                                    "softmax_scale", "causal", "num_splits", "pack_gqa", "return_lse"),
@@ -67,6 +75,7 @@ REQUIRED: dict[str, dict[str, tuple[str, ...]]] = {
                             "max_seqlen_k", "deterministic", "dlse"),
     },
     "paged_attention": {
+        "_flash_attn_fwd": _IN_PLACE,  # canonical:C chunked prefill
         "flash_attn_varlen_func": ("page_table", "seqused_k", "softmax_scale", "causal", "num_splits",
                                    "pack_gqa", "return_lse"),
     },
@@ -79,6 +88,9 @@ _WHAT = {
     "dlse": "lse gradient input (dlse=)",
     "page_table": "paged KV (page_table=)",
     "seqused_k": "per-sequence KV length (seqused_k=)",
+    "seqused_q": "per-sequence query length (seqused_q=)",
+    "out": "output buffer (out=)",
+    "lse": "lse buffer (lse=)",
 }
 
 

@@ -1,7 +1,10 @@
 """Triton rlk::merge_attn_states (+ backward) and the canonical:C decode pair layout.
 
-Forward: one program per BLOCK_R (row, head) pairs of the states' common layout; it walks
-the N states in ascending order with the formula of kernels/cpu/merge.py, step for step:
+Forward: one program per block of (row, head) pairs of the states' common layout and
+slice of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and
+head_dim in 4 slices; up to ``MAX_UNROLL`` states the walk is unrolled so their loads
+overlap); it walks the N states in ascending order with the formula of
+kernels/cpu/merge.py, step for step:
 
     M = max of the non-skipped lse_n;  w = exp(lse_n - M);  L += w;  acc += w * out_n
     out = acc / L rounded once;  lse = M + log(L);  a state with lse = -inf is skipped
@@ -12,7 +15,8 @@ Triton's default approximate fp32 division), ``exp`` is the same Cody-Waite + de
 Horner polynomial as ``numerics.exp`` (fp32) and ``log`` the same float64 atanh series
 as ``numerics.log``, rounded once to fp32. So this kernel gives the CPU reference merge's
 bits, which tests/test_canonical_cuda.py checks with torch.equal. Nothing reduces across
-rows or over head_dim, so the bits of a row do not depend on the blocking or the batch.
+rows or over head_dim, so the bits of a row do not depend on the blocking, the head_dim
+slicing, the unrolling or the batch.
 float64 states are not supported here (FA4 has no fp64; the cpu backend merges those).
 
 ``state_lens`` (optional, int ``[N, ...]``, the lse layout without ``H, S``): a state
@@ -40,7 +44,7 @@ from triton.language.extra import libdevice
 
 from rlk_ops.kernels.triton import _common as C
 
-BLOCK_R = 16     # (row, head) pairs per program; any value gives the same bits (no cross-row math)
+BLOCK_R = 16     # (row, head) pairs per program at most (merge_config); any value gives the same bits
 NUM_WARPS = 4    # fixed: the backward's rowsum order depends on it
 
 # numerics.exp (fp32): clamp range, ln 2 split, 1/k! for k = 7..0 (Horner order)
@@ -137,16 +141,28 @@ def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.con
 
 
 @triton.jit
+def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
+                acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+    present = lse != _NEG_INF
+    w = _exp(lse - m_safe, LIBDEVICE)
+    total = tl.where(present, total + w, total)
+    o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None], other=0.0)
+    acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+    return total, acc
+
+
+@triton.jit
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
-               LIBDEVICE: tl.constexpr):
+               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
     rmask = r < R
     h = r % H
     s = (r // H) % S
     lead = r // (H * S)
     off = lead * (H * S) + h * S + s                                    # its place in [..., H, S]
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # this program's head_dim slice
     m2 = rmask[:, None] & (d < D)[None, :]
     m = tl.full([BLOCK], _NEG_INF, tl.float32)
     for n in range(N):
@@ -156,18 +172,19 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    for n in range(N):
-        lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
-        present = lse != _NEG_INF
-        w = _exp(lse - m_safe, LIBDEVICE)
-        total = tl.where(present, total + w, total)
-        o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None],
-                    other=0.0)
-        acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+    if UNROLL > 0:  # N == UNROLL: unrolled, so the loads of every state can be in flight at once
+        for n in tl.static_range(UNROLL):
+            total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
+                                     total, acc, HAS_LENS, LIBDEVICE)
+    else:
+        for n in range(N):
+            total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
+                                     total, acc, HAS_LENS, LIBDEVICE)
     res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
     res = tl.where(total[:, None] == 0.0, 0.0, res)
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
-    tl.store(lse_ptr + off, m + _log(total, c_ptr), mask=rmask)
+    first = (r * 0 + tl.program_id(1)) == 0                              # lse: the first slice writes it
+    tl.store(lse_ptr + off, m + _log(total, c_ptr), mask=rmask & first)
 
 
 @triton.jit
@@ -230,7 +247,25 @@ def _check_dtype(t: torch.Tensor) -> None:
                         "backend (use_backend(merge_attn_states='cpu'))")
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None):
+MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one compile per N)
+
+
+def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int]:
+    """(BLOCK rows per program, head_dim slices, unrolled N or 0). None of it changes a bit:
+    nothing reduces across rows or over head_dim, and the states are walked in the same
+    order either way. Few rows (decode: B*Hq of them) get 1-row programs and head_dim
+    split in 4, so a batch-1 merge runs on 64 SMs instead of one; an unrolled walk lets
+    the loads of all N states be in flight together instead of one after another."""
+    sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
+    block = BLOCK_R
+    while block > 1 and triton.cdiv(rows, block) < 2 * sms:
+        block //= 2
+    split = 4 if triton.cdiv(rows, block) < sms and d % 4 == 0 and C.pow2(d) == d else 1
+    return block, split, n if n <= MAX_UNROLL else 0
+
+
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
+    """``config``: (BLOCK, head_dim slices, unroll) instead of ``merge_config``'s (benchmarks)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -241,11 +276,13 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None):
     assert n * rows < 2**31, "state row index n * rows must fit int32"  # element offsets are int64
     if state_lens is not None:
         state_lens = C.aligned(state_lens.reshape(n, n_lead))
-    _merge_fwd[(triton.cdiv(rows, BLOCK_R),)](
+    block, split, unroll = config or merge_config(rows, n, d, out_parts.device)
+    block_d = C.pow2(d) // split
+    _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
-        D=d, BLOCK_D=C.pow2(d), BLOCK=BLOCK_R, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-        num_warps=NUM_WARPS, **C.LAUNCH)
+        D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
+        UNROLL=unroll, num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH)
     return out, lse
 
 
