@@ -183,9 +183,12 @@ class Bench:
                                         num_splits=1, pack_gqa=True, return_lse=True)
 
     def raw_paged(self, q, kc, vc, pt, sl):
-        return self.raw.flash_attn_varlen_func(q, kc, vc, seqused_k=sl, page_table=pt,
-                                               softmax_scale=q.shape[-1] ** -0.5, causal=True,
-                                               num_splits=1, pack_gqa=True, return_lse=True)
+        """The FA4 call the op makes (its decode tile included: fa4 kernels.decode_tile)."""
+        from rlk_ops.kernels.fa4.kernels import decode_tile
+
+        return self.raw._flash_attn_fwd(q, kc, vc, seqused_k=sl, page_table=pt,
+                                        softmax_scale=q.shape[-1] ** -0.5, causal=True, num_splits=1,
+                                        pack_gqa=True, return_lse=True, tile_mn=decode_tile(q, kc))[:2]
 
     def raw_bwd(self, dout, q, k, v, out, lse, deterministic):
         return self.raw._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=q.shape[-1] ** -0.5, causal=True,

@@ -327,7 +327,7 @@ class Bench:
         rows = []
         old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
         cases = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192)) if not self.dry else sh.decode_cases
-        chunks = (512, 1024, 2048) if not self.dry else sh.decode_chunks
+        chunks = (256, 512, 1024, 2048) if not self.dry else sh.decode_chunks
         try:
             for bsz, ctx in cases:
                 ps = sh.decode_page
@@ -722,13 +722,36 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB | plan build ms (new shape) |", "|---|---|---|---|---|---|---|"]
+                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
-                  f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} |"
-                  for x in tr]
+                  f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
+                  f"{x.get('fwd_us_gathering_executor') or '-'} |" for x in tr]
+        lines += ["", "The gathering executor is the one before the in-place one (each full piece's queries "
+                  "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells)."]
         if r["training"].get("plan"):
             lines += ["", f"Plan: {r['training']['plan']}."]
         lines.append("")
+    prof = r.get("decode_profile", {}).get("rows", [])
+    if prof:
+        lines += [f"## Where canonical:C decode time goes (page {r['decode_profile']['page_size']}, us, "
+                  f"{r['decode_profile']['timing']})", "",
+                  "The three launches alone: pair layout (triton), FA4 paged call over the (chunk, sequence) pairs "
+                  "with FA4's default SM90 tile (128, 128) and with (64, 128), the merge with its current blocking "
+                  "(merge_config: rows per program, head_dim slices, unrolled states) and with the former one "
+                  "(16, 1, looped); total = the op. 'equal': torch.equal of every pair's out and lse (tile) or "
+                  "of the merged out and lse (merge).", "",
+                  "| batch x context | C | pairs | layout | FA4 tile 128 | FA4 tile 64 | tile equal | merge | "
+                  "merge before | merge config | merge equal | total |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in prof:
+            for key in sorted((k for k in x if k.startswith("C")), key=lambda k: int(k[1:])):
+                y = x[key]
+                lines.append(f"| {x['batch']} x {x['context']} | {key[1:]} | {y['pairs']} | {y['layout_us']} | "
+                             f"{y['fa4_pairs_us']} | {y['fa4_pairs_tile64_us']} | {'yes' if y['tile64_equal'] else '**NO**'} | "
+                             f"{y['merge_us']} | {y['merge_old_config_us']} | {tuple(y['merge_config'])} | "
+                             f"{'yes' if y['merge_configs_equal'] else '**NO**'} | {y['total_us']} |")
+        lines += ["", "Strict single pass, FA4 default tile vs (64, 128): " + "; ".join(
+            f"{x['batch']}x{x['context']} {x['strict_us']} vs {x['strict_tile64_us']} us "
+            f"({'equal' if x['strict_tile64_equal'] else 'NOT equal'})" for x in prof) + ".", ""]
     acc = r.get("accuracy")
     if acc:
         lines += [f"## Accuracy against {acc['reference']}, S={acc['S']}", "",

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The H200 session for canonical:C (issue 8), in one command after the FA4 install:
-#   tests/test_canonical_cuda.py, benchmarks/canonical.py, the CUDA demo (single pass, then
-#   canonical:1024 and canonical:128), then the whole CUDA test suite with what time is left.
-# Usage (GPU machine, FA4 installed, env sourced): bash benchmarks/canonical_h200.sh COMMIT
-# Writes into $OUT (at most 8 files): log.txt steps.txt canonical_tests.txt canonical.json
-# canonical.md demo_cuda.json demo_cuda_canonical.json cuda_tests.txt
+# The H200 session for canonical:C (issue 8), after the FA4 (+ FlashInfer) install, in two parts
+# (one device command each, at most 10 min):
+#   part 1: tests/test_canonical_cuda.py, benchmarks/canonical.py (FlashInfer auto measured in the
+#           same run when flashinfer is installed), benchmarks/attention.py (the strict FA4 matrix:
+#           the decode tile changed), the CUDA demo single pass and under bare 'canonical' (= 1024);
+#   part 2: the whole CUDA test suite except tests/test_canonical_cuda.py.
+# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2
+# Writes into $OUT: steps.txt canonical_tests.txt canonical.json canonical.md attention.json attention.md
+# demo_cuda.json demo_cuda_canonical1024.json (part 1); cuda_tests.txt (part 2)
 set -u -o pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}
-BUDGET=${BUDGET:-500}   # seconds of wall time for everything below
+PART=${2:-1}
+BUDGET=${BUDGET:-570}   # seconds of wall time for everything below
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and seconds
@@ -23,13 +27,14 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and sec
   echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/steps.txt"
-step canonical_tests 130 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py 2>&1 | tee $OUT/canonical_tests.txt | tail -25"
-step benchmark 200 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT"
-step demo_single_pass 90 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json"
-step demo_canonical_1024 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical:1024 --json $OUT/demo_cuda_canonical.json"
-# prompts are 20-200 tokens, so canonical:1024 is one chunk per row; canonical:128 merges up to 2 states
-step demo_canonical_128 60 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical:128 | tail -12"
-# the rest of the CUDA suite (test_canonical_cuda.py ran above: canonical_tests.txt)
-step cuda_suite 400 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py 2>&1 | tee $OUT/cuda_suite_full.log | tail -5"
-tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
+if [ "$PART" = 1 ]; then
+  step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py 2>&1 | tail -40 > $OUT/canonical_tests.txt; tail -3 $OUT/canonical_tests.txt"
+  step canonical_benchmark 260 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
+  step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
+  step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
+  step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"
+else
+  step cuda_suite 540 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py 2>&1 | tee $OUT/cuda_suite_full.log | tail -5"
+  tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
+fi
 echo "=== steps"; cat "$OUT/steps.txt"

@@ -107,7 +107,7 @@ def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
     ref = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv="canonical:128")
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
     (name, args, kw), = fake.calls
-    assert name == "flash_attn_varlen_func" and kw["causal"] is True and kw["num_splits"] == 1
+    assert name == "_flash_attn_fwd" and kw["causal"] is True and kw["num_splits"] == 1
     assert args[0].shape == (3 * 2, 1, 4, 16)  # N = ceil(19 * 16 / 128) = 3 chunks x 2 sequences
     # pair lengths: empty pairs are handed one key (their state is skipped by the merge)
     assert kw["seqused_k"].tolist() == [128, 40, 128, 1, 44, 1]

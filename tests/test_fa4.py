@@ -182,9 +182,12 @@ MISSING = [
     ("attention_fwd", "return_lse", r"LSE export \(return_lse\) in flash_attn_func"),
     ("attention_bwd", "deterministic", r"deterministic backward \(deterministic=\) in _flash_attn_bwd"),
     ("attention_bwd", "dlse", r"lse gradient input \(dlse=\) in _flash_attn_bwd"),
-    ("paged_attention", "page_table", r"paged KV \(page_table=\) in flash_attn_varlen_func"),
+    ("paged_attention", "page_table", r"paged KV \(page_table=\) in _flash_attn_fwd"),
     ("paged_attention", "seqused_k", r"per-sequence KV length \(seqused_k=\)"),
-    ("paged_attention", "num_splits", r"split-KV control \(num_splits\) in flash_attn_varlen_func"),
+    ("paged_attention", "num_splits", r"split-KV control \(num_splits\) in _flash_attn_fwd"),
+    ("paged_attention", "tile_mn", r"tile size control \(tile_mn=\) in _flash_attn_fwd"),
+    ("attention_fwd", "seqused_q", r"per-sequence query length \(seqused_q=\) in _flash_attn_fwd"),
+    ("attention_fwd", "out", r"output buffer \(out=\) in _flash_attn_fwd"),
 ]
 
 
@@ -313,9 +316,10 @@ def test_paged_reads_pages_in_place(fake):
     out, lse = fa4_backend.paged_attention(q, k_cache, v_cache, page_table, seq_lens, 0.25, "disabled")
     ((name, args, kw),) = fake.calls
     # the cache, page_table and seq_lens themselves: nothing is gathered or copied
-    assert name == "flash_attn_varlen_func" and args[1] is k_cache and args[2] is v_cache and args[0] is q
+    assert name == "_flash_attn_fwd" and args[1] is k_cache and args[2] is v_cache and args[0] is q
     assert kw["page_table"] is page_table and kw["seqused_k"] is seq_lens and kw["causal"] is True
     assert (kw["num_splits"], kw["pack_gqa"], kw["return_lse"]) == (1, True, True)
+    assert kw["tile_mn"] is None  # FA4's default tile off sm90 (fa4 kernels.decode_tile)
     ref = cpu_attn.paged_attention(q, k_cache, v_cache, page_table, seq_lens, 0.25)
     assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1]) and lse.shape == (2, 4, 3)
 
@@ -327,7 +331,7 @@ def test_through_the_dispatch_point(fake, monkeypatch):
     with rlk_ops.use_backend(attention_fwd="fa4", paged_attention="fa4"), provenance.capture() as log:
         out, lse = rlk_ops.attention(q, k, v)
         rlk_ops.paged_attention(*_paged())
-    assert [c[0] for c in fake.calls] == ["flash_attn_func", "flash_attn_varlen_func"]
+    assert [c[0] for c in fake.calls] == ["flash_attn_func", "_flash_attn_fwd"]
     assert {(r.op, r.actual_backend, r.fallback) for r in log.records()} == {
         ("attention_fwd", "fa4", False), ("paged_attention", "fa4", False)}
 

@@ -187,7 +187,7 @@ def test_split_kv_policy_errors():
     q, kc, vc, table, lens = _paged()
     with pytest.raises(RlkInputError, match=r"split_kv 'auto' is not allowed here .*never strict"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="auto")
-    with pytest.raises(RlkInputError, match=r"split_kv must be 'disabled', 'auto', 'fixed:N' or 'canonical:C', got 'sometimes'"):
+    with pytest.raises(RlkInputError, match=r"split_kv must be 'disabled', 'auto', 'fixed:N', 'canonical' or 'canonical:C', got 'sometimes'"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="sometimes")
     with pytest.raises(RlkInputError, match=r"canonical:C needs C a positive multiple of 128, got 100"):
         rlk_ops.attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), split_kv="canonical:100")

@@ -23,7 +23,7 @@ import math
 import torch
 
 from rlk_ops.kernels.dispatch import kernel_for
-from rlk_ops.meta.contract import SplitKVPolicy
+from rlk_ops.meta.contract import SplitKVPolicy, spell
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import autograd, define, fake, impl
 
@@ -35,7 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """Differentiable attention; returns (out, lse)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return torch.ops.rlk.attention_fwd(q, k, v, int(bool(causal)), scale, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_q or 0, max_seqlen_k or 0, str(split_kv))
+                                       max_seqlen_q or 0, max_seqlen_k or 0, spell(split_kv))
 
 
 define("attention_fwd")

@@ -20,6 +20,7 @@ import math
 import torch
 
 from rlk_ops.kernels.dispatch import kernel_for
+from rlk_ops.meta.contract import spell
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import define, fake, impl
 from rlk_ops.ops.attention import check_heads, check_split_kv, lse_dtype
@@ -31,7 +32,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest Sq tokens of each sequence over its paged KV; (out, lse)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale, str(split_kv))
+    return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale, spell(split_kv))
 
 
 define("paged_attention")

@@ -74,10 +74,8 @@ REQUIRED: dict[str, dict[str, tuple[str, ...]]] = {
         "_flash_attn_bwd": ("softmax_scale", "causal", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                             "max_seqlen_k", "deterministic", "dlse"),
     },
-    "paged_attention": {
-        "_flash_attn_fwd": _IN_PLACE,  # canonical:C chunked prefill
-        "flash_attn_varlen_func": ("page_table", "seqused_k", "softmax_scale", "causal", "num_splits",
-                                   "pack_gqa", "return_lse"),
+    "paged_attention": {  # paged single pass (with tile_mn) and canonical:C chunked prefill
+        "_flash_attn_fwd": ("page_table", "seqused_k", "tile_mn") + _IN_PLACE,
     },
 }
 _WHAT = {
@@ -91,6 +89,7 @@ _WHAT = {
     "seqused_q": "per-sequence query length (seqused_q=)",
     "out": "output buffer (out=)",
     "lse": "lse buffer (lse=)",
+    "tile_mn": "tile size control (tile_mn=)",
 }
 
 
