@@ -338,27 +338,31 @@ class Bench:
                 sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
                 q = self.rand(bsz, 1, sh.hq, sh.d)
 
-                def strict(tile=None):
+                def strict(tile=None, pack=True):
                     return mod._flash_attn_fwd(q, kc, vc, page_table=pt, seqused_k=sl, softmax_scale=self.scale,
-                                               causal=True, num_splits=1, pack_gqa=True, return_lse=True,
+                                               causal=True, num_splits=1, pack_gqa=pack, return_lse=True,
                                                tile_mn=tile)[:2]
 
                 so, sl_ = strict()
                 so64, sl64 = strict((64, 128))
+                sonp, slnp = strict((64, 128), False)
                 row = {"batch": bsz, "context": ctx,
                        "strict_us": round(self.graph_us(strict), 2),
                        "strict_tile64_us": round(self.graph_us(lambda: strict((64, 128))), 2),
-                       "strict_tile64_equal": beq(so, so64) and beq(sl_, sl64)}
+                       "strict_tile64_equal": beq(so, so64) and beq(sl_, sl64),
+                       "strict_tile64_nopack_us": round(self.graph_us(lambda: strict((64, 128), False)), 2),
+                       "strict_tile64_nopack_equal": beq(so, sonp) and beq(sl_, slnp)}
                 for c in chunks:
                     qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, ps, c)
 
-                    def pairs(tile=None, qp=qp, ptab=ptab, klens=klens):
+                    def pairs(tile=None, pack=True, qp=qp, ptab=ptab, klens=klens):
                         return mod._flash_attn_fwd(qp, kc, vc, page_table=ptab, seqused_k=klens,
                                                    softmax_scale=self.scale, causal=True, num_splits=1,
-                                                   pack_gqa=True, return_lse=True, tile_mn=tile)[:2]
+                                                   pack_gqa=pack, return_lse=True, tile_mn=tile)[:2]
 
                     o, l = pairs()
                     o64, l64 = pairs((64, 128))
+                    onp, lnp = pairs((64, 128), False)
                     st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
                     old_cfg = (16, 1, 0)
                     m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
@@ -368,6 +372,8 @@ class Bench:
                         "fa4_pairs_us": round(self.graph_us(pairs), 2),
                         "fa4_pairs_tile64_us": round(self.graph_us(lambda: pairs((64, 128))), 2),
                         "tile64_equal": beq(o, o64) and beq(l, l64),
+                        "fa4_pairs_tile64_nopack_us": round(self.graph_us(lambda: pairs((64, 128), False)), 2),
+                        "tile64_nopack_equal": beq(o, onp) and beq(l, lnp),
                         "merge_us": round(self.graph_us(lambda: tm.merge_attn_states(*st)), 2),
                         "merge_old_config_us": round(self.graph_us(
                             lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
