@@ -141,13 +141,6 @@ def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.con
 
 
 @triton.jit
-def _max_step(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, m, HAS_LENS: tl.constexpr):
-    lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
-    m = tl.where(lse > m, lse, m)
-    return tl.where(lse != lse, lse, m)                                 # NaN propagates, as amax
-
-
-@triton.jit
 def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
                 acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr):
     lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
@@ -172,16 +165,14 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # this program's head_dim slice
     m2 = rmask[:, None] & (d < D)[None, :]
     m = tl.full([BLOCK], _NEG_INF, tl.float32)
-    if UNROLL > 0:  # N == UNROLL: unrolled, so the loads of every state can be in flight at once
-        for n in tl.static_range(UNROLL):
-            m = _max_step(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, m, HAS_LENS)
-    else:
-        for n in range(N):
-            m = _max_step(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, m, HAS_LENS)
+    for n in range(N):
+        lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+        m = tl.where(lse > m, lse, m)
+        m = tl.where(lse != lse, lse, m)                                # NaN propagates, as amax
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if UNROLL > 0:
+    if UNROLL > 0:  # N == UNROLL: unrolled, so the loads of every state can be in flight at once
         for n in tl.static_range(UNROLL):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
                                      total, acc, HAS_LENS, LIBDEVICE)
@@ -256,7 +247,7 @@ def _check_dtype(t: torch.Tensor) -> None:
                         "backend (use_backend(merge_attn_states='cpu'))")
 
 
-MAX_UNROLL = 64  # states merged with an unrolled loop up to this many (one compile per N)
+MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one compile per N)
 
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int]:
