@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--split-kv", default="disabled",
-                   help="disabled | canonical:C (training and rollout must share the policy; fixed:N and auto "
-                        "are rollout-only lanes that no training forward computes)")
+                   help="disabled | canonical (= canonical:1024) | canonical:C (training and rollout must share "
+                        "the policy; fixed:N and auto are rollout-only lanes that no training forward computes)")
     p.add_argument("--chunk", type=int, default=96, help="prefill chunk size (tokens)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=4, help="sequences decoding at once")
