@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -331,7 +331,7 @@ class Bench:
         try:
             for bsz, ctx in cases:
                 ps = sh.decode_page
-                n_pages = ctx // ps
+                n_pages = -(-ctx // ps)
                 kc, vc = self.rand(bsz * n_pages, ps, sh.hkv, sh.d), self.rand(bsz * n_pages, ps, sh.hkv, sh.d)
                 pt = torch.randperm(bsz * n_pages, device=self.dev, generator=self.gen).to(torch.int32)
                 pt = pt.view(bsz, n_pages)
@@ -548,7 +548,7 @@ class Bench:
         try:
             for bsz, ctx in sh.decode_cases:
                 ps = sh.decode_page
-                n = ctx // ps
+                n = -(-ctx // ps)
                 kc, vc = self.rand(bsz * n, ps, sh.hkv, sh.d), self.rand(bsz * n, ps, sh.hkv, sh.d)
                 pt = torch.randperm(bsz * n, device=self.dev, generator=self.gen).to(torch.int32).view(bsz, n)
                 sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
@@ -830,6 +830,8 @@ def main():
     ap.add_argument("--md-only", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--sections", default="")
+    ap.add_argument("--decode-page", type=int, default=None,
+                    help="page size of the decode and decode_profile sections (default 16)")
     args = ap.parse_args()
     if args.md_only:
         with open(args.out) as f:
@@ -845,6 +847,8 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("benchmarks/canonical.py needs a CUDA GPU (--dry-run checks the script on a CPU)")
         dev, sh = "cuda", Shapes()
+    if args.decode_page:
+        sh = replace(sh, decode_page=args.decode_page)
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
     b.res["commit"] = args.commit
