@@ -209,6 +209,26 @@ class Bench:
         return k_cache, v_cache, table
 
     # ------------------------------------------------------------ sections
+    def decode_inputs(self, cases):
+        """Per (batch, context): ``(bsz, ctx, q, k_cache, v_cache, page_table, seq_lens)``, every
+        sequence ``ctx`` long in shuffled pages of ``decode_page``; value checks off meanwhile
+        (they sync, which a CUDA graph cannot hold); the allocator's cache emptied between cases."""
+        sh = self.sh
+        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
+        try:
+            for bsz, ctx in cases:
+                ps = sh.decode_page
+                n = -(-ctx // ps)
+                kc, vc = self.rand(bsz * n, ps, sh.hkv, sh.d), self.rand(bsz * n, ps, sh.hkv, sh.d)
+                pt = torch.randperm(bsz * n, device=self.dev, generator=self.gen).to(torch.int32).view(bsz, n)
+                sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
+                yield bsz, ctx, self.rand(bsz, 1, sh.hq, sh.d), kc, vc, pt, sl
+                del kc, vc, pt, sl
+                if self.dev == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            _validate.VALUE_CHECKS = old
+
     def environment(self):
         from rlk_ops.kernels.fa4 import loader
 
@@ -325,69 +345,56 @@ class Bench:
         sh, fa4 = self.sh, self.fa4_single()
         mod = loader.load().module
         rows = []
-        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
         cases = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192)) if not self.dry else sh.decode_cases
         chunks = (256, 512, 1024, 2048) if not self.dry else sh.decode_chunks
-        try:
-            for bsz, ctx in cases:
-                ps = sh.decode_page
-                n_pages = -(-ctx // ps)
-                kc, vc = self.rand(bsz * n_pages, ps, sh.hkv, sh.d), self.rand(bsz * n_pages, ps, sh.hkv, sh.d)
-                pt = torch.randperm(bsz * n_pages, device=self.dev, generator=self.gen).to(torch.int32)
-                pt = pt.view(bsz, n_pages)
-                sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
-                q = self.rand(bsz, 1, sh.hq, sh.d)
+        ps = sh.decode_page
+        for bsz, ctx, q, kc, vc, pt, sl in self.decode_inputs(cases):
 
-                def strict(tile=None, pack=True):
-                    return mod._flash_attn_fwd(q, kc, vc, page_table=pt, seqused_k=sl, softmax_scale=self.scale,
-                                               causal=True, num_splits=1, pack_gqa=pack, return_lse=True,
-                                               tile_mn=tile)[:2]
+            def strict(tile=None, pack=True):
+                return mod._flash_attn_fwd(q, kc, vc, page_table=pt, seqused_k=sl, softmax_scale=self.scale,
+                                           causal=True, num_splits=1, pack_gqa=pack, return_lse=True,
+                                           tile_mn=tile)[:2]
 
-                so, sl_ = strict()
-                so64, sl64 = strict((64, 128))
-                sonp, slnp = strict((64, 128), False)
-                row = {"batch": bsz, "context": ctx,
-                       "strict_us": round(self.graph_us(strict), 2),
-                       "strict_tile64_us": round(self.graph_us(lambda: strict((64, 128))), 2),
-                       "strict_tile64_equal": beq(so, so64) and beq(sl_, sl64),
-                       "strict_tile64_nopack_us": round(self.graph_us(lambda: strict((64, 128), False)), 2),
-                       "strict_tile64_nopack_equal": beq(so, sonp) and beq(sl_, slnp)}
-                for c in chunks:
-                    qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, ps, c)
+            so, sl_ = strict()
+            so64, sl64 = strict((64, 128))
+            sonp, slnp = strict((64, 128), False)
+            row = {"batch": bsz, "context": ctx,
+                   "strict_us": round(self.graph_us(strict), 2),
+                   "strict_tile64_us": round(self.graph_us(lambda: strict((64, 128))), 2),
+                   "strict_tile64_equal": beq(so, so64) and beq(sl_, sl64),
+                   "strict_tile64_nopack_us": round(self.graph_us(lambda: strict((64, 128), False)), 2),
+                   "strict_tile64_nopack_equal": beq(so, sonp) and beq(sl_, slnp)}
+            for c in chunks:
+                qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, ps, c)
 
-                    def pairs(tile=None, pack=True, qp=qp, ptab=ptab, klens=klens):
-                        return mod._flash_attn_fwd(qp, kc, vc, page_table=ptab, seqused_k=klens,
-                                                   softmax_scale=self.scale, causal=True, num_splits=1,
-                                                   pack_gqa=pack, return_lse=True, tile_mn=tile)[:2]
+                def pairs(tile=None, pack=True, qp=qp, ptab=ptab, klens=klens):
+                    return mod._flash_attn_fwd(qp, kc, vc, page_table=ptab, seqused_k=klens,
+                                               softmax_scale=self.scale, causal=True, num_splits=1,
+                                               pack_gqa=pack, return_lse=True, tile_mn=tile)[:2]
 
-                    o, l = pairs()
-                    o64, l64 = pairs((64, 128))
-                    onp, lnp = pairs((64, 128), False)
-                    st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
-                    old_cfg = (16, 1, 0)
-                    m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
-                    row[f"C{c}"] = {
-                        "pairs": n * bsz,
-                        "layout_us": round(self.graph_us(lambda: tm.decode_pairs(q, pt, sl, ps, c)), 2),
-                        "fa4_pairs_us": round(self.graph_us(pairs), 2),
-                        "fa4_pairs_tile64_us": round(self.graph_us(lambda: pairs((64, 128))), 2),
-                        "tile64_equal": beq(o, o64) and beq(l, l64),
-                        "fa4_pairs_tile64_nopack_us": round(self.graph_us(lambda: pairs((64, 128), False)), 2),
-                        "tile64_nopack_equal": beq(o, onp) and beq(l, lnp),
-                        "merge_us": round(self.graph_us(lambda: tm.merge_attn_states(*st)), 2),
-                        "merge_old_config_us": round(self.graph_us(
-                            lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
-                        "merge_config": list(tm.merge_config(bsz * sh.hq, n, sh.d, q.device)),
-                        "merge_configs_equal": beq(m_new[0], m_old[0]) and beq(m_new[1], m_old[1]),
-                        "total_us": round(self.graph_us(lambda: rlk_ops.paged_attention(
-                            q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)}
-                rows.append(row)
-                print("   ", row, flush=True)
-                del kc, vc
-                if self.dev == "cuda":
-                    torch.cuda.empty_cache()
-        finally:
-            _validate.VALUE_CHECKS = old
+                o, l = pairs()
+                o64, l64 = pairs((64, 128))
+                onp, lnp = pairs((64, 128), False)
+                st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
+                old_cfg = (16, 1, 0)
+                m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
+                row[f"C{c}"] = {
+                    "pairs": n * bsz,
+                    "layout_us": round(self.graph_us(lambda: tm.decode_pairs(q, pt, sl, ps, c)), 2),
+                    "fa4_pairs_us": round(self.graph_us(pairs), 2),
+                    "fa4_pairs_tile64_us": round(self.graph_us(lambda: pairs((64, 128))), 2),
+                    "tile64_equal": beq(o, o64) and beq(l, l64),
+                    "fa4_pairs_tile64_nopack_us": round(self.graph_us(lambda: pairs((64, 128), False)), 2),
+                    "tile64_nopack_equal": beq(o, onp) and beq(l, lnp),
+                    "merge_us": round(self.graph_us(lambda: tm.merge_attn_states(*st)), 2),
+                    "merge_old_config_us": round(self.graph_us(
+                        lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
+                    "merge_config": list(tm.merge_config(bsz * sh.hq, n, sh.d, q.device)),
+                    "merge_configs_equal": beq(m_new[0], m_old[0]) and beq(m_new[1], m_old[1]),
+                    "total_us": round(self.graph_us(lambda: rlk_ops.paged_attention(
+                        q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)}
+            rows.append(row)
+            print("   ", row, flush=True)
         self.res["decode_profile"] = {"rows": rows, "page_size": self.sh.decode_page,
                                       "timing": "CUDA-graph replay median (us per call), each launch alone"}
 
@@ -544,48 +551,36 @@ class Bench:
         source, fi_table = self._fi_auto()
         self.res["flashinfer_auto_source"] = source
         rows = []
-        old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False
-        try:
-            for bsz, ctx in sh.decode_cases:
-                ps = sh.decode_page
-                n = -(-ctx // ps)
-                kc, vc = self.rand(bsz * n, ps, sh.hkv, sh.d), self.rand(bsz * n, ps, sh.hkv, sh.d)
-                pt = torch.randperm(bsz * n, device=self.dev, generator=self.gen).to(torch.int32).view(bsz, n)
-                sl = torch.full((bsz,), ctx, dtype=torch.int32, device=self.dev)
-                q = self.rand(bsz, 1, sh.hq, sh.d)
-                row = {"batch": bsz, "context": ctx, "page_size": ps}
-                row["fa4_strict_raw_us"] = round(self.graph_us(lambda: fa4.paged_attention(q, kc, vc, pt, sl,
-                                                                                           self.scale)), 2)
-                row["fa4_strict_rlk_us"] = round(self.graph_us(lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl)), 2)
-                for c in sh.decode_chunks:
-                    row[f"canonical_{c}_us"] = round(self.graph_us(
-                        lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)
-                if bsz == 1:  # the generic route (torch pair layout + mask + merge), for comparison
-                    c = sh.decode_chunks[0]
-                    row[f"canonical_{c}_generic_route_us"] = round(self.graph_us(
-                        lambda: canonical.paged_attention(q, kc, vc, pt, sl, self.scale, c,
-                                                          attend_into=canonical.gathered(fa4.attention_fwd),
-                                                          attend_paged=lambda *a: fa4.paged_attention(
-                                                              *a[:4], a[4].clamp_min(1), a[5]))), 2)
-                fi = None
-                if fi_table is None:
-                    fi = self._fi_measure(q, kc, vc, pt, sl)
-                else:
-                    fi = fi_table.get(f"B{bsz}_ctx{ctx}")
-                row["flashinfer_auto_us"] = None if fi is None else round(fi, 2)
-                for c in sh.decode_chunks:
-                    t = row[f"canonical_{c}_us"]
-                    row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
-                    if fi is not None:
-                        row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
-                row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
-                rows.append(row)
-                print("   ", row, flush=True)
-                del kc, vc
-                if self.dev == "cuda":
-                    torch.cuda.empty_cache()
-        finally:
-            _validate.VALUE_CHECKS = old
+        ps = sh.decode_page
+        for bsz, ctx, q, kc, vc, pt, sl in self.decode_inputs(sh.decode_cases):
+            row = {"batch": bsz, "context": ctx, "page_size": ps}
+            row["fa4_strict_raw_us"] = round(self.graph_us(lambda: fa4.paged_attention(q, kc, vc, pt, sl,
+                                                                                       self.scale)), 2)
+            row["fa4_strict_rlk_us"] = round(self.graph_us(lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl)), 2)
+            for c in sh.decode_chunks:
+                row[f"canonical_{c}_us"] = round(self.graph_us(
+                    lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)
+            if bsz == 1:  # the generic route (torch pair layout + mask + merge), for comparison
+                c = sh.decode_chunks[0]
+                row[f"canonical_{c}_generic_route_us"] = round(self.graph_us(
+                    lambda: canonical.paged_attention(q, kc, vc, pt, sl, self.scale, c,
+                                                      attend_into=canonical.gathered(fa4.attention_fwd),
+                                                      attend_paged=lambda *a: fa4.paged_attention(
+                                                          *a[:4], a[4].clamp_min(1), a[5]))), 2)
+            fi = None
+            if fi_table is None:
+                fi = self._fi_measure(q, kc, vc, pt, sl)
+            else:
+                fi = fi_table.get(f"B{bsz}_ctx{ctx}")
+            row["flashinfer_auto_us"] = None if fi is None else round(fi, 2)
+            for c in sh.decode_chunks:
+                t = row[f"canonical_{c}_us"]
+                row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
+                if fi is not None:
+                    row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
+            row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
+            rows.append(row)
+            print("   ", row, flush=True)
         self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off",
                               "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
 
