@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +44,7 @@ import rlk_ops  # noqa: E402
 from rlk_ops.kernels.fa4 import loader  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
 from rlk_ops.ops import _validate  # noqa: E402
+from _report import Report, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 
 BF16 = torch.bfloat16
 
@@ -87,21 +86,13 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-class Bench:
+class Bench(Report):
     def __init__(self, dev: str, shapes: Shapes, out_path: str, dry: bool):
-        self.dev, self.sh, self.out_path, self.dry = dev, shapes, out_path, dry
-        self.gen = torch.Generator(device=dev).manual_seed(0)
+        super().__init__("benchmarks/attention.py", dev, shapes, out_path, dry)
         self.fa4 = loader.load()
         self.raw = self.fa4.module
-        self.res = {
-            "script": "benchmarks/attention.py", "dry_run": dry, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(sys.argv), "shapes": asdict(shapes), "bitwise": [], "errors": {},
-        }
 
     # ------------------------------------------------------------- helpers
-    def rand(self, *shape, dtype=BF16):
-        return torch.randn(*shape, device=self.dev, generator=self.gen).to(dtype)
-
     def qkv(self, b, s, layout, sk=None):
         hq, hkv = self.sh.layouts[layout]
         return self.rand(b, s, hq, self.sh.d), self.rand(b, sk or s, hkv, self.sh.d), self.rand(b, sk or s, hkv, self.sh.d)
@@ -109,28 +100,6 @@ class Bench:
     def cell(self, name, layout, equal, what, **extra):
         self.res["bitwise"].append({"name": name, "layout": layout, "equal": bool(equal), "what": what, **extra})
         print(f"  [{'ok' if equal else 'FAIL'}] {layout} {name}: {what}", flush=True)
-
-    def sync(self):
-        if self.dev == "cuda":
-            torch.cuda.synchronize()
-
-    def save(self):
-        self.res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        with open(self.out_path, "w") as f:
-            json.dump(self.res, f, indent=1, default=str)
-
-    def section(self, name, fn):
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except Exception:  # recorded, the other sections still run; the exit status says it failed
-            self.res["errors"][name] = traceback.format_exc()
-            print(self.res["errors"][name], flush=True)
-        self.res.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        if self.dev == "cuda":
-            torch.cuda.empty_cache()
-        self.save()
 
     def _elapsed_us(self, fn, iters):
         if self.dev == "cuda":
@@ -704,12 +673,7 @@ def main():
     ap.add_argument("--sections", default="", help="comma-separated subset (debugging)")
     args = ap.parse_args()
     if args.md_only:
-        with open(args.out) as f:
-            r = json.load(f)
-        with open(args.md, "w") as f:
-            f.write(markdown(r))
-        print_summary(r)
-        return 0
+        return rewrite_markdown(args.out, args.md, markdown, print_summary)
     if args.dry_run:
         install_dry_run()
         dev, shapes = "cpu", DRY

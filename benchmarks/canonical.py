@@ -33,8 +33,7 @@ import os
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rlk_ops  # noqa: E402
+from _report import Report, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
@@ -84,47 +84,15 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-class Bench:
+class Bench(Report):
     def __init__(self, dev, sh: Shapes, out_path, dry):
-        self.dev, self.sh, self.out_path, self.dry = dev, sh, out_path, dry
-        self.gen = torch.Generator(device=dev).manual_seed(0)
+        super().__init__("benchmarks/canonical.py", dev, sh, out_path, dry)
         self.scale = sh.d ** -0.5
-        self.res = {"script": "benchmarks/canonical.py", "dry_run": dry, "command": " ".join(sys.argv),
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": asdict(sh), "bitwise": [],
-                    "errors": {}, "section_seconds": {}}
 
     # ------------------------------------------------------------ helpers
-    def rand(self, *shape, dtype=BF16):
-        return torch.randn(*shape, device=self.dev, generator=self.gen).to(dtype)
-
     def cell(self, name, equal, what, **extra):
         self.res["bitwise"].append({"name": name, "equal": bool(equal), "what": what, **extra})
         print(f"  [{'ok' if equal else 'FAIL'}] {name}: {what} {extra or ''}", flush=True)
-
-    def sync(self):
-        if self.dev == "cuda":
-            torch.cuda.synchronize()
-
-    def save(self):
-        self.res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        with open(self.out_path, "w") as f:
-            json.dump(self.res, f, indent=1, default=str)
-
-    def section(self, name, fn):
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except Exception:  # recorded; the other sections still run; the exit status says it failed
-            self.res["errors"][name] = traceback.format_exc()
-            print(self.res["errors"][name], flush=True)
-        self.res["section_seconds"][name] = round(time.perf_counter() - t0, 1)
-        self.save()
-        if self.dev == "cuda":
-            try:
-                torch.cuda.empty_cache()
-            except Exception:  # noqa: BLE001 - a faulted context (recorded above) must not lose the report
-                self.res["errors"].setdefault(name, traceback.format_exc())
 
     def graph_us(self, fn):
         """Median us per call: n calls captured in one CUDA graph, replayed reps times
@@ -342,7 +310,7 @@ class Bench:
         from rlk_ops.kernels.fa4 import loader
         from rlk_ops.kernels.triton import merge as tm
 
-        sh, fa4 = self.sh, self.fa4_single()
+        sh = self.sh
         mod = loader.load().module
         rows = []
         cases = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192)) if not self.dry else sh.decode_cases
@@ -829,12 +797,7 @@ def main():
                     help="page size of the decode and decode_profile sections (default 16)")
     args = ap.parse_args()
     if args.md_only:
-        with open(args.out) as f:
-            r = json.load(f)
-        with open(args.md, "w") as f:
-            f.write(markdown(r))
-        summary(r)
-        return 0
+        return rewrite_markdown(args.out, args.md, markdown, summary)
     if args.dry_run:
         install_dry_run()
         dev, sh = "cpu", DRY

@@ -1,0 +1,64 @@
+"""What the benchmark scripts share: the JSON report, its sections and the random inputs.
+
+``benchmarks/attention.py`` and ``benchmarks/canonical.py`` subclass ``Report``; each
+keeps its own timing helpers (their methods differ and are described in their reports).
+A section that raises is recorded in ``res["errors"]`` with its traceback, the others
+still run, and the report is saved after every section, so a fault late in a GPU session
+loses nothing measured before it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict
+
+import torch
+
+
+class Report:
+    def __init__(self, script: str, dev: str, shapes, out_path: str, dry: bool):
+        self.dev, self.sh, self.out_path, self.dry = dev, shapes, out_path, dry
+        self.gen = torch.Generator(device=dev).manual_seed(0)
+        self.res = {"script": script, "dry_run": dry, "command": " ".join(sys.argv),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": asdict(shapes), "bitwise": [],
+                    "errors": {}, "section_seconds": {}}
+
+    def rand(self, *shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=self.dev, generator=self.gen).to(dtype)
+
+    def sync(self):
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def save(self):
+        self.res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.out_path, "w") as f:
+            json.dump(self.res, f, indent=1, default=str)
+
+    def section(self, name, fn):
+        print(f"== {name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # recorded; the other sections still run; the exit status says it failed
+            self.res["errors"][name] = traceback.format_exc()
+            print(self.res["errors"][name], flush=True)
+        self.res["section_seconds"][name] = round(time.perf_counter() - t0, 1)
+        self.save()
+        if self.dev == "cuda":
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a faulted context (recorded above) must not lose the report
+                self.res["errors"].setdefault(name, traceback.format_exc())
+
+
+def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
+    """``--md-only``: the markdown table again from a saved report (no GPU needed)."""
+    with open(json_path) as f:
+        r = json.load(f)
+    with open(md_path, "w") as f:
+        f.write(markdown(r))
+    summary(r)
+    return 0
