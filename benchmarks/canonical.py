@@ -691,7 +691,7 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor |", "|---|---|---|---|---|---|---|---|"]
+                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor |", "|---" * 8 + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
                   f"{x.get('fwd_us_gathering_executor') or '-'} |" for x in tr]
@@ -710,7 +710,7 @@ def markdown(r: dict) -> str:
                   "(16, 1, looped); total = the op. 'equal': torch.equal of every pair's out and lse (tile) or "
                   "of the merged out and lse (merge).", "",
                   "| batch x context | C | pairs | layout | FA4 tile 128 | FA4 tile 64 | tile equal | merge | "
-                  "merge before | merge config | merge equal | total |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "merge before | merge config | merge equal | total |", "|---" * 12 + "|"]
         for x in prof:
             for key in sorted((k for k in x if k.startswith("C")), key=lambda k: int(k[1:])):
                 y = x[key]

@@ -17,7 +17,8 @@ lse is fp32 natural log. Causal masking is bottom-right aligned in both.
   (``D_i = rowsum(dO * O)_i - dlse_i``; flash_bwd_preprocess.py), so a nonzero ``dlse``
   is exact and ``None`` skips it.
 * Paged: ``_flash_attn_fwd(q, k_cache, v_cache, page_table=..., seqused_k=..., tile_mn=...)``
-  reads the pages in place (``decode_tile``: a 64-row tile for decode, where verified). Page size 128 (= FA4's key tile) takes FA4's TMA path,
+  reads the pages in place (``decode_tile``: a 64-row tile for decode, where verified).
+  Page size 128 (= FA4's key tile) takes FA4's TMA path,
   which loads whole pages: rows past ``seq_lens[b]`` in a sequence's last page are
   multiplied by P = 0, so they must be finite (a NaN there poisons the row); other
   page sizes take the cp.async path, which skips them. Allocate caches with zeros
@@ -105,7 +106,7 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
 # same per-row instructions (each warpgroup's rows are independent of the other's), and
 # measured bitwise equal to the default tile on the H200 for strict and canonical:C decode
 # (results/h200/canonical.json decode_profile; the train == rollout cells run with it),
-# 10-32% faster. Only where that was measured: sm90, head_dim 128, at most 64 packed rows.
+# 7-32% faster. Only where that was measured: sm90, head_dim 128, at most 64 packed rows.
 DECODE_TILE = (64, 128)
 
 
