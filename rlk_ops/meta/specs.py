@@ -141,6 +141,12 @@ _FA4_ATTN = DeterminismSpec(
     notes="verified on sm90: num_splits=1, pack_gqa=True; 128x128 tiles, key blocks visited last to first "
           "(not the cpu order: the two backends agree to rounding, not bitwise)",
 )
+_FA4_PAGED = DeterminismSpec(
+    True, True, True,
+    notes="verified on sm90: num_splits=1, pack_gqa=True; decode (<= 64 packed query rows, head_dim 128) "
+          "with 64x128 tiles, bitwise equal to the 128x128 tiles of the training forward; key blocks "
+          "visited last to first",
+)
 _add(OpSpec("attention_fwd", "attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_ARGS}) -> (Tensor, Tensor)",
             differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
 _add(OpSpec("attention_bwd", "attention",
@@ -153,7 +159,7 @@ _add(OpSpec("paged_attention", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale, "
             "str split_kv)"
             " -> (Tensor, Tensor)",
-            backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN,
+            backends={"cpu": _CPU_ATTN, "fa4": _FA4_PAGED,
                       "flashinfer": DeterminismSpec(
                           True, True, False,
                           notes="split_kv disabled or fixed:N, tensor-core decode; verified on sm90: a sequence "
