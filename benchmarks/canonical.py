@@ -292,7 +292,13 @@ class Bench(Report):
 
                 got = canonical.run(chunk_plan, q, k, v, self.scale, fa4_canonical.attend_into, merge)
                 ref = canonical.run(chunk_plan, q, k, v, self.scale, canonical.gathered(fa4.attention_fwd), merge)
-                (oa, la), (ob, lb) = seen
+                multi = canonical.run(chunk_plan, q, k, v, self.scale, fa4_canonical.attend_into, merge, streams=4)
+                (oa, la), (ob, lb), (om, lm) = seen
+                self.cell(f"in_place_streams_C{chunk}_{name}",
+                          beq(la, lm) and beq(oa[(la != -math.inf).transpose(1, 2)],
+                                              om[(lm != -math.inf).transpose(1, 2)])
+                          and beq(got[0], multi[0]) and beq(got[1], multi[1]),
+                          "the in-place calls on 4 side streams == on one stream: every state row, merged out and lse")
                 present = (la != -math.inf).transpose(1, 2)
                 ok = beq(la, lb) and beq(oa[present], ob[present]) and beq(got[0], ref[0]) and beq(got[1], ref[1])
                 self.cell(f"in_place_vs_gathering_C{chunk}_{name}", ok,
@@ -581,12 +587,17 @@ class Bench(Report):
 
             fns[f"{policy}/fwd"] = fwd
             fns[f"{policy}/fwd_bwd"] = fwd_bwd
-        # the executor before the in-place one (queries copied per piece, partials scattered)
+        # the executor before the in-place one (queries copied per piece, partials scattered),
+        # and the in-place one on the current stream only (fa4 canonical.STREAMS side streams otherwise)
+        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
         from rlk_ops.kernels.fa4 import kernels as fa4_kernels
         gathering = canonical.gathered(fa4_kernels.attention_fwd)
         for c in sh.train_chunks:
             fns[f"canonical:{c} gathering executor/fwd"] = lambda c=c: canonical.attention_fwd(
                 q, k, v, True, self.scale, None, None, c, attend_into=gathering)
+            fns[f"canonical:{c} one stream/fwd"] = lambda c=c: canonical.attention_fwd(
+                q, k, v, True, self.scale, None, None, c, attend_into=fa4_canonical.attend_into, streams=1)
+        self.res["train_streams"] = fa4_canonical.STREAMS
         peak = {}
         for name, fn in fns.items():
             if self.dev == "cuda":
@@ -612,7 +623,8 @@ class Bench(Report):
         for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
             r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
                  "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy),
-                 "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd")}
+                 "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd"),
+                 "fwd_us_one_stream": t.get(f"{policy} one stream/fwd")}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
@@ -691,10 +703,11 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor |", "|---" * 8 + "|"]
+                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, one stream |",
+                  "|---" * 9 + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
-                  f"{x.get('fwd_us_gathering_executor') or '-'} |" for x in tr]
+                  f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_one_stream') or '-'} |" for x in tr]
         lines += ["", "The gathering executor is the one before the in-place one (each full piece's queries "
                   "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells)."]
         if r["training"].get("plan"):

@@ -408,7 +408,7 @@ def test_cuda_in_place_partials_equal_gathered(packed, causal):
     """FA4 writing each slot's pieces in place (seqused_q/seqused_k, out=/lse=; the fa4
     backend's route) gives the bits of copying every piece out and running the tight
     varlen single pass (the cpu backend's route): every slot, every row, and no row
-    outside a call's pieces written. Bottom-right query ranges (chunked-prefill shapes)
+    outside a call's pieces written; the calls on side streams give the same bits. Bottom-right query ranges (chunked-prefill shapes)
     next to whole sequences."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.fa4 import kernels as fa4_kernels
@@ -426,7 +426,9 @@ def test_cuda_in_place_partials_equal_gathered(packed, causal):
 
         got = canonical.run(chunk_plan, q, k, v, D ** -0.5, fa4_canonical.attend_into, merge)
         ref = canonical.run(chunk_plan, q, k, v, D ** -0.5, canonical.gathered(fa4_kernels.attention_fwd), merge)
-        (out_a, lse_a), (out_b, lse_b) = seen
+        multi = canonical.run(chunk_plan, q, k, v, D ** -0.5, fa4_canonical.attend_into, merge, streams=3)
+        assert bitwise_equal(multi[0], got[0]) and bitwise_equal(multi[1], got[1]), chunk  # side streams
+        (out_a, lse_a), (out_b, lse_b) = seen[:2]
         assert bitwise_equal(lse_a, lse_b), chunk
         present = (lse_a != -math.inf).transpose(1, 2)  # [N, T, H]
         assert int(present.sum()) > 0 and bitwise_equal(out_a[present], out_b[present]), chunk

@@ -154,23 +154,52 @@ def plan(seqs: list[tuple[int, int, int, int]], chunk_size: int, causal: bool, d
 
 
 def run(chunk_plan: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        attend_into: Callable, merge: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        attend_into: Callable, merge: Callable, streams: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute a plan on packed ``q [T, Hq, D]``, ``k``/``v [Tk, Hkv, D]``.
 
     ``attend_into(q, k, v, call, scale, out, lse)`` is a backend's single-pass kernel
     writing the call's pieces into ``out [T, Hq, D]`` / ``lse [Hq, T]`` (one slot of the
     state buffer) in place; ``gathered`` makes one from any tight varlen kernel.
     ``merge(out_parts, lse_parts)`` is the backend's merge. Returns the merged
-    ``out [T, Hq, D]`` and ``lse [Hq, T]``."""
+    ``out [T, Hq, D]`` and ``lse [Hq, T]``.
+
+    ``streams > 1`` (CUDA): the calls are issued round-robin on that many side streams,
+    forked from and joined back into the current stream before the merge, so one call's
+    tail overlaps the next call's work. No bit changes: every call writes its own slot
+    and a kernel's arithmetic does not depend on what runs beside it."""
     t, hq, d = q.shape
     lse_t = torch.float64 if q.dtype == torch.float64 else torch.float32
     # empty, not zeros: a row a call does not cover keeps lse = -inf and the merge never
     # reads its out (a zero fill would be a 1 GiB memset per forward at B=4, S=8k, C=1024)
     out_parts = q.new_empty((chunk_plan.num_slots, t, hq, d))
     lse_parts = torch.full((chunk_plan.num_slots, hq, t), -math.inf, dtype=lse_t, device=q.device)
-    for call in chunk_plan.calls:
-        attend_into(q, k, v, call, scale, out_parts[call.slot], lse_parts[call.slot])
+    calls = chunk_plan.calls
+    side = _side_streams(q.device, min(streams, len(calls))) if q.is_cuda and streams > 1 else ()
+    if len(side) > 1:
+        main = torch.cuda.current_stream(q.device)
+        for s in side:
+            s.wait_stream(main)  # the buffers above (and q/k/v) are ready before any call
+        for i, call in enumerate(calls):
+            with torch.cuda.stream(side[i % len(side)]):
+                attend_into(q, k, v, call, scale, out_parts[call.slot], lse_parts[call.slot])
+        for s in side:
+            main.wait_stream(s)  # every slot written before the merge (and before the buffers' reuse)
+    else:
+        for call in calls:
+            attend_into(q, k, v, call, scale, out_parts[call.slot], lse_parts[call.slot])
     return merge(out_parts, lse_parts)
+
+
+_SIDE: dict = {}
+
+
+def _side_streams(device: torch.device, n: int) -> tuple:
+    """``n`` side streams of ``device``, created once and reused."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _SIDE.setdefault(index, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device=index))
+    return tuple(have[:n])
 
 
 def gathered(attend: Callable) -> Callable:
@@ -225,19 +254,20 @@ def cached_plan(seqs: tuple, chunk_size: int, causal: bool, device: str) -> Chun
 
 # ----------------------------------------------------------------- the policy, per op
 def attention_fwd(q, k, v, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_k, chunk_size: int,
-                  attend_into: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                  attend_into: Callable, streams: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``rlk::attention_fwd`` under canonical:C, dense or varlen (the op's layouts).
     ``attend_into`` is the backend's in-place single-pass kernel (``run``)."""
     merge = kernel_for("merge_attn_states", q.device)
     if cu_seqlens_q is not None:
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         seqs = [(cq[i], cq[i + 1] - cq[i], ck[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
-        return run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q, k, v, scale, attend_into, merge)
+        return run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q, k, v, scale, attend_into, merge,
+                   streams)
     bsz, sq, hq, d = q.shape
     sk, h_kv = k.shape[1], k.shape[2]
     seqs = [(b * sq, sq, b * sk, sk) for b in range(bsz)]
     out, lse = run(cached_plan(tuple(seqs), chunk_size, causal, str(q.device)), q.reshape(bsz * sq, hq, d),
-                   k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attend_into, merge)
+                   k.reshape(bsz * sk, h_kv, d), v.reshape(bsz * sk, h_kv, d), scale, attend_into, merge, streams)
     return _dense(out, lse, bsz, sq)
 
 

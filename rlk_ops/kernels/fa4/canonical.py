@@ -55,9 +55,16 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
             return_lse=True, out=out, lse=lse)
 
 
+# Side streams for the training forward's per-slot calls (canonical.run): the calls of a
+# long sequence are many (C=1024, S=8k: 9) and each ends in a partial wave; on side
+# streams one call's tail overlaps the next one's work. benchmarks/canonical.py times
+# the forward with 1 and with STREAMS streams.
+STREAMS = 4
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
-                                   attend_into=attend_into)
+                                   attend_into=attend_into, streams=STREAMS)
 
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size, attend_paged):
