@@ -222,9 +222,10 @@ def test_cuda_merge_equals_cpu_reference(dtype, lead):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5)])
+@pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5), (1, 4, 5, 8), (4, 1, 0, 8)])
 def test_cuda_merge_config_changes_no_bit(config):
-    """Rows per program, head_dim slices, unrolled or looped walk: the CPU reference's bits."""
+    """Rows per program, head_dim slices, unrolled or looped walk, looped or 2D max: the CPU
+    reference's bits."""
     from rlk_ops.kernels.triton import merge as triton_merge
 
     out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, BF16, seed=11))

@@ -155,7 +155,7 @@ def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2
 @triton.jit
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
-               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr):
+               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
     rmask = r < R
     h = r % H
@@ -164,11 +164,22 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     off = lead * (H * S) + h * S + s                                    # its place in [..., H, S]
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # this program's head_dim slice
     m2 = rmask[:, None] & (d < D)[None, :]
-    m = tl.full([BLOCK], _NEG_INF, tl.float32)
-    for n in range(N):
-        lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
-        m = tl.where(lse > m, lse, m)
-        m = tl.where(lse != lse, lse, m)                                # NaN propagates, as amax
+    if MAX2D > 0:  # every state's lse in one [BLOCK, MAX2D] load, one max: no chain of N loads
+        ns = tl.arange(0, MAX2D)
+        mn = rmask[:, None] & (ns < N)[None, :]
+        lse2 = tl.load(l_ptr + ns[None, :] * R + off[:, None], mask=mn, other=_NEG_INF)
+        if HAS_LENS:
+            keys = tl.load(lens_ptr + ns[None, :] * n_lead + lead[:, None], mask=mn, other=0)
+            lse2 = tl.where(keys > 0, lse2, _NEG_INF)
+        m = tl.max(lse2, axis=1)                                        # max is exact in any order
+        nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
+        m = tl.where(nan, _NAN, m)                                      # NaN propagates, as amax
+    else:
+        m = tl.full([BLOCK], _NEG_INF, tl.float32)
+        for n in range(N):
+            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+            m = tl.where(lse > m, lse, m)
+            m = tl.where(lse != lse, lse, m)                            # NaN propagates, as amax
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -248,24 +259,29 @@ def _check_dtype(t: torch.Tensor) -> None:
 
 
 MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one compile per N)
+MAX_2D = 256     # states whose lse one load reads (merge_config)
 
 
-def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int]:
-    """(BLOCK rows per program, head_dim slices, unrolled N or 0). None of it changes a bit:
-    nothing reduces across rows or over head_dim, and the states are walked in the same
-    order either way. Few rows (decode: B*Hq of them) get 1-row programs and head_dim
-    split in 4, so a batch-1 merge runs on 64 SMs instead of one; an unrolled walk lets
-    the loads of all N states be in flight together instead of one after another."""
+def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
+    """(BLOCK rows per program, head_dim slices, unrolled N or 0, 2D max width or 0). None
+    of it changes a bit: nothing reduces across rows or over head_dim, the states are
+    walked in the same order either way, and a max is exact in any order. Few rows
+    (decode: B*Hq of them) get 1-row programs and head_dim split in 4, so a batch-1 merge
+    runs on 64 SMs instead of one; an unrolled walk lets the loads of all N states be in
+    flight together instead of one after another; the 2D max (up to MAX_2D states, rows
+    blocks of 1-4) reads every state's lse in one load instead of a chain of N."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     block = BLOCK_R
     while block > 1 and triton.cdiv(rows, block) < 2 * sms:
         block //= 2
     split = 4 if triton.cdiv(rows, block) < sms and d % 4 == 0 and C.pow2(d) == d else 1
-    return block, split, n if n <= MAX_UNROLL else 0
+    max2d = C.pow2(n) if n <= MAX_2D and block <= 4 else 0
+    return block, split, n if n <= MAX_UNROLL else 0, max2d
 
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
-    """``config``: (BLOCK, head_dim slices, unroll) instead of ``merge_config``'s (benchmarks)."""
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s
+    (benchmarks, tests)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -276,13 +292,14 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
     assert n * rows < 2**31, "state row index n * rows must fit int32"  # element offsets are int64
     if state_lens is not None:
         state_lens = C.aligned(state_lens.reshape(n, n_lead))
-    block, split, unroll = config or merge_config(rows, n, d, out_parts.device)
+    block, split, unroll, *max2d = config or merge_config(rows, n, d, out_parts.device)
+    max2d = max2d[0] if max2d else 0
     block_d = C.pow2(d) // split
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
         D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-        UNROLL=unroll, num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH)
+        UNROLL=unroll, MAX2D=max2d, num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH)
     return out, lse
 
 
