@@ -352,6 +352,8 @@ class Bench(Report):
                 st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
                 old_cfg = (16, 1, 0)
                 m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
+                cfg_2d = (*tm.merge_config(bsz * sh.hq, n, sh.d, q.device)[:3], tm.C.pow2(n))
+                m_2d = tm.merge_attn_states(*st, config=cfg_2d)
                 row[f"C{c}"] = {
                     "pairs": n * bsz,
                     "layout_us": round(self.graph_us(lambda: tm.decode_pairs(q, pt, sl, ps, c)), 2),
@@ -365,6 +367,8 @@ class Bench(Report):
                         lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
                     "merge_config": list(tm.merge_config(bsz * sh.hq, n, sh.d, q.device)),
                     "merge_configs_equal": beq(m_new[0], m_old[0]) and beq(m_new[1], m_old[1]),
+                    "merge_2d_max_us": round(self.graph_us(lambda: tm.merge_attn_states(*st, config=cfg_2d)), 2),
+                    "merge_2d_max_equal": beq(m_2d[0], m_old[0]) and beq(m_2d[1], m_old[1]),
                     "total_us": round(self.graph_us(lambda: rlk_ops.paged_attention(
                         q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)}
             rows.append(row)
@@ -588,15 +592,15 @@ class Bench(Report):
             fns[f"{policy}/fwd"] = fwd
             fns[f"{policy}/fwd_bwd"] = fwd_bwd
         # the executor before the in-place one (queries copied per piece, partials scattered),
-        # and the in-place one on the current stream only (fa4 canonical.STREAMS side streams otherwise)
+        # and the in-place one on 4 side streams (fa4 canonical.STREAMS streams otherwise)
         from rlk_ops.kernels.fa4 import canonical as fa4_canonical
         from rlk_ops.kernels.fa4 import kernels as fa4_kernels
         gathering = canonical.gathered(fa4_kernels.attention_fwd)
         for c in sh.train_chunks:
             fns[f"canonical:{c} gathering executor/fwd"] = lambda c=c: canonical.attention_fwd(
                 q, k, v, True, self.scale, None, None, c, attend_into=gathering)
-            fns[f"canonical:{c} one stream/fwd"] = lambda c=c: canonical.attention_fwd(
-                q, k, v, True, self.scale, None, None, c, attend_into=fa4_canonical.attend_into, streams=1)
+            fns[f"canonical:{c} 4 streams/fwd"] = lambda c=c: canonical.attention_fwd(
+                q, k, v, True, self.scale, None, None, c, attend_into=fa4_canonical.attend_into, streams=4)
         self.res["train_streams"] = fa4_canonical.STREAMS
         peak = {}
         for name, fn in fns.items():
@@ -624,7 +628,7 @@ class Bench(Report):
             r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
                  "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy),
                  "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd"),
-                 "fwd_us_one_stream": t.get(f"{policy} one stream/fwd")}
+                 "fwd_us_4_streams": t.get(f"{policy} 4 streams/fwd")}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
@@ -703,11 +707,11 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, one stream |",
+                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, 4 side streams |",
                   "|---" * 9 + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
-                  f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_one_stream') or '-'} |" for x in tr]
+                  f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_4_streams') or '-'} |" for x in tr]
         lines += ["", "The gathering executor is the one before the in-place one (each full piece's queries "
                   "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells)."]
         if r["training"].get("plan"):
@@ -727,10 +731,12 @@ def markdown(r: dict) -> str:
         for x in prof:
             for key in sorted((k for k in x if k.startswith("C")), key=lambda k: int(k[1:])):
                 y = x[key]
+                merge_eq = y['merge_configs_equal'] and y.get('merge_2d_max_equal', True)
+                merge_us = f"{y['merge_us']}" + (f" (2D max: {y['merge_2d_max_us']})" if "merge_2d_max_us" in y else "")
                 lines.append(f"| {x['batch']} x {x['context']} | {key[1:]} | {y['pairs']} | {y['layout_us']} | "
                              f"{y['fa4_pairs_us']} | {y['fa4_pairs_tile64_us']} | {'yes' if y['tile64_equal'] else '**NO**'} | "
-                             f"{y['merge_us']} | {y['merge_old_config_us']} | {tuple(y['merge_config'])} | "
-                             f"{'yes' if y['merge_configs_equal'] else '**NO**'} | {y['total_us']} |")
+                             f"{merge_us} | {y['merge_old_config_us']} | {tuple(y['merge_config'])} | "
+                             f"{'yes' if merge_eq else '**NO**'} | {y['total_us']} |")
         lines += ["", "Strict single pass, FA4 default tile vs (64, 128): " + "; ".join(
             f"{x['batch']}x{x['context']} {x['strict_us']} vs {x['strict_tile64_us']} us "
             f"({'equal' if x['strict_tile64_equal'] else 'NOT equal'})" for x in prof) + ".", ""]

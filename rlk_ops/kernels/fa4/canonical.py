@@ -57,9 +57,10 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
 
 # Side streams for the training forward's per-slot calls (canonical.run): the calls of a
 # long sequence are many (C=1024, S=8k: 9) and each ends in a partial wave; on side
-# streams one call's tail overlaps the next one's work. benchmarks/canonical.py times
-# the forward with 1 and with STREAMS streams.
-STREAMS = 4
+# streams one call's tail could overlap the next one's work. 1 (off) until measured:
+# written after the session's last H200 run; benchmarks/canonical.py times 1 and 4
+# streams and checks their bits, tests/test_canonical_cuda.py checks 3.
+STREAMS = 1
 
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
