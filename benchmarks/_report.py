@@ -53,6 +53,26 @@ class Report:
             except Exception:  # noqa: BLE001 - a faulted context (recorded above) must not lose the report
                 self.res["errors"].setdefault(name, traceback.format_exc())
 
+    def run_sections(self, sections, only: str = "") -> None:
+        """Run ``(name, fn)`` sections in order; ``only`` (comma-separated names) picks a subset,
+        environment sections always run."""
+        chosen = set(filter(None, only.split(",")))
+        for name, fn in sections:
+            if not chosen or name in chosen or name.startswith("environment"):
+                self.section(name, fn)
+
+    def finish(self, t0: float, md_path: str, markdown, summary) -> int:
+        """Save the report and its markdown, print the summary; exit status 0 only when every
+        bitwise cell holds and no section failed."""
+        r = self.res
+        r["all_bitwise_true"] = bool(r["bitwise"]) and all(c["equal"] for c in r["bitwise"])
+        r["total_seconds"] = round(time.perf_counter() - t0, 1)
+        self.save()
+        with open(md_path, "w") as f:
+            f.write(markdown(r))
+        summary(r)
+        return 0 if r["all_bitwise_true"] and not r["errors"] else 1
+
 
 def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
     """``--md-only``: the markdown table again from a saved report (no GPU needed)."""

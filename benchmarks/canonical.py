@@ -833,19 +833,9 @@ def main():
                 ("in_place", b.in_place), ("bitwise", b.bitwise), ("decode_profile", b.decode_profile),
                 ("decode", b.decode), ("training", b.training), ("accuracy", b.accuracy),
                 ("seqused_zero_probe", b.seqused_zero_probe)]
-    only = set(filter(None, args.sections.split(",")))
-    for name, fn in sections:
-        if not only or name in only or name == "environment":
-            b.section(name, fn)
+    b.run_sections(sections, args.sections)
     b.verdict()
-    r = b.res
-    r["all_bitwise_true"] = bool(r["bitwise"]) and all(c["equal"] for c in r["bitwise"])
-    r["total_seconds"] = round(time.perf_counter() - t0, 1)
-    b.save()
-    with open(args.md, "w") as f:
-        f.write(markdown(r))
-    summary(r)
-    return 0 if r["all_bitwise_true"] and not r["errors"] else 1
+    return b.finish(t0, args.md, markdown, summary)
 
 
 if __name__ == "__main__":
