@@ -155,9 +155,10 @@ class Bench(Report):
         """The FA4 call the op makes (its decode tile included: fa4 kernels.decode_tile)."""
         from rlk_ops.kernels.fa4.kernels import decode_tile
 
+        tile = decode_tile(q, kc, loader.note_device(self.fa4, q.device))
         return self.raw._flash_attn_fwd(q, kc, vc, seqused_k=sl, page_table=pt,
                                         softmax_scale=q.shape[-1] ** -0.5, causal=True, num_splits=1,
-                                        pack_gqa=True, return_lse=True, tile_mn=decode_tile(q, kc))[:2]
+                                        pack_gqa=True, return_lse=True, tile_mn=tile)[:2]
 
     def raw_bwd(self, dout, q, k, v, out, lse, deterministic):
         return self.raw._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=q.shape[-1] ** -0.5, causal=True,
@@ -689,18 +690,8 @@ def main():
     sections += [("drift", bench.drift), ("accuracy", bench.accuracy), ("timings_forward", bench.timings_forward),
                  ("timings_backward", bench.timings_backward), ("timings_paged", bench.timings_paged),
                  ("overhead", bench.overhead), ("jit", bench.jit), ("environment_after", bench.environment)]
-    only = set(filter(None, args.sections.split(",")))
-    for name, fn in sections:
-        if not only or name in only or name.startswith("environment"):
-            bench.section(name, fn)
-    r = bench.res
-    r["all_bitwise_true"] = bool(r["bitwise"]) and all(c["equal"] for c in r["bitwise"])
-    r["total_seconds"] = round(time.perf_counter() - t0, 1)
-    bench.save()
-    with open(args.md, "w") as f:
-        f.write(markdown(r))
-    print_summary(r)
-    return 0 if r["all_bitwise_true"] and not r["errors"] else 1
+    bench.run_sections(sections, args.sections)
+    return bench.finish(t0, args.md, markdown, print_summary)
 
 
 if __name__ == "__main__":

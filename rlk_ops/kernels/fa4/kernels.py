@@ -110,9 +110,10 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
 DECODE_TILE = (64, 128)
 
 
-def decode_tile(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int] | None:
-    """``tile_mn`` for a paged call: DECODE_TILE where verified, else FA4's default (None)."""
-    if not q.is_cuda or q.shape[-1] != 128 or torch.cuda.get_device_capability(q.device)[0] != 9:
+def decode_tile(q: torch.Tensor, k_cache: torch.Tensor, arch: str | None) -> tuple[int, int] | None:
+    """``tile_mn`` for a paged call: DECODE_TILE where verified, else FA4's default (None).
+    ``arch``: what ``loader.note_device`` recorded for q's device (None off CUDA)."""
+    if arch != "sm90" or q.shape[-1] != 128:
         return None
     rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
     return DECODE_TILE if rows <= DECODE_TILE[0] else None
@@ -127,5 +128,5 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, sp
         out, lse = fa4.module._flash_attn_fwd(
             q, k_cache, v_cache, seqused_k=seq_lens, page_table=page_table,
             softmax_scale=softmax_scale, causal=True, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
-            return_lse=True, tile_mn=decode_tile(q, k_cache))[:2]
+            return_lse=True, tile_mn=decode_tile(q, k_cache, loader.note_device(fa4, q.device)))[:2]
     return out, lse
