@@ -312,7 +312,10 @@ class Bench(Report):
         (CUDA-graph replay), the merge with its former blocking (16 rows per program, looped
         walk) next to merge_config's, and FA4's pair call with FA4's default SM90 tile
         (128 x 128, two MMA warpgroups) next to tile (64, 128) (one warpgroup; decode has
-        G = 4 query rows per tile): same bits (every pair's out and lse) and time."""
+        G = 4 query rows per tile): same bits (every pair's out and lse) and time. Also
+        measured, for adoption if equal and faster: the tile-64 pair call without FA4's
+        intra-warpgroup overlap, the merge's 2D max, and the whole op with programmatic
+        dependent launch for its two Triton launches (merge.PDL)."""
         from rlk_ops.kernels.fa4 import loader
         from rlk_ops.kernels.triton import merge as tm
 
@@ -341,19 +344,34 @@ class Bench(Report):
             for c in chunks:
                 qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, ps, c)
 
-                def pairs(tile=None, pack=True, qp=qp, ptab=ptab, klens=klens):
+                def pairs(tile=None, pack=True, overlap=None, qp=qp, ptab=ptab, klens=klens):
                     return mod._flash_attn_fwd(qp, kc, vc, page_table=ptab, seqused_k=klens,
                                                softmax_scale=self.scale, causal=True, num_splits=1,
-                                               pack_gqa=pack, return_lse=True, tile_mn=tile)[:2]
+                                               pack_gqa=pack, return_lse=True, tile_mn=tile,
+                                               intra_wg_overlap=overlap)[:2]
 
                 o, l = pairs()
                 o64, l64 = pairs((64, 128))
                 onp, lnp = pairs((64, 128), False)
+                ono, lno = pairs((64, 128), True, False)
                 st = (o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1), plens.view(n, bsz))
                 old_cfg = (16, 1, 0)
                 m_new, m_old = tm.merge_attn_states(*st), tm.merge_attn_states(*st, config=old_cfg)
                 cfg_2d = (*tm.merge_config(bsz * sh.hq, n, sh.d, q.device)[:3], tm.C.pow2(n))
                 m_2d = tm.merge_attn_states(*st, config=cfg_2d)
+
+                def op(c=c):
+                    return rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
+
+                m_op = op()
+                tm.PDL = True
+                try:
+                    m_pdl = op()
+                    pdl_us, pdl_equal = round(self.graph_us(op), 2), beq(m_pdl[0], m_op[0]) and beq(m_pdl[1], m_op[1])
+                except Exception as e:  # noqa: BLE001 - recorded: PDL is a measured option, off by default
+                    pdl_us, pdl_equal = f"{type(e).__name__}: {str(e)[:200]}", False
+                finally:
+                    tm.PDL = False
                 row[f"C{c}"] = {
                     "pairs": n * bsz,
                     "layout_us": round(self.graph_us(lambda: tm.decode_pairs(q, pt, sl, ps, c)), 2),
@@ -362,6 +380,8 @@ class Bench(Report):
                     "tile64_equal": beq(o, o64) and beq(l, l64),
                     "fa4_pairs_tile64_nopack_us": round(self.graph_us(lambda: pairs((64, 128), False)), 2),
                     "tile64_nopack_equal": beq(o, onp) and beq(l, lnp),
+                    "fa4_pairs_tile64_no_overlap_us": round(self.graph_us(lambda: pairs((64, 128), True, False)), 2),
+                    "tile64_no_overlap_equal": beq(o, ono) and beq(l, lno),
                     "merge_us": round(self.graph_us(lambda: tm.merge_attn_states(*st)), 2),
                     "merge_old_config_us": round(self.graph_us(
                         lambda: tm.merge_attn_states(*st, config=old_cfg)), 2),
@@ -369,8 +389,8 @@ class Bench(Report):
                     "merge_configs_equal": beq(m_new[0], m_old[0]) and beq(m_new[1], m_old[1]),
                     "merge_2d_max_us": round(self.graph_us(lambda: tm.merge_attn_states(*st, config=cfg_2d)), 2),
                     "merge_2d_max_equal": beq(m_2d[0], m_old[0]) and beq(m_2d[1], m_old[1]),
-                    "total_us": round(self.graph_us(lambda: rlk_ops.paged_attention(
-                        q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)}
+                    "total_us": round(self.graph_us(op), 2),
+                    "total_pdl_us": pdl_us, "pdl_equal": pdl_equal}
             rows.append(row)
             print("   ", row, flush=True)
         self.res["decode_profile"] = {"rows": rows, "page_size": self.sh.decode_page,
@@ -725,18 +745,24 @@ def markdown(r: dict) -> str:
                   "with FA4's default SM90 tile (128, 128) and with (64, 128), the merge with its current blocking "
                   "(merge_config: rows per program, head_dim slices, unrolled states) and with the former one "
                   "(16, 1, looped); total = the op. 'equal': torch.equal of every pair's out and lse (tile) or "
-                  "of the merged out and lse (merge).", "",
-                  "| batch x context | C | pairs | layout | FA4 tile 128 | FA4 tile 64 | tile equal | merge | "
-                  "merge before | merge config | merge equal | total |", "|---" * 12 + "|"]
+                  "of the merged out and lse (merge). 'no overlap': tile 64 without FA4's intra-warpgroup "
+                  "overlap; 'total PDL': the op with programmatic dependent launch for the layout and merge "
+                  "(triton merge.PDL), its bits compared with the op's.", "",
+                  "| batch x context | C | pairs | layout | FA4 tile 128 | FA4 tile 64 | no overlap | tile equal | "
+                  "merge | merge before | merge config | merge equal | total | total PDL |", "|---" * 14 + "|"]
         for x in prof:
             for key in sorted((k for k in x if k.startswith("C")), key=lambda k: int(k[1:])):
                 y = x[key]
                 merge_eq = y['merge_configs_equal'] and y.get('merge_2d_max_equal', True)
                 merge_us = f"{y['merge_us']}" + (f" (2D max: {y['merge_2d_max_us']})" if "merge_2d_max_us" in y else "")
+                tile_eq = y['tile64_equal'] and y.get('tile64_no_overlap_equal', True)
+                pdl = y.get('total_pdl_us', '-')
+                pdl = f"{pdl}" + ("" if y.get('pdl_equal', True) else " (**not equal**)")
                 lines.append(f"| {x['batch']} x {x['context']} | {key[1:]} | {y['pairs']} | {y['layout_us']} | "
-                             f"{y['fa4_pairs_us']} | {y['fa4_pairs_tile64_us']} | {'yes' if y['tile64_equal'] else '**NO**'} | "
+                             f"{y['fa4_pairs_us']} | {y['fa4_pairs_tile64_us']} | "
+                             f"{y.get('fa4_pairs_tile64_no_overlap_us', '-')} | {'yes' if tile_eq else '**NO**'} | "
                              f"{merge_us} | {y['merge_old_config_us']} | {tuple(y['merge_config'])} | "
-                             f"{'yes' if merge_eq else '**NO**'} | {y['total_us']} |")
+                             f"{'yes' if merge_eq else '**NO**'} | {y['total_us']} | {pdl} |")
         lines += ["", "Strict single pass, FA4 default tile vs (64, 128): " + "; ".join(
             f"{x['batch']}x{x['context']} {x['strict_us']} vs {x['strict_tile64_us']} us "
             f"({'equal' if x['strict_tile64_equal'] else 'NOT equal'})" for x in prof) + ".", ""]

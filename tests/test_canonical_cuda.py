@@ -536,10 +536,14 @@ def test_cuda_provenance_names_fa4_and_triton(packed):
 
 @pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (graph capture)")
 @pytest.mark.cuda
-def test_cuda_graph_captured_decode_replays_the_same_bits(packed):
-    """The decode route makes no host sync: it captures into a CUDA graph and replays bitwise."""
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypatch):
+    """The decode route makes no host sync: it captures into a CUDA graph and replays bitwise,
+    with or without programmatic dependent launch for its two Triton launches (merge.PDL)."""
+    from rlk_ops.kernels.triton import merge as triton_merge
     from rlk_ops.ops import _validate
 
+    monkeypatch.setattr(triton_merge, "PDL", pdl)
     q, k, v, cu, train = packed
     chunk = CHUNKS[0]
     k_cache, v_cache, table = _cache(k, v, cu, 16, seed=6)

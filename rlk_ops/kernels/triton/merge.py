@@ -155,7 +155,7 @@ def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2
 @triton.jit
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
-               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr):
+               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr, PDL: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
     rmask = r < R
     h = r % H
@@ -164,6 +164,8 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     off = lead * (H * S) + h * S + s                                    # its place in [..., H, S]
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # this program's head_dim slice
     m2 = rmask[:, None] & (d < D)[None, :]
+    if PDL:  # launched before the previous kernel finished: wait for it (and its writes) here
+        tl.extra.cuda.gdc_wait()
     if MAX2D > 0:  # every state's lse in one [BLOCK, MAX2D] load, one max: no chain of N loads
         ns = tl.arange(0, MAX2D)
         mn = rmask[:, None] & (ns < N)[None, :]
@@ -229,10 +231,13 @@ def _merge_bwd(do_ptr, dl_ptr, o_ptr, l_ptr, out_ptr, lse_ptr, dop_ptr, dlp_ptr,
 
 @triton.jit
 def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, B, width, chunk,
-                  PER: tl.constexpr, BLOCK_P: tl.constexpr, QN: tl.constexpr, BLOCK_Q: tl.constexpr):
+                  PER: tl.constexpr, BLOCK_P: tl.constexpr, QN: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  PDL: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)        # pair c * B + b (chunk-major)
     c = i // B
     b = i % B
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     n = tl.load(lens_ptr + b).to(tl.int64)
     plen = tl.minimum(tl.maximum(n - c * chunk, 0), chunk)
     tl.store(plen_ptr + i, plen.to(tl.int32))
@@ -264,6 +269,17 @@ MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one comp
 # tests/test_canonical_cuda.py and benchmarks/canonical.py's decode profile try it
 # explicitly; set this to 256 once they pass on the H200.
 MAX_2D = 0
+# Programmatic dependent launch for the two Triton launches of canonical:C decode (pair
+# layout, merge): each is launched while the kernel before it is still finishing and waits
+# in-kernel (griddepcontrol.wait) before its first load, so its launch latency overlaps the
+# previous kernel's tail. No bit changes (the same program runs on the same data). False
+# until measured on the H200: benchmarks/canonical.py's decode profile times both and
+# tests/test_canonical_cuda.py checks the bits.
+PDL = False
+
+
+def _pdl(pdl: bool | None) -> dict:
+    return {"launch_pdl": True} if (PDL if pdl is None else pdl) and not C.INTERPRET else {}
 
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
@@ -284,9 +300,9 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
     return block, split, n if n <= MAX_UNROLL else 0, max2d
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
-    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s
-    (benchmarks, tests)."""
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, pdl=None):
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s,
+    ``pdl`` instead of ``PDL`` (benchmarks, tests)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -300,11 +316,13 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
     block, split, unroll, *max2d = config or merge_config(rows, n, d, out_parts.device)
     max2d = max2d[0] if max2d else 0
     block_d = C.pow2(d) // split
+    launch = _pdl(pdl)
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
         D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-        UNROLL=unroll, MAX2D=max2d, num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH)
+        UNROLL=unroll, MAX2D=max2d, PDL=bool(launch),
+        num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
     return out, lse
 
 
@@ -327,7 +345,7 @@ def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
     return d_out_parts, d_lse_parts
 
 
-def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
+def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, pdl=None):
     """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
     [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
     ``pair_table``/``pair_lens``/``N`` equal ``kernels/cpu/canonical.decode_pairs``;
@@ -345,8 +363,9 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
     kernel_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
     if bsz:
         qn = q[0].numel()
+        launch = _pdl(pdl)
         _pairs_kernel[(n * bsz,)](
             C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
             bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn, BLOCK_Q=min(C.pow2(qn), 4096),
-            num_warps=NUM_WARPS, **C.LAUNCH)
+            PDL=bool(launch), num_warps=NUM_WARPS, **C.LAUNCH, **launch)
     return q_pairs, pair_table, pair_lens, kernel_lens, n
