@@ -29,6 +29,21 @@ def _rand(*shape, dtype=torch.bfloat16, seed=0):
 
 
 # ----------------------------------------------------------------------- CPU side
+def test_kernel_modules_hold_no_nan_globals():
+    """Triton re-checks a kernel's globals on every launch with ``!=``; a NaN global fails it
+    ("Global variable _NAN has changed ... from constexpr[nan] to constexpr[nan]"), which
+    only shows on a GPU (it broke every merge launch in one H200 run)."""
+    pytest.importorskip("triton")
+    import importlib
+    import math
+
+    for name in ("_common", "gemm", "merge", "norm_rope", "paged_kv", "reduce"):
+        mod = importlib.import_module(f"rlk_ops.kernels.triton.{name}")
+        for var, val in vars(mod).items():
+            val = getattr(val, "value", val)
+            assert not (isinstance(val, float) and math.isnan(val)), f"{name}.{var} is a NaN global"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_check_available_refuses_without_cuda():
     from rlk_ops.kernels import triton as backend

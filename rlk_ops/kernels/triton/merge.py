@@ -64,7 +64,9 @@ _E6 = tl.constexpr(1.0)
 _E7 = tl.constexpr(1.0)
 _NEG_INF = tl.constexpr(float("-inf"))
 _INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+# No NaN global: Triton (3.6) re-checks a kernel's globals on every launch with ``!=``, and
+# NaN != NaN fails that check ("Global variable ... has changed"). NaN is spelled
+# ``_INF - _INF`` in the kernels instead (a constexpr computed at compile time).
 _N_LOG = 11  # numerics._LOG_TERMS
 _LOG_TERMS = tl.constexpr(_N_LOG)
 
@@ -127,7 +129,7 @@ def _log(x, c_ptr):
     y = (2.0 * f) * p + e * tl.load(c_ptr + _LOG_TERMS)
     y = tl.where(xd == 0.0, _NEG_INF, y)
     y = tl.where(xd == _INF, xd, y)
-    y = tl.where((xd < 0.0) | (xd != xd), _NAN, y)
+    y = tl.where((xd < 0.0) | (xd != xd), _INF - _INF, y)
     return y.to(tl.float32)
 
 
@@ -175,7 +177,7 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
             lse2 = tl.where(keys > 0, lse2, _NEG_INF)
         m = tl.max(lse2, axis=1)                                        # max is exact in any order
         nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
-        m = tl.where(nan, _NAN, m)                                      # NaN propagates, as amax
+        m = tl.where(nan, _INF - _INF, m)                               # NaN propagates, as amax
     else:
         m = tl.full([BLOCK], _NEG_INF, tl.float32)
         for n in range(N):
