@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The H200 session for canonical:C (issue 8), after the FA4 + FlashInfer install, in two parts
 # (one device command each, at most 10 min):
-#   part 1: tests/test_canonical_cuda.py, benchmarks/canonical.py at page 16 (FlashInfer auto
-#           measured in the same run when flashinfer is installed), benchmarks/attention.py (the
-#           strict FA4 matrix);
-#   part 2: benchmarks/canonical.py's decode profile and decode at page 128 (FA4's TMA path: page
-#           size = its 128-key tile), the CUDA demo single pass and under bare 'canonical'
-#           (= 1024), and the whole CUDA test suite except tests/test_canonical_cuda.py.
+#   part 1: tests/test_canonical_cuda.py; benchmarks/canonical.py at page 16 (FlashInfer auto
+#           measured in the same run when flashinfer is installed); its decode profile and
+#           decode sections at page 128 (FA4's TMA path: page size = its 128-key tile);
+#   part 2: the CUDA demo single pass and under bare 'canonical' (= 1024), the whole CUDA test
+#           suite except tests/test_canonical_cuda.py, benchmarks/attention.py (strict FA4).
 # Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2
-# Writes into $OUT: steps.txt canonical_tests.txt canonical.json canonical.md attention.json
-# attention.md (part 1); canonical_p128.json canonical_p128.md demo_cuda.json
-# demo_cuda_canonical1024.json cuda_tests.txt (part 2)
+# Writes into $OUT: steps.txt canonical_tests.txt canonical.json canonical.md canonical_p128.json
+# canonical_p128.md (part 1); demo_cuda.json demo_cuda_canonical1024.json cuda_tests.txt
+# attention.json attention.md (part 2)
 set -u -o pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}
@@ -31,14 +30,14 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and sec
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/steps.txt"
 if [ "$PART" = 1 ]; then
-  step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py 2>&1 | tail -40 > $OUT/canonical_tests.txt; tail -3 $OUT/canonical_tests.txt"
+  step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
   step canonical_benchmark 260 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
-  step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
-else
   step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+else
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"
-  step cuda_suite 200 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py 2>&1 | tee $OUT/cuda_suite_full.log | tail -5"
+  step cuda_suite 200 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
   tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
+  step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
 fi
 echo "=== steps"; cat "$OUT/steps.txt"
