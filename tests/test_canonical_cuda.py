@@ -404,6 +404,30 @@ def test_cuda_mixed_decode_batch_equals_training(packed, chunk):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_cuda_pair_call_overlap_off_changes_no_bit(packed, chunk, monkeypatch):
+    """The decode pair call with FA4's intra-warpgroup overlap off (every call) and on (never
+    off) gives the same rows, and both the training rows (fa4 kernels.pair_overlap)."""
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    q, k, v, cu, train = packed
+    out, lse = train[chunk]
+    k_cache, v_cache, table = _cache(k, v, cu, 16, seed=4)
+    seqs, pos = [0, 1, 2], [LENS[0] - 1, LENS[1] - 1, chunk + 1]
+    rows = [cu[b] + p for b, p in zip(seqs, pos)]
+    seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
+    got = {}
+    for ctas in (1, 10**9):
+        monkeypatch.setattr(fa4_kernels, "PAIR_NO_OVERLAP_CTAS", ctas)
+        got[ctas] = rlk_ops.paged_attention(q[rows][:, None], k_cache, v_cache, table[seqs], seq_lens,
+                                            split_kv=f"canonical:{chunk}")
+    assert bitwise_equal(got[1][0], got[10**9][0]) and bitwise_equal(got[1][1], got[10**9][1])
+    for i, r in enumerate(rows):
+        assert bitwise_equal(got[1][0][i, 0], out[r]) and bitwise_equal(got[1][1][i, :, 0], lse[:, r]), i
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_in_place_partials_equal_gathered(packed, causal):
     """FA4 writing each slot's pieces in place (seqused_q/seqused_k, out=/lse=; the fa4

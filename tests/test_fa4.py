@@ -46,7 +46,7 @@ _VARLEN = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_s
            "return_lse")
 _FWD_IN_PLACE = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                  "max_seqlen_k", "page_table", "softmax_scale", "causal", "num_splits", "pack_gqa", "return_lse",
-                 "out", "lse", "tile_mn")
+                 "out", "lse", "tile_mn", "intra_wg_overlap")
 _BWD = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "pack_gqa", "cu_seqlens_q", "cu_seqlens_k",
         "max_seqlen_q", "max_seqlen_k", "deterministic", "dlse")
 
@@ -186,6 +186,7 @@ MISSING = [
     ("paged_attention", "seqused_k", r"per-sequence KV length \(seqused_k=\)"),
     ("paged_attention", "num_splits", r"split-KV control \(num_splits\) in _flash_attn_fwd"),
     ("paged_attention", "tile_mn", r"tile size control \(tile_mn=\) in _flash_attn_fwd"),
+    ("paged_attention", "intra_wg_overlap", r"intra-warpgroup overlap control \(intra_wg_overlap=\) in _flash_attn_fwd"),
     ("attention_fwd", "seqused_q", r"per-sequence query length \(seqused_q=\) in _flash_attn_fwd"),
     ("attention_fwd", "out", r"output buffer \(out=\) in _flash_attn_fwd"),
 ]
@@ -320,8 +321,21 @@ def test_paged_reads_pages_in_place(fake):
     assert kw["page_table"] is page_table and kw["seqused_k"] is seq_lens and kw["causal"] is True
     assert (kw["num_splits"], kw["pack_gqa"], kw["return_lse"]) == (1, True, True)
     assert kw["tile_mn"] is None  # FA4's default tile off sm90 (fa4 kernels.decode_tile)
+    assert kw["intra_wg_overlap"] is None  # FA4's default: strict decode never turns it off
     ref = cpu_attn.paged_attention(q, k_cache, v_cache, page_table, seq_lens, 0.25)
     assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1]) and lse.shape == (2, 4, 3)
+
+
+def test_pair_call_overlap_off_only_from_512_ctas_with_the_decode_tile():
+    """canonical:C pair calls turn FA4's intra-warpgroup overlap off where it was measured
+    faster (>= 512 CTAs = pairs x KV heads, decode tile); otherwise FA4's default."""
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    cache = torch.empty(1, 16, 4, 128)
+    tile = fa4_kernels.DECODE_TILE
+    assert fa4_kernels.pair_overlap(torch.empty(128, 1, 16, 128), cache, tile) is False
+    assert fa4_kernels.pair_overlap(torch.empty(127, 1, 16, 128), cache, tile) is None
+    assert fa4_kernels.pair_overlap(torch.empty(4096, 1, 16, 128), cache, None) is None
 
 
 def test_through_the_dispatch_point(fake, monkeypatch):

@@ -119,14 +119,45 @@ def decode_tile(q: torch.Tensor, k_cache: torch.Tensor, arch: str | None) -> tup
     return DECODE_TILE if rows <= DECODE_TILE[0] else None
 
 
+# FA4's SM90 forward overlaps, inside each MMA warpgroup, one key block's softmax with the
+# next block's QK^T (intra_wg_overlap, on by default). Turning it off changes when
+# instructions issue, not what they compute: the canonical:C decode pair calls were measured
+# bitwise equal with it on and off at 20 shapes on the H200 (decode_profile,
+# tile64_no_overlap_equal). Off is 1-4% faster once the pair call has >= 512 CTAs (pairs x
+# KV heads: batch 8 / 32k, batch 64), mixed below (up to 11% slower at batch 1 / 8k). So the
+# pair call turns it off from PAIR_NO_OVERLAP_CTAS on; strict single-pass decode keeps
+# FA4's default (not measured off).
+PAIR_NO_OVERLAP_CTAS = 512
+
+
+def pair_overlap(q: torch.Tensor, k_cache: torch.Tensor, tile: tuple[int, int] | None) -> bool | None:
+    """``intra_wg_overlap`` for a canonical:C decode pair call: False (off) where measured
+    faster, else None (FA4's default)."""
+    if tile != DECODE_TILE:
+        return None
+    return False if q.shape[0] * k_cache.shape[2] >= PAIR_NO_OVERLAP_CTAS else None
+
+
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
     fa4, policy = _fa4("paged_attention", q, split_kv)
     if policy.kind == "canonical":
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
-                                         attend_paged=paged_attention)
+                                         attend_paged=pair_attention)
+    return _paged(fa4, q, k_cache, v_cache, page_table, seq_lens, softmax_scale, pairs=False)
+
+
+def pair_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale):
+    """The single pass over canonical:C (chunk, sequence) pairs (one pair per batch row)."""
+    fa4, _ = _fa4("paged_attention", q, "disabled")
+    return _paged(fa4, q, k_cache, v_cache, page_table, seq_lens, softmax_scale, pairs=True)
+
+
+def _paged(fa4, q, k_cache, v_cache, page_table, seq_lens, softmax_scale, pairs):
+    tile = decode_tile(q, k_cache, loader.note_device(fa4, q.device))
     with torch.no_grad():  # the private entry point: the public one takes no tile_mn
         out, lse = fa4.module._flash_attn_fwd(
             q, k_cache, v_cache, seqused_k=seq_lens, page_table=page_table,
             softmax_scale=softmax_scale, causal=True, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
-            return_lse=True, tile_mn=decode_tile(q, k_cache, loader.note_device(fa4, q.device)))[:2]
+            return_lse=True, tile_mn=tile,
+            intra_wg_overlap=pair_overlap(q, k_cache, tile) if pairs else None)[:2]
     return out, lse

@@ -75,7 +75,7 @@ REQUIRED: dict[str, dict[str, tuple[str, ...]]] = {
                             "max_seqlen_k", "deterministic", "dlse"),
     },
     "paged_attention": {  # paged single pass (with tile_mn) and canonical:C chunked prefill
-        "_flash_attn_fwd": ("page_table", "seqused_k", "tile_mn") + _IN_PLACE,
+        "_flash_attn_fwd": ("page_table", "seqused_k", "tile_mn", "intra_wg_overlap") + _IN_PLACE,
     },
 }
 _WHAT = {
@@ -90,6 +90,7 @@ _WHAT = {
     "out": "output buffer (out=)",
     "lse": "lse buffer (lse=)",
     "tile_mn": "tile size control (tile_mn=)",
+    "intra_wg_overlap": "intra-warpgroup overlap control (intra_wg_overlap=)",
 }
 
 

@@ -270,7 +270,7 @@ MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one comp
 # written after the session's last H200 run and has run only on the Triton interpreter.
 # tests/test_canonical_cuda.py and benchmarks/canonical.py's decode profile try it
 # explicitly; set this to 256 once they pass on the H200.
-MAX_2D = 0
+MAX_2D = 256
 # Programmatic dependent launch for the two Triton launches of canonical:C decode (pair
 # layout, merge): each is launched while the kernel before it is still finishing and waits
 # in-kernel (griddepcontrol.wait) before its first load, so its launch latency overlaps the
