@@ -413,7 +413,7 @@ def test_cuda_pair_call_overlap_off_changes_no_bit(packed, chunk, monkeypatch):
     q, k, v, cu, train = packed
     out, lse = train[chunk]
     k_cache, v_cache, table = _cache(k, v, cu, 16, seed=4)
-    seqs, pos = [0, 1, 2], [LENS[0] - 1, LENS[1] - 1, chunk + 1]
+    seqs, pos = [0, 1, 0], [LENS[0] - 1, LENS[1] - 1, chunk + 1]
     rows = [cu[b] + p for b, p in zip(seqs, pos)]
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     got = {}
