@@ -418,7 +418,7 @@ def test_cuda_pair_call_overlap_off_changes_no_bit(packed, chunk, monkeypatch):
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     got = {}
     for ctas in (1, 10**9):
-        monkeypatch.setattr(fa4_kernels, "PAIR_NO_OVERLAP_CTAS", ctas)
+        monkeypatch.setattr(fa4_kernels, "PAIR_NO_OVERLAP_CTAS", ctas)  # page 16: the rule applies
         got[ctas] = rlk_ops.paged_attention(q[rows][:, None], k_cache, v_cache, table[seqs], seq_lens,
                                             split_kv=f"canonical:{chunk}")
     assert bitwise_equal(got[1][0], got[10**9][0]) and bitwise_equal(got[1][1], got[10**9][1])

@@ -122,18 +122,21 @@ def decode_tile(q: torch.Tensor, k_cache: torch.Tensor, arch: str | None) -> tup
 # FA4's SM90 forward overlaps, inside each MMA warpgroup, one key block's softmax with the
 # next block's QK^T (intra_wg_overlap, on by default). Turning it off changes when
 # instructions issue, not what they compute: the canonical:C decode pair calls were measured
-# bitwise equal with it on and off at 20 shapes on the H200 (decode_profile,
-# tile64_no_overlap_equal). Off is 1-4% faster once the pair call has >= 512 CTAs (pairs x
-# KV heads: batch 8 / 32k, batch 64), mixed below (up to 11% slower at batch 1 / 8k). So the
-# pair call turns it off from PAIR_NO_OVERLAP_CTAS on; strict single-pass decode keeps
-# FA4's default (not measured off).
+# bitwise equal with it on and off at 20 shapes, pages 16 and 128, on the H200
+# (decode_profile, tile64_no_overlap_equal). Speed differs by KV path: at page 16 (FA4's
+# cp.async page gather) off is 1-4% faster once the pair call has >= 512 CTAs (pairs x KV
+# heads: batch 8 / 32k, batch 64) and mixed below (up to 11% slower at batch 1 / 8k); at
+# page 128 (TMA, page = FA4's 128-key tile) off is no faster anywhere. So the pair call turns
+# it off only at page 16 from PAIR_NO_OVERLAP_CTAS on; strict single-pass decode keeps FA4's
+# default (not measured off).
 PAIR_NO_OVERLAP_CTAS = 512
+PAIR_NO_OVERLAP_PAGE = 16
 
 
 def pair_overlap(q: torch.Tensor, k_cache: torch.Tensor, tile: tuple[int, int] | None) -> bool | None:
     """``intra_wg_overlap`` for a canonical:C decode pair call: False (off) where measured
     faster, else None (FA4's default)."""
-    if tile != DECODE_TILE:
+    if tile != DECODE_TILE or k_cache.shape[1] != PAIR_NO_OVERLAP_PAGE:
         return None
     return False if q.shape[0] * k_cache.shape[2] >= PAIR_NO_OVERLAP_CTAS else None
 
