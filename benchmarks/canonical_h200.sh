@@ -31,8 +31,8 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and sec
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/steps.txt"
 if [ "$PART" = 1 ]; then
   step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
-  step canonical_benchmark 260 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
-  step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+  step canonical_benchmark 330 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
+  step canonical_p128 120 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
 else
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"
