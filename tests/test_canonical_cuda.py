@@ -235,6 +235,20 @@ def test_cuda_merge_config_changes_no_bit(config):
     assert triton_merge.merge_config(37 * 3, 5, 128, out_parts.device)[2] == 5  # default: unrolled
 
 
+def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
+    """The measured rule (triton merge.MAX_2D): 1-row programs (decode) take the 2D max over
+    up to MAX_2D states; multi-row programs and more states walk the lse chain."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    cpu_dev = torch.device("cpu")  # merge_config assumes 4 SMs off CUDA: 4 rows get 1-row programs
+    block, _, unroll, max2d = triton_merge.merge_config(4, 8, 128, cpu_dev)
+    assert (block, unroll, max2d) == (1, 8, 8)
+    assert triton_merge.merge_config(4, 300, 128, cpu_dev)[2:] == (0, 0)
+    block, _, _, max2d = triton_merge.merge_config(4096, 8, 128, cpu_dev)
+    assert block > 1 and max2d == 0
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_merge_rows_batch_invariant_run_to_run_and_state_lens():
