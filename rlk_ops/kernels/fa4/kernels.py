@@ -17,8 +17,9 @@ lse is fp32 natural log. Causal masking is bottom-right aligned in both.
   (``D_i = rowsum(dO * O)_i - dlse_i``; flash_bwd_preprocess.py), so a nonzero ``dlse``
   is exact and ``None`` skips it.
 * Paged: ``_flash_attn_fwd(q, k_cache, v_cache, page_table=..., seqused_k=..., tile_mn=...)``
-  reads the pages in place (``decode_tile``: a 64-row tile for decode, where verified).
-  Page size 128 (= FA4's key tile) takes FA4's TMA path,
+  reads the pages in place (``decode_tile``: a 64-row tile for decode, where verified;
+  ``pair_attention``, canonical:C's call over (chunk, sequence) pairs, also sets
+  ``intra_wg_overlap`` per ``pair_overlap``). Page size 128 (= FA4's key tile) takes FA4's TMA path,
   which loads whole pages: rows past ``seq_lens[b]`` in a sequence's last page are
   multiplied by P = 0, so they must be finite (a NaN there poisons the row); other
   page sizes take the cp.async path, which skips them. Allocate caches with zeros
