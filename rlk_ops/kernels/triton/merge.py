@@ -282,8 +282,8 @@ MAX_2D = 256
 PDL = False
 
 
-def _pdl(pdl: bool | None) -> dict:
-    return {"launch_pdl": True} if (PDL if pdl is None else pdl) and not C.INTERPRET else {}
+def _pdl() -> dict:
+    return {"launch_pdl": True} if PDL and not C.INTERPRET else {}
 
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
@@ -304,9 +304,9 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
     return block, split, n if n <= MAX_UNROLL else 0, max2d
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, pdl=None):
-    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s,
-    ``pdl`` instead of ``PDL`` (benchmarks, tests)."""
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s
+    (benchmarks, tests)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -320,7 +320,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, pdl=No
     block, split, unroll, *max2d = config or merge_config(rows, n, d, out_parts.device)
     max2d = max2d[0] if max2d else 0
     block_d = C.pow2(d) // split
-    launch = _pdl(pdl)
+    launch = _pdl()
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
@@ -349,7 +349,7 @@ def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
     return d_out_parts, d_lse_parts
 
 
-def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, pdl=None):
+def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
     """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
     [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
     ``pair_table``/``pair_lens``/``N`` equal ``kernels/cpu/canonical.decode_pairs``;
@@ -367,7 +367,7 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, pdl=N
     kernel_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
     if bsz:
         qn = q[0].numel()
-        launch = _pdl(pdl)
+        launch = _pdl()
         _pairs_kernel[(n * bsz,)](
             C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
             bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn, BLOCK_Q=min(C.pow2(qn), 4096),
