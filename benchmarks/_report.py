@@ -8,6 +8,7 @@ loses nothing measured before it.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -82,3 +83,25 @@ def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
         f.write(markdown(r))
     summary(r)
     return 0
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark script takes (a script adds its own to the parser)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True, help="JSON path")
+    ap.add_argument("--md", required=True, help="markdown table path")
+    ap.add_argument("--md-only", action="store_true", help="rewrite the markdown from an existing JSON")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, stand-in FA4: checks the script only")
+    ap.add_argument("--sections", default="", help="comma-separated subset of the sections")
+    return ap
+
+
+def device_and_shapes(args, script: str, install_dry_run, dry_shapes, gpu_shapes):
+    """``("cpu", dry_shapes)`` with the stand-ins installed for ``--dry-run``, else
+    ``("cuda", gpu_shapes())``; exits with a message where there is no GPU."""
+    if args.dry_run:
+        install_dry_run()
+        return "cpu", dry_shapes
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (--dry-run checks the script on a CPU)")
+    return "cuda", gpu_shapes()

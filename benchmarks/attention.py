@@ -26,7 +26,6 @@ nothing about FA4. Exit status 1 if any bitwise cell is false or any section fai
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import os
@@ -44,7 +43,7 @@ import rlk_ops  # noqa: E402
 from rlk_ops.kernels.fa4 import loader  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
 from rlk_ops.ops import _validate  # noqa: E402
-from _report import Report, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
+from _report import Report, arguments, device_and_shapes, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 
 BF16 = torch.bfloat16
 
@@ -666,22 +665,10 @@ def install_dry_run():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON path")
-    ap.add_argument("--md", required=True, help="markdown table path")
-    ap.add_argument("--md-only", action="store_true", help="rewrite the markdown from an existing JSON")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, stand-in FA4: checks the script only")
-    ap.add_argument("--sections", default="", help="comma-separated subset (debugging)")
-    args = ap.parse_args()
+    args = arguments(__doc__.split("\n")[0]).parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, print_summary)
-    if args.dry_run:
-        install_dry_run()
-        dev, shapes = "cpu", DRY
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("benchmarks/attention.py needs a CUDA GPU (use --dry-run to check the script on a CPU)")
-        dev, shapes = "cuda", Shapes()
+    dev, shapes = device_and_shapes(args, "benchmarks/attention.py", install_dry_run, DRY, Shapes)
     t0 = time.perf_counter()
     bench = Bench(dev, shapes, args.out, args.dry_run)
     bench.res["fa4_import_seconds"] = round(time.perf_counter() - t0, 2)

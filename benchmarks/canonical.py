@@ -26,7 +26,6 @@ or a section failed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -41,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rlk_ops  # noqa: E402
-from _report import Report, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
+from _report import Report, arguments, device_and_shapes, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
@@ -832,25 +831,14 @@ def install_dry_run():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--md", required=True)
+    ap = arguments(__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--md-only", action="store_true")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--sections", default="")
     ap.add_argument("--decode-page", type=int, default=None,
                     help="page size of the decode and decode_profile sections (default 16)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
-    if args.dry_run:
-        install_dry_run()
-        dev, sh = "cpu", DRY
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("benchmarks/canonical.py needs a CUDA GPU (--dry-run checks the script on a CPU)")
-        dev, sh = "cuda", Shapes()
+    dev, sh = device_and_shapes(args, "benchmarks/canonical.py", install_dry_run, DRY, Shapes)
     if args.decode_page:
         sh = replace(sh, decode_page=args.decode_page)
     t0 = time.perf_counter()
