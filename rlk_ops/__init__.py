@@ -15,7 +15,7 @@ from rlk_ops.kernels.dispatch import (
 )
 from rlk_ops.meta import provenance
 from rlk_ops.meta.specs import REGISTRY as OP_SPECS
-from rlk_ops.ops._validate import RlkInputError
+from rlk_ops.ops._validate import RlkInputError, ValueChecksInCapture, value_checks
 from rlk_ops.ops.attention import attention
 from rlk_ops.ops.collectives import all_gather, reduce_scatter
 from rlk_ops.ops.linear import linear
@@ -33,5 +33,6 @@ __all__ = [
     "attention", "paged_attention", "paged_kv_append", "paged_kv_gather", "qk_rmsnorm", "rope",
     "linear", "all_gather", "reduce_scatter", "qk_norm_rope", "paged_attention_auto", "merge_attn_states",
     "strict_mode", "set_strict_mode", "strict", "use_backend", "provenance", "OP_SPECS",
-    "RlkInputError", "StrictModeError", "BackendUnavailable", "__version__",
+    "RlkInputError", "StrictModeError", "BackendUnavailable", "value_checks", "ValueChecksInCapture",
+    "__version__",
 ]

@@ -579,8 +579,9 @@ def test_cuda_provenance_names_fa4_and_triton(packed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypatch):
-    """The decode route makes no host sync: it captures into a CUDA graph and replays bitwise,
-    with or without programmatic dependent launch for its two Triton launches (merge.PDL)."""
+    """The decode route makes no host sync: it captures into a CUDA graph (value checks off:
+    with them on, capture raises ValueChecksInCapture) and replays bitwise, with or without
+    programmatic dependent launch for its two Triton launches (merge.PDL)."""
     from rlk_ops.kernels.triton import merge as triton_merge
     from rlk_ops.ops import _validate
 
@@ -591,8 +592,12 @@ def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypat
     rows = [cu[0] + LENS[0] - 1, cu[1] + chunk + 1, cu[2] + 100]
     qd = q[rows][:, None].contiguous()
     seq_lens = torch.tensor([LENS[0], chunk + 2, 101], dtype=torch.int32, device=DEV)
-    old, _validate.VALUE_CHECKS = _validate.VALUE_CHECKS, False  # value checks sync (not capturable)
-    try:
+    checks = _validate.VALUE_CHECKS
+    with rlk_ops.value_checks(True), pytest.raises(rlk_ops.ValueChecksInCapture,
+                                                   match="rlk::paged_attention: value checks"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):  # checks on: a clear error, nothing captured
+            rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
+    with rlk_ops.value_checks(False):  # value checks sync (not capturable)
         eager = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -604,8 +609,7 @@ def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypat
             captured = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
         graph.replay()
         torch.cuda.synchronize()
-    finally:
-        _validate.VALUE_CHECKS = old
+    assert _validate.VALUE_CHECKS == checks  # restored
     assert bitwise_equal(captured[0], eager[0]) and bitwise_equal(captured[1], eager[1])
     out, lse = train[chunk]
     for i, r in enumerate(rows):

@@ -60,3 +60,4 @@ def test_public_api():
                "linear", "all_gather", "reduce_scatter"):
         assert callable(getattr(rlk_ops, fn))
     assert rlk_ops.strict_mode() is True  # the default
+    assert callable(rlk_ops.value_checks) and issubclass(rlk_ops.ValueChecksInCapture, RuntimeError)

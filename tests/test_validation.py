@@ -233,3 +233,44 @@ def test_zero_width_page_table_is_rejected():
     q, kc, vc, _, _ = _paged()
     with pytest.raises(RlkInputError, match=r"page_table must have at least one page column, got shape \[1, 0\]"):
         rlk_ops.paged_attention(q[:, :0], kc, vc, torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+
+
+def test_value_checks_off_keeps_checking_cpu_inputs_and_restores():
+    """rlk_ops.value_checks(False) turns off the CUDA value checks only: CPU inputs are always
+    checked (no sync to save). The previous setting comes back, also after an exception."""
+    from rlk_ops.ops import _validate as V
+
+    before = V.VALUE_CHECKS
+    with pytest.raises(RlkInputError, match=r"page_table\[0, 1\] = 99 is out of range for 8 pages"):
+        with rlk_ops.value_checks(False):
+            assert V.VALUE_CHECKS is False
+            rlk_ops.paged_attention(*_paged(table=((3, 99, 0),)))
+    assert V.VALUE_CHECKS == before
+    with rlk_ops.value_checks(True):
+        assert V.VALUE_CHECKS is True
+    assert V.VALUE_CHECKS == before
+
+
+def test_value_checks_during_cuda_graph_capture_raise_a_clear_error(monkeypatch):
+    """A value check on a CUDA tensor needs a host sync, which CUDA graph capture forbids:
+    it raises ValueChecksInCapture naming the op and the way out, rather than skipping the
+    check or failing inside the capture. Off (value_checks(False)) it is skipped, as asked.
+    Simulated here (no GPU): a stand-in with a CUDA device and a capturing stream;
+    tests/test_canonical_cuda.py captures a real graph."""
+    import types
+
+    from rlk_ops.ops import _validate as V
+
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with rlk_ops.value_checks(True):
+        with pytest.raises(rlk_ops.ValueChecksInCapture,
+                           match=r"rlk::paged_attention: value checks .* CUDA graph capture forbids.*"
+                                 r"rlk_ops\.value_checks\(False\)"):
+            V.value_checks_enabled(on_cuda, "paged_attention")
+        assert V.value_checks_enabled(torch.zeros(1), "paged_attention") is True  # CPU: checked, no sync
+    with rlk_ops.value_checks(False):
+        assert V.value_checks_enabled(on_cuda, "paged_attention") is False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with rlk_ops.value_checks(True):
+        assert V.value_checks_enabled(on_cuda, "paged_attention") is True

@@ -7,11 +7,16 @@ Every error names the op, the argument, the expected and the actual value. Two k
 * value checks (page ids, slots, cu_seqlens, positions, seq_lens) read tensor data.
   They run inside the op body, before any work or write. On CPU they always run; on
   CUDA they cost a device-to-host copy of small int tensors and run unless
-  ``RLK_VALUE_CHECKS=0`` (see README, "Where checks run").
+  ``RLK_VALUE_CHECKS=0`` or inside ``rlk_ops.value_checks(False)`` (see README, "Where
+  checks run"). That copy is a sync, which CUDA graph capture forbids: a value-checked
+  op called on CUDA while its stream captures raises ``ValueChecksInCapture`` instead
+  of skipping its checks or failing inside the capture with CUDA's own error.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
@@ -21,6 +26,23 @@ VALUE_CHECKS = os.environ.get("RLK_VALUE_CHECKS", "1").lower() not in ("0", "fal
 
 class RlkInputError(ValueError):
     """Bad input to an rlk op. The message names the argument, expected and actual value."""
+
+
+class ValueChecksInCapture(RuntimeError):
+    """A value-checked rlk op was called on CUDA during CUDA graph capture with value checks on."""
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool = True) -> Iterator[None]:
+    """Turn the CUDA value checks on or off inside the block (process-wide, like
+    ``RLK_VALUE_CHECKS``; CPU inputs are always checked). Off is for callers that build
+    their own page tables, slots and cu_seqlens, e.g. to capture decode in a CUDA graph."""
+    global VALUE_CHECKS
+    old, VALUE_CHECKS = VALUE_CHECKS, bool(enabled)
+    try:
+        yield
+    finally:
+        VALUE_CHECKS = old
 
 
 def fail(op: str, msg: str) -> None:
@@ -74,8 +96,20 @@ def fmt_index(name: str, idx: tuple[int, ...]) -> str:
     return f"{name}[{', '.join(str(i) for i in idx)}]"
 
 
-def value_checks_enabled(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" or VALUE_CHECKS
+def value_checks_enabled(t: torch.Tensor, op: str = "") -> bool:
+    """Whether ``op`` checks the values of ``t``: always on CPU; on CUDA while VALUE_CHECKS,
+    and then never during graph capture (raises ValueChecksInCapture: the check's sync
+    cannot be captured, and skipping it silently would drop a promised check)."""
+    if t.device.type == "cpu":
+        return True
+    if not VALUE_CHECKS:
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueChecksInCapture(
+            f"rlk::{op or 'op'}: value checks read its index tensors on the host (one sync), which CUDA graph "
+            "capture forbids; validate page tables, slots and cu_seqlens before capturing and capture under "
+            "rlk_ops.value_checks(False) (or set RLK_VALUE_CHECKS=0)")
+    return True
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -101,7 +135,7 @@ def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout:
 
 
 def check_positions_values(op: str, positions: torch.Tensor, max_position: int | None = None) -> None:
-    if not positions.numel() or not value_checks_enabled(positions):
+    if not positions.numel() or not value_checks_enabled(positions, op):
         return
     if on_device(positions):
         bad = positions < 0 if max_position is None else (positions < 0) | (positions > max_position)
@@ -124,7 +158,7 @@ def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqle
         fail(op, f"{name} must be torch.int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.shape[0] < 2:
         fail(op, f"{name} must be 1-D [batch + 1] with at least 2 entries, got shape {shape_str(cu)}")
-    if not value_checks_enabled(cu):
+    if not value_checks_enabled(cu, op):
         return
     vals = cu.cpu()
     if int(vals[0]) != 0:

@@ -45,7 +45,7 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
     # views of one storage (not visible to a fake, which has no data pointer)
     if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
         V.fail(op, _SHARED_CACHE)
-    if V.value_checks_enabled(slot_mapping):
+    if V.value_checks_enabled(slot_mapping, op):
         _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
 
@@ -152,7 +152,7 @@ def check_page_table(op, k_cache, page_table, seq_lens):
 
 def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
     """seq_lens within [min_len, capacity]; used page ids in range and distinct per row."""
-    if not V.value_checks_enabled(page_table) or page_table.shape[0] == 0:
+    if not V.value_checks_enabled(page_table, op) or page_table.shape[0] == 0:
         return
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
     if V.on_device(page_table) and _page_values_clear(page_table, seq_lens, num_pages, ps, min_len):
