@@ -1,7 +1,9 @@
 """What the benchmark scripts share: the JSON report, its sections and the random inputs.
 
-``benchmarks/attention.py`` and ``benchmarks/canonical.py`` subclass ``Report``; each
-keeps its own timing helpers (their methods differ and are described in their reports).
+``benchmarks/attention.py`` and ``benchmarks/canonical.py`` subclass ``Report``.
+``graph_time_us`` is the CUDA-graph timer of ``canonical.py`` and ``kernels.py``;
+``attention.py`` keeps its own (fixed 10 calls per graph, replays interleaved with the
+raw kernel's, as its report says).
 A section that raises is recorded in ``res["errors"]`` with its traceback, the others
 still run, and the report is saved after every section, so a fault late in a GPU session
 loses nothing measured before it.
@@ -10,12 +12,67 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict
 
 import torch
+
+
+def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 500, graph: bool = True,
+                  fallback: bool = False) -> dict:
+    """GPU time per call of ``fn``: ``n`` calls (sized to ``target_ms`` from 3 timed calls,
+    3..max_calls) captured in one CUDA graph on a side stream, the graph replayed ``reps``
+    times between two events. Returns ``{"us": median, "spread_us", "method", "n"}``.
+    ``graph=False`` times the ``n`` calls eagerly between the events instead (host launch
+    cost included); ``fallback=True`` does that, recorded in ``method``, when capture fails
+    (else the capture error propagates)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    n = max(3, min(max_calls, int(target_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+    method, samples = "cuda_graph", []
+    if graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(n):
+                        fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            for _ in range(reps):
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / n)
+            del g
+        except Exception as e:  # noqa: BLE001 - re-raised unless the caller asked for the eager fallback
+            if not fallback:
+                raise
+            method, samples = f"events (graph capture failed: {type(e).__name__})", []
+            torch.cuda.synchronize()
+    if not samples:
+        method = method if method != "cuda_graph" else "events"
+        for _ in range(reps):
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / n)
+    return {"us": statistics.median(samples), "spread_us": max(samples) - min(samples), "method": method, "n": n}
 
 
 class Report:

@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rlk_ops  # noqa: E402
-from _report import Report, arguments, device_and_shapes, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
+from _report import Report, arguments, device_and_shapes, graph_time_us, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
@@ -94,41 +94,16 @@ class Bench(Report):
         print(f"  [{'ok' if equal else 'FAIL'}] {name}: {what} {extra or ''}", flush=True)
 
     def graph_us(self, fn):
-        """Median us per call: n calls captured in one CUDA graph, replayed reps times
-        (GPU time of every launch the call makes; no host overhead). CPU: wall clock."""
-        fn()
-        self.sync()
+        """Median us per call: _report.graph_time_us (CUDA graph of up to 200 calls, replayed
+        ``reps`` times; GPU time of every launch the call makes, no host overhead). CPU: wall
+        clock of 2 calls."""
         if self.dev != "cuda":
+            fn()
             t0 = time.perf_counter()
             for _ in range(2):
                 fn()
             return (time.perf_counter() - t0) * 1e6 / 2
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            fn()
-        end.record()
-        end.synchronize()
-        n = max(3, min(200, int(self.sh.target_ms * 3 / max(start.elapsed_time(end), 1e-3))))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(self.sh.reps):
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / n)
-        del g
-        return statistics.median(samples)
+        return graph_time_us(fn, self.sh.target_ms, self.sh.reps, max_calls=200)["us"]
 
     def eager_us(self, fns: dict) -> dict:
         """Median us per call of each fn, interleaved per repetition (eager, CUDA events)."""

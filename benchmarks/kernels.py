@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rlk_ops  # noqa: E402
+from _report import graph_time_us  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels import cpu  # noqa: E402
 from rlk_ops.kernels.cpu.rope import inv_freq  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
@@ -43,51 +43,10 @@ DEV = "cuda"
 
 # ------------------------------------------------------------------------ timing
 def gpu_time_us(fn, target_ms: float = 8.0, graph: bool = True) -> dict:
-    """Median per-call microseconds of ``fn``: n calls captured in one CUDA graph, replayed
-    5 times. Falls back to events around eager calls (recorded as such) if capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    est_ms = max(start.elapsed_time(end) / 3, 1e-3)
-    n = max(3, min(500, int(target_ms / est_ms)))
-    method = "cuda_graph"
-    samples = []
-    if graph:
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                fn()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(n):
-                        fn()
-            torch.cuda.synchronize()
-            for _ in range(5):
-                start.record()
-                g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1000 / n)
-            del g
-        except Exception as e:  # noqa: BLE001 - record why and time eagerly
-            method = f"events (graph capture failed: {type(e).__name__})"
-            samples = []
-            torch.cuda.synchronize()
-    if not samples:
-        method = method if method != "cuda_graph" else "events"
-        for _ in range(5):
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1000 / n)
-    return {"us": statistics.median(samples), "spread_us": max(samples) - min(samples), "method": method, "n": n}
+    """Median per-call microseconds of ``fn``: ``_report.graph_time_us`` (n calls captured in
+    one CUDA graph, replayed 5 times), falling back to events around eager calls (recorded
+    as such) if capture fails; ``graph=False`` times eager calls."""
+    return graph_time_us(fn, target_ms, reps=5, max_calls=500, graph=graph, fallback=True)
 
 
 def eager_time_us(fn, reps: int = 20) -> float:
