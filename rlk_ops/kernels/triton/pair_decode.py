@@ -1,0 +1,223 @@
+"""canonical:C decode pairs in FA4's arithmetic: one Triton launch instead of the pair layout
+plus FA4's paged call, with the same bits. Measured correct, not yet fast: the op does not
+use it (see "Status" below).
+
+canonical:C defines a chunk partial as FA4's single pass over the chunk (kernels/fa4/canonical.py).
+FA4's SM90 forward walks the key blocks of a chunk one after another on a 64-row tile; a decode
+pair fills 4 of those rows, so at batch 1 / 8k its ~1 us per 128-key block is the whole cost.
+This kernel computes the same partial on a 16-row tile (mma.sync), reading the page table
+itself, and reproduces FA4's arithmetic step for step, as measured on the H200
+(benchmarks/probe_fa4_arith.py, results/h200/fa4_arith.json: an emulation built from these
+steps equals FA4's out and lse; 16-row and 64-row tensor-core tiles give the same bits):
+
+    key blocks of 128 from the last to the first; the first one masked past the pair's length
+    S = q @ K^T (fp32 accumulate);  m = max(m_prev, rowmax S);  m' = 0 if m = -inf else m
+    P = ex2(fma(S, scale_log2, -(m' * scale_log2)))                 (ex2.approx.ftz)
+    r = ex2((m_prev - m') * scale_log2)   (0 before the first block, where sums and O are 0)
+    thread sums: 4 per row; thread t adds its 32 columns 8j + 2t + e in order (j, e), the
+      first add fused with the rescale: fma(sum_t, r, P[first column])   (INIT_FMA)
+    O = O * r + bf16(P) @ V (the product accumulated onto O * r in the tensor core)
+    at the end: L = (s0 + s1) + (s2 + s3);  out = bf16(O * rcp(L));  lse = fma(m, scale_log2, lg2(L)) * ln 2
+
+with ``scale_log2 = fp32(softmax_scale) * fp32(log2 e)`` and rcp / lg2 the PTX approximations
+(``.approx.ftz``). The fused first add is ptxas contracting FA4's ``sum * r`` with the first
+addition of its in-order reduce: without it a few rows' lse (3 in the first H200 check, all in
+pairs of more than one block) were one ulp off; the probe's 64 rows had not hit the case.
+
+Checks (tests/test_triton_pair_decode.py): on the H200, every pair's out and lse equal FA4's own
+pair call (pages 16 and 128, C = 128 .. 2048, lengths on and off block and chunk boundaries,
+empty pairs, inputs with subnormal exponentials), run to run and batch invariant; on the
+Triton interpreter, the summation order against a torch transcription of the steps above.
+
+Status: correct but slower than the route it would replace (benchmarks/probe_pair_decode.py,
+results/h200/pair_decode_timing.json): at batch 1 / 8k, C = 1024, 23.6 us against 13.6 for the
+pair layout plus FA4's call. The per-thread sums (32 sequential adds picked out with
+reshapes and splits) and the per-key page gathers are the suspects, not yet profiled. So
+kernels/fa4/canonical.py keeps FA4's pair call; this kernel is the measured starting point for a
+decode kernel that is both FA4-exact and faster.
+
+Output: what kernels/fa4/canonical.py's pair call returns, ``out [N*B, 1, Hq, D]``, ``lse
+[N*B, Hq, 1]`` (pair index chunk-major, c * B + b), plus ``pair_lens [N*B]`` (0 for an empty
+pair: out 0, lse -inf, skipped by the merge through its length) and N.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_ops.kernels.triton import _common as C
+
+BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
+ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
+NUM_WARPS = 4
+NUM_STAGES = 2
+_LN2 = tl.constexpr(math.log(2.0))
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+def scale_log2(softmax_scale: float) -> float:
+    """FA4 multiplies in the kernel, in fp32: fp32(softmax_scale) * fp32(log2 e)."""
+    return float(torch.tensor(softmax_scale, dtype=torch.float32) * torch.tensor(math.log2(math.e),
+                                                                                 dtype=torch.float32))
+
+
+@triton.jit
+def _ex2(x, EMU: tl.constexpr):
+    if EMU:  # the interpreter has no inline asm (its tests use exact arguments)
+        return tl.math.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _lg2(x, EMU: tl.constexpr):
+    if EMU:
+        return tl.math.log2(x)
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _rcp(x, EMU: tl.constexpr):
+    if EMU:
+        return 1.0 / x
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _bf16(x, EMU: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (cvt.rn, as FA4 and torch). The interpreter's cast
+    truncates, so there the rounding is done on the bits first (finite values)."""
+    if EMU:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
+    """FA4's per-thread row sums: prev [M, 4] rescaled by r [M], then p's columns 8j + 2t + e
+    added for thread t in the order (j, e) = (0, 0), (0, 1), (1, 0), ... (15, 1): 32 sequential
+    fp32 adds per thread sum, the first fused with the rescale (INIT_FMA; off: a separate
+    multiply, the variant FA4 was measured not to use). Column k of thread t is picked out with
+    reshapes and splits (no arithmetic)."""
+    x = tl.reshape(tl.permute(tl.reshape(p, [M, 16, 4, 2]), (0, 2, 1, 3)), [M, 4, 32])  # [M, t, 2j + e]
+    for k in tl.static_range(32):
+        y0, y1 = tl.split(tl.reshape(x, [M, 4, 16, 2]))
+        y = y1 if k % 2 == 1 else y0
+        y0, y1 = tl.split(tl.reshape(y, [M, 4, 8, 2]))
+        y = y1 if (k // 2) % 2 == 1 else y0
+        y0, y1 = tl.split(tl.reshape(y, [M, 4, 4, 2]))
+        y = y1 if (k // 4) % 2 == 1 else y0
+        y0, y1 = tl.split(tl.reshape(y, [M, 4, 2, 2]))
+        y = y1 if (k // 8) % 2 == 1 else y0
+        y0, y1 = tl.split(y)
+        y = y1 if (k // 16) % 2 == 1 else y0
+        if k == 0:
+            if INIT_FMA:
+                acc = tl.math.fma(prev, r[:, None], y)
+            else:
+                acc = prev * r[:, None] + y
+        else:
+            acc = acc + y
+    return acc
+
+
+@triton.jit
+def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
+                 scale_log2, bsz, width, chunk, page,
+                 G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                 BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
+    pair = tl.program_id(0)
+    h = tl.program_id(1)
+    c = pair // bsz
+    b = pair % bsz
+    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
+    if h == 0:
+        tl.store(pair_lens + pair, n_keys)
+    rows = tl.arange(0, M)
+    rmask = rows < G
+    dd = tl.arange(0, D)
+    kk = tl.arange(0, BN)
+    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + rows)[:, None] * D + dd[None, :], mask=rmask[:, None],
+                 other=0.0)
+    m = tl.full([M], _NEG_INF, tl.float32)
+    part = tl.zeros([M, 4], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    nb = tl.cdiv(n_keys, BN)
+    for it in range(0, nb):
+        j = nb - 1 - it
+        in_pair = j * BN + kk
+        valid = in_pair < n_keys
+        pos = c * chunk + in_pair
+        pg = tl.load(table + b.to(tl.int64) * width + pos // page, mask=valid, other=0)
+        tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        if EMU:  # the interpreter's bf16 dot reads raw bits: multiply in fp32 (exact products)
+            s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(qt, tl.trans(k))
+        s = tl.where(valid[None, :], s, _NEG_INF)
+        m_prev = m
+        m = tl.maximum(tl.max(s, axis=1), m_prev)
+        m_use = tl.where(m == _NEG_INF, 0.0, m)
+        p = _ex2(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), EMU)
+        r = _ex2((m_prev - m_use) * scale_log2, EMU)  # 0 before the first block: part and acc are 0
+        part = _thread_sums(part, r, p, M, INIT_FMA)
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * r[:, None]
+        if EMU:
+            acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(_bf16(p, EMU), v, acc)
+    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
+    s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
+    total = s01 + s23
+    empty = n_keys == 0
+    o = tl.where(empty, 0.0, acc * _rcp(total, EMU)[:, None])
+    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _lg2(total, EMU)) * _LN2)
+    head = h * G + rows
+    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
+             mask=rmask[:, None])
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=rmask)
+    if SUMS:
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=rmask)
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Where this kernel's bits are FA4's (as checked): one query token, bf16, head_dim 128,
+    at most ROWS query heads per KV head."""
+    g = q.shape[2] // k_cache.shape[2]
+    return q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= ROWS
+
+
+def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
+                sums: bool = False, init_fma: bool = True):
+    """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
+    (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
+    the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only)."""
+    bsz, _, hq, d = q.shape
+    page = k_cache.shape[1]
+    hkv = k_cache.shape[2]
+    if chunk_size % page or chunk_size % BLOCK_N:
+        raise ValueError(f"pair_decode needs chunk_size a multiple of page_size {page} and of {BLOCK_N}, "
+                         f"got {chunk_size}")
+    width = page_table.shape[1]
+    n = max(1, math.ceil(width / (chunk_size // page)))
+    dev = q.device
+    out = torch.empty((n * bsz, 1, hq, d), dtype=q.dtype, device=dev)
+    lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
+    pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
+    row_sums = torch.empty((n * bsz, hq), dtype=torch.float32, device=dev) if sums else lse
+    if bsz:
+        _pair_decode[(n * bsz, hkv)](
+            C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
+            out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page,
+            G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=ROWS, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **C.LAUNCH)
+    return (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)

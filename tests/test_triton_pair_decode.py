@@ -1,0 +1,161 @@
+"""rlk_ops/kernels/triton/pair_decode.py: canonical:C decode pairs in FA4's arithmetic.
+
+On the GPU (``cuda``): every pair's out and lse equal FA4's own pair call (the route it
+replaces), for page sizes 16 and 128, several C, batches, lengths on and off block and chunk
+boundaries, empty pairs, and inputs with a wide exponent range (subnormal exponentials).
+On the Triton interpreter (TRITON_INTERPRET=1, triton importable; CI has no triton): the
+kernel equals a torch transcription of the documented steps bit for bit, row sums included,
+which checks the block order, the masking, the paging and the per-thread summation order
+(the interpreter has no PTX approximations: both sides use its exp2/log2, 1/x).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import bitwise_equal
+
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HQ, HKV, D, G = 16, 4, 128, 4
+
+
+def _inputs(lens, ps, seed, device, wide=False):
+    gen = torch.Generator().manual_seed(seed)
+    bsz = len(lens)
+    per = -(-max(lens) // ps) + 2                 # padding entries past every sequence
+    pages = bsz * per + 3
+    scale = 2.0 ** torch.randint(-6, 5, (pages, ps, HKV, 1), generator=gen) if wide else 1.0
+    kc = (torch.randn(pages, ps, HKV, D, generator=gen) * scale).to(torch.bfloat16)
+    vc = torch.randn(pages, ps, HKV, D, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(pages, generator=gen)[:bsz * per].view(bsz, per).to(torch.int32)
+    for b, n in enumerate(lens):
+        table[b, -(-n // ps):] = -7               # never read
+    q = (torch.randn(bsz, 1, HQ, D, generator=gen) * (4.0 if wide else 1.0)).to(torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(device) for t in (q, kc, vc, table, sl)]
+
+
+# --------------------------------------------------------------- interpreter
+def _transcribed(q, k, v, n_keys, scale):
+    """The kernel docstring's steps in torch, one IEEE op at a time (q [G, D], k/v [L, D])."""
+    from rlk_ops.kernels.triton.pair_decode import BLOCK_N, scale_log2
+
+    sl2 = torch.tensor(scale_log2(scale), dtype=torch.float32)
+    nb = -(-n_keys // BLOCK_N)
+    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, nb * BLOCK_N - n_keys))
+    vp = torch.nn.functional.pad(v.float(), (0, 0, 0, nb * BLOCK_N - n_keys))
+    cols = torch.tensor([[8 * j + 2 * t + e for j in range(16) for e in range(2)] for t in range(4)])
+    m = torch.full((G,), -math.inf)
+    part = torch.zeros(G, 4)
+    o = torch.zeros(G, D)
+    for j in range(nb - 1, -1, -1):
+        s = q.float() @ kp[j * BLOCK_N:(j + 1) * BLOCK_N].T
+        s[:, torch.arange(BLOCK_N) >= n_keys - j * BLOCK_N] = -math.inf
+        prev, m = m, torch.maximum(s.max(dim=1).values, m)
+        cur = torch.where(m == -math.inf, torch.zeros_like(m), m)
+        arg = (s.double() * sl2.double() - (cur * sl2).double()[:, None]).float()  # one rounding: fma
+        p = torch.exp2(arg)
+        r = torch.exp2((prev - cur) * sl2)
+        part = part * r[:, None]
+        for kk in range(32):
+            part = part + p[:, cols[:, kk]]
+        o = o * r[:, None] + p.to(torch.bfloat16).float() @ vp[j * BLOCK_N:(j + 1) * BLOCK_N]
+    total = (part[:, 0] + part[:, 1]) + (part[:, 2] + part[:, 3])
+    out = (o * (1.0 / total)[:, None]).to(torch.bfloat16)
+    import numpy as np
+
+    lg2 = torch.from_numpy(np.log2(total.numpy()))  # the interpreter's log2 (numpy, fp32)
+    lse = ((m.double() * sl2.double() + lg2.double()).float()) * math.log(2.0)
+    return out, lse, total
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+@pytest.mark.parametrize("ps,chunk,lens", [(16, 256, [300, 129, 1]), (128, 256, [520, 256, 17]),
+                                           (16, 128, [5, 130, 260])])
+def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens):
+    """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
+    product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
+    out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf."""
+    from rlk_ops.kernels.triton.pair_decode import BLOCK_N, pair_decode, scale_log2
+
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=1, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    q = torch.zeros_like(q)
+    q[..., 0] = 1.0
+    kc = torch.zeros_like(kc)
+    kc[..., 0] = -torch.randint(0, 41, kc.shape[:3], generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.log2(math.e)
+    assert scale_log2(scale) == 1.0
+    rows = kc.view(-1, HKV, D)
+    for b, n in enumerate(lens):  # a 0 score at every block start of every chunk
+        for start in range(0, n, BLOCK_N):
+            rows[int(table[b, start // ps]) * ps + start % ps, :, 0] = 0.0
+    out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True)
+    for c in range(n_chunks):
+        for b, n in enumerate(lens):
+            p, length = c * len(lens) + b, max(0, min(n - c * chunk, chunk))
+            assert int(plens[p]) == length
+            if length == 0:
+                assert bool((out[p] == 0).all()) and bool((lse[p] == -math.inf).all())
+                continue
+            pos = c * chunk + torch.arange(length)
+            idx = table[b, pos // ps].long() * ps + pos % ps
+            for h in range(HKV):
+                o, l, total = _transcribed(q[b, 0, h * G:(h + 1) * G], rows[idx, h], vc.view(-1, HKV, D)[idx, h],
+                                           length, scale)
+                assert bitwise_equal(sums[p, h * G:(h + 1) * G], total)
+                assert bitwise_equal(out[p, 0, h * G:(h + 1) * G], o)
+                assert bitwise_equal(lse[p, h * G:(h + 1) * G, 0], l)
+
+
+# ------------------------------------------------------------------------ GPU
+def _fa4_ready():
+    if INTERPRET or not torch.cuda.is_available():
+        return False
+    try:
+        from rlk_ops.kernels.fa4 import loader
+
+        loader.load()
+        return True
+    except Exception:  # noqa: BLE001 - no FA4 here: the GPU comparison is skipped
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4 (the kernel is compared with it)")
+@pytest.mark.parametrize("ps", [16, 128])
+@pytest.mark.parametrize("chunk", [128, 256, 1024, 2048])
+@pytest.mark.parametrize("wide", [False, True])
+def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide):
+    from rlk_ops.kernels.fa4.kernels import pair_attention
+    from rlk_ops.kernels.triton.merge import decode_pairs
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    lens = [1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192][: 10 if chunk < 2048 else 8]
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps + wide, device="cuda", wide=wide)
+    scale = D ** -0.5
+    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk)
+    qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
+    ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
+    assert n == n_ref and bitwise_equal(plens, ref_lens)
+    full = plens > 0
+    assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
+    assert bool((lse[~full] == -math.inf).all()) and bool((out[~full] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
+def test_cuda_run_to_run_and_batch_invariant():
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    lens = [8192, 300, 2049, 1]
+    q, kc, vc, table, sl = _inputs(lens, 16, seed=3, device="cuda")
+    a = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024)
+    b = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024)
+    assert all(bitwise_equal(x, y) for x, y in zip(a[:3], b[:3]))
+    one = pair_decode(q[2:3], kc, vc, table[2:3], sl[2:3], D ** -0.5, 1024)
+    rows = torch.arange(a[3]) * len(lens) + 2
+    assert bitwise_equal(one[0], a[0][rows]) and bitwise_equal(one[1], a[1][rows])
