@@ -1,7 +1,8 @@
 """Probe (H200): the canonical:C decode pairs from rlk_ops/kernels/triton/pair_decode.py (one
 Triton launch, 16-row tile) against the route it would replace (Triton pair layout + FA4's
 paged call over the pairs): bits of every pair (torch.equal) and CUDA-graph time, and the
-merged op with each. Usage: python3 benchmarks/probe_pair_decode.py OUT.json
+merged op with each. ``configs``: the kernel's launch configurations at batch 1 and 8 instead.
+Usage: python3 benchmarks/probe_pair_decode.py OUT.json [configs]
 """
 from __future__ import annotations
 
@@ -17,8 +18,40 @@ from rlk_ops.kernels.triton import merge as tm  # noqa: E402
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
 
+def configs(out):
+    """Launch configurations of the Triton kernel (num_warps, num_stages) at the batch-1/8 shapes:
+    bits against FA4's pair call and time."""
+    res = []
+    for page in (16, 128):
+        sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=3)
+        b = cb.Bench("cuda", sh, None, False)
+        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(((1, 8192), (1, 32768), (8, 8192))):
+            c = 1024
+            qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, page, c)
+            ref = pair_attention(qp, kc, vc, ptab, klens, b.scale)
+
+            def fa4_route(q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
+                qp, ptab, _, klens, _ = tm.decode_pairs(q, pt, sl, page, c)
+                return pair_attention(qp, kc, vc, ptab, klens, b.scale)
+
+            row = {"page": page, "batch": bsz, "context": ctx, "C": c,
+                   "fa4_layout_and_call_us": round(b.graph_us(fa4_route), 2)}
+            for cfg in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                got = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg)
+                row[f"w{cfg[0]}s{cfg[1]}_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
+                row[f"w{cfg[0]}s{cfg[1]}_us"] = round(b.graph_us(
+                    lambda cfg=cfg: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg)), 2)
+            print(row, flush=True)
+            res.append(row)
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else None
+    if "configs" in sys.argv[2:]:
+        return configs(out)
     res = []
     for page in (16, 128):
         sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=4.0)

@@ -197,10 +197,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                sums: bool = False, init_fma: bool = True):
+                sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
-    the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only)."""
+    the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
+    ``config``: (num_warps, num_stages) instead of (NUM_WARPS, NUM_STAGES) (probes; no bit
+    depends on them: every reduction order above is fixed by the code, not the launch)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -219,5 +221,6 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=ROWS, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **C.LAUNCH)
+            num_warps=(config or (NUM_WARPS, NUM_STAGES))[0], num_stages=(config or (NUM_WARPS, NUM_STAGES))[1],
+            **C.LAUNCH)
     return (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
