@@ -31,10 +31,14 @@ Triton interpreter, the summation order against a torch transcription of the ste
 
 Status: correct but slower than the route it would replace (benchmarks/probe_pair_decode.py,
 results/h200/pair_decode_timing.json): at batch 1 / 8k, C = 1024, 23.6 us against 13.6 for the
-pair layout plus FA4's call. The per-thread sums (32 sequential adds picked out with
-reshapes and splits) and the per-key page gathers are the suspects, not yet profiled. So
-kernels/fa4/canonical.py keeps FA4's pair call; this kernel is the measured starting point for a
-decode kernel that is both FA4-exact and faster.
+pair layout plus FA4's call, and slower at every measured shape. Not profiled on the GPU yet;
+an offline sm90 compile (4 warps, 2 stages) shows K and V pipelined with cp.async, 206
+registers and no spills, and ~29 barriers per key block: the keys are split across the 4
+warps, so the row max, the thread sums and P as the A operand of P @ V all cross warps
+through shared memory; and each block's K/V addresses wait on its page-table load. Those are
+the suspects; ``config`` varies warps and stages for the probe. So kernels/fa4/canonical.py
+keeps FA4's pair call; this kernel is the measured starting point for a decode kernel that is
+both FA4-exact and faster.
 
 Output: what kernels/fa4/canonical.py's pair call returns, ``out [N*B, 1, Hq, D]``, ``lse
 [N*B, Hq, 1]`` (pair index chunk-major, c * B + b), plus ``pair_lens [N*B]`` (0 for an empty
