@@ -33,7 +33,7 @@ Status: correct but slower than the route it would replace (benchmarks/probe_pai
 results/h200/pair_decode_timing.json): at batch 1 / 8k, C = 1024, 23.6 us against 13.6 for the
 pair layout plus FA4's call, and slower at every measured shape. Not profiled on the GPU yet;
 an offline sm90 compile (4 warps, 2 stages) shows K and V pipelined with cp.async, 206
-registers and no spills, and ~29 barriers per key block: the keys are split across the 4
+registers and no spills, and 16 barriers per key block: the keys are split across the 4
 warps, so the row max, the thread sums and P as the A operand of P @ V all cross warps
 through shared memory; and each block's K/V addresses wait on its page-table load. Those are
 the suspects; ``config`` varies warps and stages for the probe. So kernels/fa4/canonical.py
