@@ -6,6 +6,7 @@ PY     := $(VENV)/bin/python
 # local disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 DEVICE ?= cpu
+DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test bench inspect clean
@@ -19,7 +20,7 @@ $(VENV)/.stamp: pyproject.toml
 setup: $(VENV)/.stamp
 
 demo: setup
-	$(PY) -m rlk_ops demo --device $(DEVICE)
+	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
