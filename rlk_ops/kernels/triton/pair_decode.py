@@ -69,26 +69,16 @@ def scale_log2(softmax_scale: float) -> float:
 
 
 @triton.jit
-def _ex2(x, EMU: tl.constexpr):
-    if EMU:  # the interpreter has no inline asm (its tests use exact arguments)
-        return tl.math.exp2(x)
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _lg2(x, EMU: tl.constexpr):
+def _approx(x, OP: tl.constexpr, EMU: tl.constexpr):
+    """The PTX approximation FA4 uses: OP "ex2", "lg2" or "rcp" (``.approx.ftz.f32``). The
+    interpreter has no inline asm: there exp2 / log2 / 1/x (its tests use exact arguments)."""
     if EMU:
-        return tl.math.log2(x)
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _rcp(x, EMU: tl.constexpr):
-    if EMU:
+        if OP == "ex2":
+            return tl.math.exp2(x)
+        if OP == "lg2":
+            return tl.math.log2(x)
         return 1.0 / x
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+    return tl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)
 
 
@@ -170,8 +160,8 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         m_prev = m
         m = tl.maximum(tl.max(s, axis=1), m_prev)
         m_use = tl.where(m == _NEG_INF, 0.0, m)
-        p = _ex2(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), EMU)
-        r = _ex2((m_prev - m_use) * scale_log2, EMU)  # 0 before the first block: part and acc are 0
+        p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
+        r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)  # 0 before the first block: part and acc are 0
         part = _thread_sums(part, r, p, M, INIT_FMA)
         v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         acc = acc * r[:, None]
@@ -183,8 +173,8 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
     total = s01 + s23
     empty = n_keys == 0
-    o = tl.where(empty, 0.0, acc * _rcp(total, EMU)[:, None])
-    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _lg2(total, EMU)) * _LN2)
+    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
+    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     head = h * G + rows
     tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
              mask=rmask[:, None])
