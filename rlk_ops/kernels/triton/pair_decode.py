@@ -35,10 +35,11 @@ pair layout plus FA4's call, and slower at every measured shape. Not profiled on
 an offline sm90 compile (4 warps, 2 stages) shows K and V pipelined with cp.async, 206
 registers and no spills, and 16 barriers per key block: the keys are split across the 4
 warps, so the row max, the thread sums and P as the A operand of P @ V all cross warps
-through shared memory; and each block's K/V addresses wait on its page-table load. Those are
-the suspects; ``config`` varies warps and stages for the probe. So kernels/fa4/canonical.py
-keeps FA4's pair call; this kernel is the measured starting point for a decode kernel that is
-both FA4-exact and faster.
+through shared memory: the first suspect (``config`` varies warps and stages for the probe).
+So kernels/fa4/canonical.py keeps FA4's pair call; this kernel is the measured starting point
+for a decode kernel that is both FA4-exact and fast. It need only match FA4's per-block time:
+with the pair layout already gone and the merge folded in (the last CTA of a sequence merging
+in the fixed order), one launch would close most of the batch 1 / 8k gap.
 
 Output: what kernels/fa4/canonical.py's pair call returns, ``out [N*B, 1, Hq, D]``, ``lse
 [N*B, Hq, 1]`` (pair index chunk-major, c * B + b), plus ``pair_lens [N*B]`` (0 for an empty
