@@ -171,10 +171,7 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     if MAX2D > 0:  # every state's lse in one [BLOCK, MAX2D] load, one max: no chain of N loads
         ns = tl.arange(0, MAX2D)
         mn = rmask[:, None] & (ns < N)[None, :]
-        lse2 = tl.load(l_ptr + ns[None, :] * R + off[:, None], mask=mn, other=_NEG_INF)
-        if HAS_LENS:
-            keys = tl.load(lens_ptr + ns[None, :] * n_lead + lead[:, None], mask=mn, other=0)
-            lse2 = tl.where(keys > 0, lse2, _NEG_INF)
+        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS)
         m = tl.max(lse2, axis=1)                                        # max is exact in any order
         nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
         m = tl.where(nan, _INF - _INF, m)                               # NaN propagates, as amax
