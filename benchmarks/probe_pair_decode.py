@@ -18,31 +18,63 @@ from rlk_ops.kernels.triton import merge as tm  # noqa: E402
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
 
+# layout -> ((num_warps, num_stages, prefetch), ...); prefetch: see pair_decode's PF
+CONFIGS = {"rows": ((4, 2, None),), "keys": ((4, 3, 0), (4, 3, 1), (4, 2, 2), (4, 3, 2), (8, 3, 2))}
+
+
 def configs(out):
-    """Launch configurations of the Triton kernel (num_warps, num_stages) at the batch-1/8 shapes:
-    bits against FA4's pair call and time."""
+    """Launch configurations (num_warps, num_stages) of both tile layouts ("rows": queries on the
+    MMA's M axis; "keys": keys there) against FA4's pair call (layout + call): bits of every
+    pair and time, then the merged op with each kernel's fastest configuration."""
     res = []
+    cases = ((1, 8192, (512, 1024, 2048)), (1, 32768, (1024,)), (8, 8192, (1024,)), (8, 32768, (1024,)),
+             (64, 8192, (1024,)))
     for page in (16, 128):
         sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=3)
         b = cb.Bench("cuda", sh, None, False)
-        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(((1, 8192), (1, 32768), (8, 8192))):
-            c = 1024
-            qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, page, c)
-            ref = pair_attention(qp, kc, vc, ptab, klens, b.scale)
+        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs([(bb, cc) for bb, cc, _ in cases]):
+            for c in next(cs for bb, cc, cs in cases if (bb, cc) == (bsz, ctx)):
+                qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, page, c)
+                ref = pair_attention(qp, kc, vc, ptab, klens, b.scale)
 
-            def fa4_route(q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
-                qp, ptab, _, klens, _ = tm.decode_pairs(q, pt, sl, page, c)
-                return pair_attention(qp, kc, vc, ptab, klens, b.scale)
+                def fa4_route(q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
+                    qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, page, c)
+                    o, l = pair_attention(qp, kc, vc, ptab, klens, b.scale)
+                    return o, l, plens, n
 
-            row = {"page": page, "batch": bsz, "context": ctx, "C": c,
-                   "fa4_layout_and_call_us": round(b.graph_us(fa4_route), 2)}
-            for cfg in ((4, 2), (4, 3), (8, 2), (8, 3)):
-                got = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg)
-                row[f"w{cfg[0]}s{cfg[1]}_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
-                row[f"w{cfg[0]}s{cfg[1]}_us"] = round(b.graph_us(
-                    lambda cfg=cfg: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg)), 2)
-            print(row, flush=True)
-            res.append(row)
+                def merged(route, bsz=bsz):
+                    o, l, pl, n = route()
+                    return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
+                                                state_lens=pl.view(n, bsz))
+
+                row = {"page": page, "batch": bsz, "context": ctx, "C": c,
+                       "fa4_layout_and_call_us": round(b.graph_us(fa4_route), 2),
+                       "op_fa4_us": round(b.graph_us(lambda: merged(fa4_route)), 2)}
+                full = plens > 0
+                for layout, cfgs in CONFIGS.items():
+                    best = None
+                    for cfg in cfgs:
+                        key = f"{layout}_w{cfg[0]}s{cfg[1]}" + ("" if cfg[2] is None else f"pf{cfg[2]}")
+
+                        def run(cfg=cfg, layout=layout, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
+                            return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg[:2], layout=layout,
+                                                  prefetch=cfg[2])
+
+                        try:
+                            got = run()
+                        except Exception as e:  # noqa: BLE001 - a configuration the compiler refuses
+                            row[key] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                            continue
+                        row[key + "_equal"] = (cb.beq(got[0][full], ref[0][full]) and cb.beq(got[1][full], ref[1][full])
+                                               and cb.beq(got[2], plens))
+                        row[key + "_us"] = t = round(b.graph_us(run), 2)
+                        if best is None or t < best[0]:
+                            best = (t, run, key)
+                    if best:
+                        row[f"op_{layout}_us"] = round(b.graph_us(lambda: merged(best[1])), 2)
+                        row[f"op_{layout}_config"] = best[2]
+                print(row, flush=True)
+                res.append(row)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)

@@ -75,7 +75,8 @@ def _transcribed(q, k, v, n_keys, scale):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
 @pytest.mark.parametrize("ps,chunk,lens", [(16, 256, [300, 129, 1]), (128, 256, [520, 256, 17]),
                                            (16, 128, [5, 130, 260])])
-def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens):
+@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2)])
+def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
     out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf."""
@@ -93,7 +94,8 @@ def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens):
     for b, n in enumerate(lens):  # a 0 score at every block start of every chunk
         for start in range(0, n, BLOCK_N):
             rows[int(table[b, start // ps]) * ps + start % ps, :, 0] = 0.0
-    out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True)
+    out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout,
+                                                  prefetch=prefetch)
     for c in range(n_chunks):
         for b, n in enumerate(lens):
             p, length = c * len(lens) + b, max(0, min(n - c * chunk, chunk))
@@ -129,7 +131,8 @@ def _fa4_ready():
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("chunk", [128, 256, 1024, 2048])
 @pytest.mark.parametrize("wide", [False, True])
-def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide):
+@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2)])
+def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
     from rlk_ops.kernels.triton.pair_decode import pair_decode
@@ -137,7 +140,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide):
     lens = [1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192][: 10 if chunk < 2048 else 8]
     q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps + wide, device="cuda", wide=wide)
     scale = D ** -0.5
-    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk)
+    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout=layout, prefetch=prefetch)
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
     assert n == n_ref and bitwise_equal(plens, ref_lens)
@@ -148,14 +151,15 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-def test_cuda_run_to_run_and_batch_invariant():
+@pytest.mark.parametrize("layout", ["rows", "keys"])
+def test_cuda_run_to_run_and_batch_invariant(layout):
     from rlk_ops.kernels.triton.pair_decode import pair_decode
 
     lens = [8192, 300, 2049, 1]
     q, kc, vc, table, sl = _inputs(lens, 16, seed=3, device="cuda")
-    a = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024)
-    b = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024)
+    a = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, layout=layout)
+    b = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, layout=layout)
     assert all(bitwise_equal(x, y) for x, y in zip(a[:3], b[:3]))
-    one = pair_decode(q[2:3], kc, vc, table[2:3], sl[2:3], D ** -0.5, 1024)
+    one = pair_decode(q[2:3], kc, vc, table[2:3], sl[2:3], D ** -0.5, 1024, layout=layout)
     rows = torch.arange(a[3]) * len(lens) + 2
     assert bitwise_equal(one[0], a[0][rows]) and bitwise_equal(one[1], a[1][rows])

@@ -184,6 +184,97 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=rmask)
 
 
+@triton.jit
+def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
+                      scale_log2, bsz, width, chunk, page,
+                      G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                      BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
+                      PF: tl.constexpr = 0, NBC: tl.constexpr = 1):
+    """``_pair_decode`` with the tile transposed: keys on the MMA's M axis, the G query heads
+    (padded to M = 8 or 16) on its N axis, so S^T = K @ Q^T and O^T = V^T @ P^T. Same
+    operations per element (a tensor-core output element is the same dot in either operand
+    role, measured), a quarter of the padded MMA work and exponentials at G = 4."""
+    pair = tl.program_id(0)
+    h = tl.program_id(1)
+    c = pair // bsz
+    b = pair % bsz
+    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
+    if h == 0:
+        tl.store(pair_lens + pair, n_keys)
+    cols = tl.arange(0, M)
+    cmask = cols < G
+    dd = tl.arange(0, D)
+    kk = tl.arange(0, BN)
+    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + cols)[None, :] * D + dd[:, None], mask=cmask[None, :],
+                 other=0.0)                                              # Q^T [D, M]
+    m = tl.full([M], _NEG_INF, tl.float32)
+    part = tl.zeros([M, 4], tl.float32)
+    acc = tl.zeros([D, M], tl.float32)                                   # O^T
+    nb = tl.cdiv(n_keys, BN)
+    row = table + b.to(tl.int64) * width
+    if PF == 1:  # the page-table entries one block ahead, by hand
+        in_pair = (nb - 1) * BN + kk
+        pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
+    if PF == 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
+        blk = tl.arange(0, NBC)
+        at = blk[:, None] * BN + kk[None, :]
+        pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
+        tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
+    for it in range(0, nb):
+        j = nb - 1 - it
+        in_pair = j * BN + kk
+        valid = in_pair < n_keys
+        pos = c * chunk + in_pair
+        if PF == 2:
+            tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
+        else:
+            if PF == 1:
+                pg = pg_next
+                nxt = in_pair - BN
+                pg_next = tl.load(row + (c * chunk + nxt) // page, mask=(nxt >= 0) & (nxt < n_keys), other=0)
+            else:
+                pg = tl.load(row + pos // page, mask=valid, other=0)
+            tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        if EMU:
+            s = tl.dot(k.to(tl.float32), qt.to(tl.float32))
+        else:
+            s = tl.dot(k, qt)                                            # S^T [BN, M]
+        s = tl.where(valid[:, None], s, _NEG_INF)
+        m_prev = m
+        m = tl.maximum(tl.max(s, axis=0), m_prev)
+        m_use = tl.where(m == _NEG_INF, 0.0, m)
+        p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[None, :]), "ex2", EMU)
+        r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
+        part = _thread_sums(part, r, tl.trans(p), M, INIT_FMA)
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * r[None, :]
+        if EMU:
+            acc = tl.dot(tl.trans(v.to(tl.float32)), _bf16(p, EMU).to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(v), _bf16(p, EMU), acc)
+    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))
+    s01, s23 = tl.split(even_t + odd_t)
+    total = s01 + s23
+    empty = n_keys == 0
+    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[None, :])
+    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
+    head = h * G + cols
+    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[None, :] * D + dd[:, None], _bf16(o, EMU),
+             mask=cmask[None, :])
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=cmask)
+    if SUMS:
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=cmask)
+
+
+# layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
+# MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
+MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
+
+LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
+           "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16)}
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Where this kernel's bits are FA4's (as checked): one query token, bf16, head_dim 128,
     at most ROWS query heads per KV head."""
@@ -192,7 +283,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None):
+                sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
+                layout: str = "rows", prefetch: int | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -211,11 +303,20 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
     pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
     row_sums = torch.empty((n * bsz, hq), dtype=torch.float32, device=dev) if sums else lse
+    if layout not in LAYOUTS:
+        raise ValueError(f"pair_decode layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    kernel, rows = LAYOUTS[layout](hq // hkv)
+    extra = {}
+    if layout == "keys":
+        blocks = chunk_size // BLOCK_N
+        if prefetch is None:
+            prefetch = 2 if blocks <= MAX_PRELOADED_BLOCKS and k_cache.shape[0] * page < 2 ** 31 else 1
+        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks)}
     if bsz:
-        _pair_decode[(n * bsz, hkv)](
+        kernel[(n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page,
-            G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=ROWS, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma,
+            G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
             num_warps=(config or (NUM_WARPS, NUM_STAGES))[0], num_stages=(config or (NUM_WARPS, NUM_STAGES))[1],
             **C.LAUNCH)
     return (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
