@@ -189,11 +189,13 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       scale_log2, bsz, width, chunk, page,
                       G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
-                      PF: tl.constexpr = 0, NBC: tl.constexpr = 1):
-    """``_pair_decode`` with the tile transposed: keys on the MMA's M axis, the G query heads
-    (padded to M = 8 or 16) on its N axis, so S^T = K @ Q^T and O^T = V^T @ P^T. Same
-    operations per element (a tensor-core output element is the same dot in either operand
-    role, measured), a quarter of the padded MMA work and exponentials at G = 4."""
+                      PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0):
+    """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
+    (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
+    O = P @ V as usual (V the natural B operand, so it is copied to shared memory
+    asynchronously). Same operations per element (a tensor-core output element is the same dot
+    in either operand role, measured on the H200), half the padded QK^T work and a quarter of
+    the exponentials at G = 4."""
     pair = tl.program_id(0)
     h = tl.program_id(1)
     c = pair // bsz
@@ -209,7 +211,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                  other=0.0)                                              # Q^T [D, M]
     m = tl.full([M], _NEG_INF, tl.float32)
     part = tl.zeros([M, 4], tl.float32)
-    acc = tl.zeros([D, M], tl.float32)                                   # O^T
+    acc = tl.zeros([M, D], tl.float32)
     nb = tl.cdiv(n_keys, BN)
     row = table + b.to(tl.int64) * width
     if PF == 1:  # the page-table entries one block ahead, by hand
@@ -235,6 +237,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             else:
                 pg = tl.load(row + pos // page, mask=valid, other=0)
             tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        if ABL & 1:
+            tok = kk.to(tl.int64) * (HKV * D) + h * D
         k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         if EMU:
             s = tl.dot(k.to(tl.float32), qt.to(tl.float32))
@@ -244,24 +248,32 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         m_prev = m
         m = tl.maximum(tl.max(s, axis=0), m_prev)
         m_use = tl.where(m == _NEG_INF, 0.0, m)
-        p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[None, :]), "ex2", EMU)
-        r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
-        part = _thread_sums(part, r, tl.trans(p), M, INIT_FMA)
-        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * r[None, :]
-        if EMU:
-            acc = tl.dot(tl.trans(v.to(tl.float32)), _bf16(p, EMU).to(tl.float32), acc)
+        if ABL & 16:
+            p = s
+            r = m_use
         else:
-            acc = tl.dot(tl.trans(v), _bf16(p, EMU), acc)
+            p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[None, :]), "ex2", EMU)
+            r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
+        p = tl.trans(p)                                                  # P [M, BN]
+        if not (ABL & 2):
+            part = _thread_sums(part, r, p, M, INIT_FMA)
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * r[:, None]
+        if EMU:
+            acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
+        elif ABL & 4:
+            acc = acc + tl.sum(p, axis=1)[:, None] + tl.max(v.to(tl.float32), axis=0)[None, :]
+        else:
+            acc = tl.dot(_bf16(p, EMU), v, acc)
     even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))
     s01, s23 = tl.split(even_t + odd_t)
     total = s01 + s23
     empty = n_keys == 0
-    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[None, :])
+    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
     l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     head = h * G + cols
-    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[None, :] * D + dd[:, None], _bf16(o, EMU),
-             mask=cmask[None, :])
+    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
+             mask=cmask[:, None])
     tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=cmask)
     if SUMS:
         tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=cmask)
@@ -284,7 +296,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
-                layout: str = "rows", prefetch: int | None = None):
+                layout: str = "rows", prefetch: int | None = None, ablate: int = 0):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -311,7 +323,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         blocks = chunk_size // BLOCK_N
         if prefetch is None:
             prefetch = 2 if blocks <= MAX_PRELOADED_BLOCKS and k_cache.shape[0] * page < 2 ** 31 else 1
-        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks)}
+        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate}
     if bsz:
         kernel[(n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
