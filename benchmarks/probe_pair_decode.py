@@ -19,7 +19,7 @@ from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
 
 # layout -> ((num_warps, num_stages, prefetch), ...); prefetch: see pair_decode's PF
-CONFIGS = {"rows": ((4, 2, None),), "keys": ((4, 3, 0), (4, 2, 2), (4, 3, 2), (8, 2, 2), (8, 3, 2))}
+CONFIGS = {"rows": ((4, 2, None),), "keys": ((4, 2, 3), (4, 3, 3), (8, 2, 3), (8, 3, 3))}
 
 
 def configs(out):

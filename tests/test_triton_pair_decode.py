@@ -75,7 +75,7 @@ def _transcribed(q, k, v, n_keys, scale):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
 @pytest.mark.parametrize("ps,chunk,lens", [(16, 256, [300, 129, 1]), (128, 256, [520, 256, 17]),
                                            (16, 128, [5, 130, 260])])
-@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2)])
+@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2), ("keys", 3)])
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
@@ -131,8 +131,9 @@ def _fa4_ready():
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("chunk", [128, 256, 1024, 2048])
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2)])
-def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch):
+@pytest.mark.parametrize("layout,prefetch,config", [("rows", None, None), ("keys", 0, (4, 2)), ("keys", 2, (4, 3)),
+                                                    ("keys", 3, (4, 2)), ("keys", 3, (8, 2)), ("keys", 3, (8, 3))])
+def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
     from rlk_ops.kernels.triton.pair_decode import pair_decode
@@ -140,7 +141,8 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     lens = [1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192][: 10 if chunk < 2048 else 8]
     q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps + wide, device="cuda", wide=wide)
     scale = D ** -0.5
-    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout=layout, prefetch=prefetch)
+    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout=layout, prefetch=prefetch,
+                                     config=config)
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
     assert n == n_ref and bitwise_equal(plens, ref_lens)

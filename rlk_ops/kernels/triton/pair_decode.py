@@ -189,7 +189,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       scale_log2, bsz, width, chunk, page,
                       G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
-                      PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0):
+                      PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
+                      SPLIT: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -217,7 +218,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     if PF == 1:  # the page-table entries one block ahead, by hand
         in_pair = (nb - 1) * BN + kk
         pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
-    if PF == 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
+    if PF >= 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
         blk = tl.arange(0, NBC)
         at = blk[:, None] * BN + kk[None, :]
         pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
@@ -227,7 +228,9 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         in_pair = j * BN + kk
         valid = in_pair < n_keys
         pos = c * chunk + in_pair
-        if PF == 2:
+        if PF == 3:  # int32 element offsets (the cache has < 2**31 elements); keys past the pair read
+            tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0) * (HKV * D) + h * D  # page 0
+        elif PF == 2:
             tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
         else:
             if PF == 1:
@@ -239,25 +242,33 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
         if ABL & 1:
             tok = kk.to(tl.int64) * (HKV * D) + h * D
-        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        if PF == 3:
+            k = tl.load(kc + (tok[:, None] + dd[None, :]))
+        else:
+            k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         if EMU:
             s = tl.dot(k.to(tl.float32), qt.to(tl.float32))
+        elif SPLIT:  # a batched dot over SPLIT key groups: a warp each (Triton gives a 3-D dot's
+            s = tl.reshape(tl.dot(tl.reshape(k, [SPLIT, BN // SPLIT, D]),  # warps to its batch axis)
+                                  tl.broadcast_to(qt[None, :, :], [SPLIT, D, M])), [BN, M])
         else:
             s = tl.dot(k, qt)                                            # S^T [BN, M]
-        s = tl.where(valid[:, None], s, _NEG_INF)
+        s = tl.trans(tl.where(valid[:, None], s, _NEG_INF))              # S [M, BN]
         m_prev = m
-        m = tl.maximum(tl.max(s, axis=0), m_prev)
+        m = tl.maximum(tl.max(s, axis=1), m_prev)
         m_use = tl.where(m == _NEG_INF, 0.0, m)
         if ABL & 16:
             p = s
             r = m_use
         else:
-            p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[None, :]), "ex2", EMU)
+            p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
             r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
-        p = tl.trans(p)                                                  # P [M, BN]
         if not (ABL & 2):
             part = _thread_sums(part, r, p, M, INIT_FMA)
-        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        if PF == 3:
+            v = tl.load(vc + (tok[:, None] + dd[None, :]), mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         acc = acc * r[:, None]
         if EMU:
             acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
@@ -296,7 +307,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
-                layout: str = "rows", prefetch: int | None = None, ablate: int = 0):
+                layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -322,8 +333,11 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if layout == "keys":
         blocks = chunk_size // BLOCK_N
         if prefetch is None:
-            prefetch = 2 if blocks <= MAX_PRELOADED_BLOCKS and k_cache.shape[0] * page < 2 ** 31 else 1
-        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate}
+            prefetch = 3 if blocks <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31 else 0
+        warps = (config or (NUM_WARPS, NUM_STAGES))[0]
+        if split is None:
+            split = warps if BLOCK_N % (16 * warps) == 0 else 0
+        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split}
     if bsz:
         kernel[(n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
