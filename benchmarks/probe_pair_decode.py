@@ -69,10 +69,21 @@ def configs(out):
                                                and cb.beq(got[2], plens))
                         row[key + "_us"] = t = round(b.graph_us(run), 2)
                         if best is None or t < best[0]:
-                            best = (t, run, key)
+                            best = (t, run, key, cfg)
                     if best:
                         row[f"op_{layout}_us"] = round(b.graph_us(lambda: merged(best[1])), 2)
                         row[f"op_{layout}_config"] = best[2]
+                    if best and layout == "keys":  # the merge folded into the same launch
+                        cfg = best[3]
+
+                        def fused(cfg=cfg, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
+                            return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, config=cfg[:2], layout="keys",
+                                                  prefetch=cfg[2], merge=True)[4:]
+
+                        ref_op = merged(fa4_route)
+                        got = fused()
+                        row["op_keys_fused_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                        row["op_keys_fused_us"] = round(b.graph_us(fused), 2)
                 print(row, flush=True)
                 res.append(row)
     if out:

@@ -113,6 +113,29 @@ def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, pref
                 assert bitwise_equal(lse[p, h * G:(h + 1) * G, 0], l)
 
 
+def _merged_both_ways(q, kc, vc, table, sl, scale, chunk, **kw):
+    """The fused launch's merged (out, lse) and the merge op over the same launch's states."""
+    from rlk_ops.kernels.triton.merge import merge_attn_states
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    out, lse, plens, n, m_out, m_lse = pair_decode(q, kc, vc, table, sl, scale, chunk, layout="keys", merge=True,
+                                                   **kw)
+    bsz = q.shape[0]
+    ref_out, ref_lse = merge_attn_states(out.view(n, bsz, 1, HQ, D), lse.view(n, bsz, HQ, 1),
+                                         state_lens=plens.view(n, bsz))
+    return (m_out, m_lse), (ref_out, ref_lse)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+def test_interpreter_fused_merge_equals_the_merge_op():
+    """merge=True: the last program of each (sequence, KV head) merges the chunk states with
+    the merge op's steps; twice in a row (the counters are left at zero for the next launch)."""
+    q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=4, device="cpu")
+    for _ in range(2):
+        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=2)
+        assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
+
+
 # ------------------------------------------------------------------------ GPU
 def _fa4_ready():
     if INTERPRET or not torch.cuda.is_available():
@@ -165,3 +188,26 @@ def test_cuda_run_to_run_and_batch_invariant(layout):
     one = pair_decode(q[2:3], kc, vc, table[2:3], sl[2:3], D ** -0.5, 1024, layout=layout)
     rows = torch.arange(a[3]) * len(lens) + 2
     assert bitwise_equal(one[0], a[0][rows]) and bitwise_equal(one[1], a[1][rows])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
+@pytest.mark.parametrize("ps", [16, 128])
+@pytest.mark.parametrize("config", [(4, 2), (8, 2)])
+def test_cuda_fused_merge_equals_the_merge_op(ps, config):
+    """merge=True on the GPU: merged out and lse equal the merge op over the same states, for
+    every sequence (empty pairs included), launch after launch (counters reset), and equal
+    the route the op uses today (pair layout + FA4's pair call + the merge op)."""
+    from rlk_ops.kernels.fa4.kernels import pair_attention
+    from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
+
+    lens = [1, 127, 1024, 1025, 3000, 8192]
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=ps + config[0], device="cuda")
+    for _ in range(3):
+        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 1024, config=config)
+        assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
+    qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, 1024)
+    o, l = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)
+    fa4_out, fa4_lse = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
+                                         state_lens=plens.view(n, len(lens)))
+    assert bitwise_equal(m_out, fa4_out) and bitwise_equal(m_lse, fa4_lse)

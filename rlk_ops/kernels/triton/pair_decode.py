@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from rlk_ops.kernels.triton import _common as C
+from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
@@ -185,12 +186,51 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 
 
 @triton.jit
+def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, dd, bsz, n_chunks,
+                HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """rlk::merge_attn_states of sequence b's chunk states for the query heads ``head``, by the
+    program that finishes last: each program counts itself in ``count`` after its state is
+    written (a CTA barrier, then one acq_rel atomic); the one that sees n_chunks - 1 resets the
+    counter for the next launch and walks the states in ascending chunk order with the merge
+    kernel's operations (kernels/triton/merge.py: the same max, exp, sums, division and log,
+    no FMA contraction), reading them from L2 (.cg). An empty pair's lse is -inf, which the
+    merge skips exactly as it skips a zero state length."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count, 1, sem="acq_rel")
+    if done == n_chunks - 1:
+        tl.store(count, 0)
+        rows = bsz * HQ                                     # merge rows: (sequence, query head)
+        r = b.to(tl.int64) * HQ + head
+        mx = tl.full(head.shape, _NEG_INF, tl.float32)
+        for n in range(n_chunks):
+            ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
+            mx = tl.where(ln > mx, ln, mx)
+            mx = tl.where(ln != ln, ln, mx)
+        m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
+        total = tl.zeros(head.shape, tl.float32)
+        acc = tl.zeros([head.shape[0], D], tl.float32)
+        m2 = hmask[:, None]
+        for n in range(n_chunks):
+            ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
+            present = ln != _NEG_INF
+            w = _mexp(ln - m_safe, LIBDEVICE)
+            total = tl.where(present, total + w, total)
+            o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+        res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
+        res = tl.where(total[:, None] == 0.0, 0.0, res)
+        tl.store(merged_out + r[:, None] * D + dd[None, :], res.to(merged_out.dtype.element_ty), mask=m2)
+        tl.store(merged_lse + r, mx + _mlog(total, log_c), mask=hmask)
+
+
+@triton.jit
 def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
-                      scale_log2, bsz, width, chunk, page,
+                      scale_log2, bsz, width, chunk, page, n_chunks, counts, merged_out, merged_lse, log_c,
                       G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
-                      SPLIT: tl.constexpr = 0):
+                      SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -288,6 +328,9 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=cmask)
     if SUMS:
         tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=cmask)
+    if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
+        _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
+                    n_chunks, HQ, D, LIBDEVICE)
 
 
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
@@ -307,7 +350,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
-                layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None):
+                layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
+                merge: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -337,12 +381,38 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         warps = (config or (NUM_WARPS, NUM_STAGES))[0]
         if split is None:
             split = warps if BLOCK_N % (16 * warps) == 0 else 0
-        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split}
+        extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
+                 "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET)}
+    elif merge:
+        raise ValueError("pair_decode merge=True needs layout='keys'")
+    merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
+              torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
+    fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
+                  _log_constants(dev) if merge else lse) if layout == "keys" else ()
     if bsz:
         kernel[(n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
-            out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page,
+            out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
             num_warps=(config or (NUM_WARPS, NUM_STAGES))[0], num_stages=(config or (NUM_WARPS, NUM_STAGES))[1],
             **C.LAUNCH)
-    return (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
+    res = (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
+    return res + merged if merge else res
+
+
+_COUNTS: dict = {}
+
+
+def _counts(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one per (sequence, KV head); every launch
+    leaves them zero again. Kept per (device, stream), grown outside graph capture; inside a
+    capture with none big enough, a fresh zeroed buffer is captured with the launch."""
+    if device.type != "cuda":
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).stream_id)
+    t = _COUNTS.get(key)
+    if t is None or t.numel() < size:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
+        t = _COUNTS[key] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return t
