@@ -18,6 +18,6 @@ pt = torch.randperm(n, device="cuda", generator=gen).to(torch.int32).view(1, n)
 sl = torch.full((1,), ctx, dtype=torch.int32, device="cuda")
 q = torch.randn(1, 1, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
 for _ in range(3):
-    pair_decode(q, kc, vc, pt, sl, d ** -0.5, c, config=cfg, layout="keys", prefetch=2)
+    pair_decode(q, kc, vc, pt, sl, d ** -0.5, c, config=cfg, layout="keys")
 torch.cuda.synchronize()
 print("done", c, cfg)
