@@ -2,7 +2,7 @@
 Triton launch, 16-row tile) against the route it would replace (Triton pair layout + FA4's
 paged call over the pairs): bits of every pair (torch.equal) and CUDA-graph time, and the
 merged op with each. ``configs``: the kernel's launch configurations at batch 1 and 8 instead.
-Usage: python3 benchmarks/probe_pair_decode.py OUT.json [configs]
+Usage: [PAGES=16,128] python3 benchmarks/probe_pair_decode.py OUT.json [configs]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rlk_ops.kernels.triton import merge as tm  # noqa: E402
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
 
+PAGES = tuple(int(p) for p in os.environ.get("PAGES", "16,128").split(","))  # page sizes of the configs run
 # layout -> ((num_warps, num_stages, prefetch), ...); prefetch: see pair_decode's PF
 CONFIGS = {"rows": ((4, 2, None),), "keys": ((4, 2, 3), (4, 3, 3), (8, 2, 3), (8, 3, 3))}
 
@@ -29,7 +30,7 @@ def configs(out):
     res = []
     cases = ((1, 8192, (512, 1024, 2048)), (1, 32768, (1024,)), (8, 8192, (1024,)), (8, 32768, (1024,)),
              (64, 8192, (1024,)))
-    for page in (16, 128):
+    for page in PAGES:
         sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=3)
         b = cb.Bench("cuda", sh, None, False)
         for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs([(bb, cc) for bb, cc, _ in cases]):
