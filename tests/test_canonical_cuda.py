@@ -620,3 +620,31 @@ def test_cpu_reference_merge_is_the_cpu_default():
     """On CPU tensors the merge stays the reference (no triton needed to import rlk_ops)."""
     assert dispatch.requested_backend("merge_attn_states", "cpu") == "cpu"
     assert dispatch.requested_backend("merge_attn_states", "cuda") == "triton"
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("page", [16, 128])
+def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeypatch):
+    """fa4 canonical.DECODE_PAIRS: the Triton pair kernel ("triton") and the pair layout + FA4
+    call ("fa4") give the same decode rows, and both the training rows (sequences at different
+    positions, one repeated, a padded table)."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    q, k, v, cu, train = packed
+    out, lse = train[chunk]
+    k_cache, v_cache, table = _cache(k, v, cu, page, seed=7)
+    seqs = [0, 1, 2, 0]
+    pos = [LENS[0] - 1, min(chunk, LENS[1] - 1), 5, chunk - 1]
+    rows = [cu[b] + p for b, p in zip(seqs, pos)]
+    qd = q[rows][:, None]
+    seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
+    got = {}
+    for route in ("fa4", "triton"):
+        monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", route)
+        got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens, split_kv=f"canonical:{chunk}")
+    assert bitwise_equal(got["fa4"][0], got["triton"][0]) and bitwise_equal(got["fa4"][1], got["triton"][1])
+    o, l = got["triton"]
+    for i, r in enumerate(rows):
+        assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i

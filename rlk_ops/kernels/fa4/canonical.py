@@ -17,10 +17,11 @@ the gathering route (a row's partial depends on its piece alone), which
 benchmarks/canonical.py checks on the GPU with torch.equal.
 
 Decode (one query per sequence, ``C % page_size == 0``) takes a faster route to the same
-bits: the triton ``decode_pairs`` kernel lays out every (chunk, sequence) pair (page-table
-slice, length, query copy) in one launch, ONE FA4 paged call attends all pairs
-(``causal=True``, ``seqused_k`` = pair length), and the merge kernel skips empty pairs
-through their lengths. That is three launches where the generic route takes ~15 (ten
+bits: where ``DECODE_PAIRS`` and the shapes allow, kernels/triton/pair_decode.py computes
+every (chunk, sequence) pair's FA4 partial in one launch, bit for bit; otherwise the
+triton ``decode_pairs`` kernel lays out every pair (page-table slice, length, query copy)
+in one launch and ONE FA4 paged call attends all pairs (``causal=True``, ``seqused_k`` =
+pair length). Either way the merge kernel skips empty pairs through their lengths. That is three launches where the generic route takes ~15 (ten
 small tensor ops for the pair layout, a mask, the merge); each costs ~2 us even inside a
 CUDA graph, as much as the attention itself at batch 1 / 8k. The generic route stays for
 a merge backend that cannot take lengths (the cpu one, e.g. under the stand-in FA4 of the
@@ -64,6 +65,17 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
 STREAMS = 4
 
 
+# Decode pairs (one query token, C a multiple of the page size): "triton" computes every
+# (chunk, sequence) pair in one launch of kernels/triton/pair_decode.py ("keys" layout: its
+# out and lse equal FA4's pair call bit for bit, tests/test_triton_pair_decode.py on the H200)
+# where that kernel's checked shapes allow (``pair_decode.routable``); "fa4" (and every other
+# shape) lays the pairs out and makes one FA4 paged call over them. Measured on the H200, op =
+# pairs + the merge, page 16, C = 1024 (results/h200/pair_decode/configs_run5_split.json, one
+# run): 1 x 8k 18.3 vs 18.5 us, 1 x 32k 26.6 vs 29.4, 8 x 8k 42.9 vs 46.0, 8 x 32k 138.2 vs
+# 146.7, 64 x 8k 260.0 vs 272.0. Same bits either way.
+DECODE_PAIRS = "triton"
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
                                    attend_into=attend_into, streams=STREAMS)
@@ -80,9 +92,17 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
 
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
                                          attend_into=attend_into, attend_paged=paged_nonempty)
+    from rlk_ops.kernels.triton import pair_decode as triton_pairs
     from rlk_ops.kernels.triton.merge import decode_pairs
 
     bsz, _, hq, d = q.shape
-    q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size, chunk_size)
-    out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
+    if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
+        n = max(1, -(-page_table.shape[1] // (chunk_size // page_size)))
+        cfg = triton_pairs.decode_config(n * bsz * k_cache.shape[2], q.device)
+        out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
+                                                          chunk_size, layout="keys", config=cfg)
+    else:
+        q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size,
+                                                                      chunk_size)
+        out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
     return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz))

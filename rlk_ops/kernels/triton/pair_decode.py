@@ -348,6 +348,29 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= ROWS
 
 
+def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
+    """Where kernels/fa4/canonical.py may take this kernel ("keys" layout, prefetch 3) for a
+    decode step: the shapes its bits were checked on against FA4's pair call on the H200
+    (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, at most 8 query
+    heads per KV head, C a multiple of the page size and of 128 with at most
+    MAX_PRELOADED_BLOCKS key blocks, a cache of fewer than 2**31 elements."""
+    g = q.shape[2] // k_cache.shape[2]
+    page = k_cache.shape[1]
+    return (q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= 8
+            and chunk_size % page == 0 and chunk_size % BLOCK_N == 0
+            and chunk_size // BLOCK_N <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31)
+
+
+def decode_config(programs: int, device: torch.device) -> tuple[int, int]:
+    """(num_warps, num_stages) for a launch of ``programs`` (pair, KV head) programs, as measured
+    on the H200 (results/h200/pair_decode/configs_run5_split.json): up to one per SM, latency
+    decides and 8 warps with two K/V blocks in flight are fastest (1 x 8k C=1024: 15.6 us against
+    18.4 for 4 warps, one block); beyond, 4 warps and one block in flight (67 KB of shared
+    memory: three programs per SM; 64 x 8k: 254.5 us against 272.6). No bit depends on it."""
+    sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
+    return (8, 3) if programs <= sms else (4, 2)
+
+
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
