@@ -1,18 +1,24 @@
 """Compile rlk_ops/kernels/triton/pair_decode.py for sm90 on a machine without a GPU and report
-what the compiler made of it: layout conversions and async copies (TTGIR), shared-memory
-traffic and barriers, in the key-block loop and in all (PTX), registers and spills (ptxas).
+what the compiler made of it: the key-block loop's SASS (instructions per warp per block, top
+opcodes; nvdisasm), registers, spills and shared memory (ptxas), layout conversions and async
+copies (TTGIR).
 
-    python benchmarks/pair_decode_sm90_offline.py [--warps 4] [--stages 2]
+    python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
+                                                  [--prefetch 3] [--split 8] [--merge]
 
-Needs triton (its bundled ptxas; the sm90-capable one is ``ptxas-blackwell`` in Triton 3.9).
-Pointer and size arguments are marked 16-divisible, as a launch specialises them; without that
-the compiler cannot vectorise the K/V loads and the report would describe another kernel.
-Nothing here runs the kernel: speed and bits are measured on the GPU
-(benchmarks/probe_pair_decode.py, tests/test_triton_pair_decode.py).
+Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
+'keys' dots): ``pip install triton==3.6.0`` next to torch. Pointer and size arguments are marked
+16-divisible, as a launch specialises them; without that the compiler cannot vectorise the K/V
+loads and the report would describe another kernel. Nothing here runs the kernel: speed and
+bits are measured on the GPU (benchmarks/probe_pair_decode.py, tests/test_triton_pair_decode.py).
+On the H200 the loop's instruction count tracked the time per key block (ncu, run 4: ~1,175
+executed per warp per block at ~4 cycles each): 966 (rows of S^T on every warp) -> 644 (split, 4
+warps) -> 412 (8 warps) offline, ~2.2 -> ~1.7 us per block measured.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -30,61 +36,90 @@ from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 POINTERS = {"q": "*bf16", "kc": "*bf16", "vc": "*bf16", "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
             "lse": "*fp32", "pair_lens": "*i32", "sums": "*fp32"}
 SCALARS = {"scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32", "page": "i32"}
-CONSTS = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "M": pd.ROWS, "BN": pd.BLOCK_N, "EMU": False, "SUMS": False,
-          "INIT_FMA": True}
-DIVISIBLE = (*POINTERS, "chunk", "page")
+FUSED = {"n_chunks": "i32", "counts": "*i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}
+CONSTS = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": pd.BLOCK_N, "EMU": False, "SUMS": False, "INIT_FMA": True}
+DIVISIBLE = (*POINTERS, "chunk", "page", "counts", "merged_out", "merged_lse", "log_c")
+
+
+def bindir() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def ptxas() -> str:
-    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for name in ("ptxas-blackwell", "ptxas"):
-        path = os.path.join(folder, name)
+        path = os.path.join(bindir(), name)
         if os.path.exists(path):
             return path
-    raise SystemExit(f"no ptxas in {folder}")
+    raise SystemExit(f"no ptxas in {bindir()}")
 
 
-def loop_body(ptx: str) -> str:
-    """The PTX of the key-block loop: from LLVM's inner-loop header label to its back edge."""
-    start = ptx.find("Inner Loop Header")
-    if start < 0:
-        return ""
-    label = ptx.rfind("\n", 0, start)
-    name = ptx[label + 1:start].split(":")[0].strip()
-    end = ptx.find(f"bra \t{name};", start)
-    return ptx[start:end if end > 0 else len(ptx)]
+def loop_sass(sass: str) -> list[str]:
+    """The instructions of the longest backward-branch loop that holds a tensor-core op."""
+    labels, instrs, pending = {}, [], None
+    for line in sass.splitlines():
+        lab = re.match(r"\s*\.L_x_(\d+):", line)
+        if lab:
+            pending = lab.group(1)
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            if pending is not None:
+                labels[pending], pending = addr, None
+            instrs.append((addr, m.group(2)))
+    loops = []
+    for addr, ins in instrs:
+        t = re.search(r"BRA.*\.L_x_(\d+)", ins)
+        if t and labels.get(t.group(1), addr + 1) < addr:
+            body = [i for a, i in instrs if labels[t.group(1)] <= a <= addr]
+            if any("HMMA" in i or "HGMMA" in i for i in body):
+                loops.append(body)
+    return max(loops, key=len) if loops else []
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layout", choices=sorted(pd.LAYOUTS), default="keys")
     ap.add_argument("--warps", type=int, default=pd.NUM_WARPS)
     ap.add_argument("--stages", type=int, default=pd.NUM_STAGES)
+    ap.add_argument("--prefetch", type=int, default=3, help="keys: PF (see pair_decode)")
+    ap.add_argument("--split", type=int, default=None, help="keys: key groups of QK^T (default: warps)")
+    ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
+    ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
     args = ap.parse_args()
-    sig = {**POINTERS, **SCALARS, **{k: "constexpr" for k in CONSTS}}
+    fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
+    consts = dict(CONSTS, M=rows)
+    sig = {**POINTERS, **SCALARS}
+    if args.layout == "keys":
+        sig.update(FUSED)
+        consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
+                      FUSE=int(args.merge), LIBDEVICE=1)
+    sig.update({k: "constexpr" for k in consts})
+    sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)
-    src = ASTSource(fn=pd._pair_decode, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in CONSTS.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False})
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    loop_ir = ttgir[ttgir.find("scf.for"):]
-    body = loop_body(ptx)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        sass = subprocess.run([os.path.join(bindir(), "nvdisasm"), "-c", cubin], capture_output=True,
+                              text=True).stdout if os.path.exists(cubin) else ""
     usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
              if "registers" in line or "spill" in line]
-    print(f"pair_decode sm90, num_warps {args.warps}, num_stages {args.stages}")
-    print(f"  TTGIR from the loop on: convert_layout {loop_ir.count('convert_layout')}, "
-          f"async copies {ttgir.count('async_copy_global_to_local')}")
-    print(f"  PTX loop body: bar.sync {body.count('bar.sync')}, st.shared {body.count('st.shared')}, "
-          f"ld.shared {body.count('ld.shared')}, mma.sync {len(re.findall(r'mma.sync', body))}, "
-          f"cp.async {body.count('cp.async.')}")
-    print(f"  PTX whole kernel: bar.sync {ptx.count('bar.sync')}, cp.async {ptx.count('cp.async.')}")
+    body = loop_sass(sass)
+    ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
+    print(f"pair_decode sm90 (Triton {triton.__version__}), layout {args.layout}, num_warps {args.warps}, "
+          f"num_stages {args.stages}" + (f", prefetch {args.prefetch}, split {consts['SPLIT']}, merge {args.merge}"
+                                         if args.layout == "keys" else ""))
+    print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
+    print(f"  TTGIR: convert_layout {ttgir.count('convert_layout')}, async copies "
+          f"{ttgir.count('async_copy_global_to_local')}; shared memory {kernel.metadata.shared} bytes")
     print("  ptxas:", "; ".join(usage) or out.stderr.strip()[-300:])
 
 

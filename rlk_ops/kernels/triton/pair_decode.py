@@ -1,14 +1,12 @@
 """canonical:C decode pairs in FA4's arithmetic: one Triton launch instead of the pair layout
-plus FA4's paged call, with the same bits. Measured correct, not yet fast: the op does not
-use it (see "Status" below).
+plus FA4's paged call, with the same bits. kernels/fa4/canonical.py routes decode steps here
+(``DECODE_PAIRS = "triton"``, ``routable`` shapes, ``decode_config`` launch).
 
 canonical:C defines a chunk partial as FA4's single pass over the chunk (kernels/fa4/canonical.py).
 FA4's SM90 forward walks the key blocks of a chunk one after another on a 64-row tile; a decode
-pair fills 4 of those rows, so at batch 1 / 8k its ~1 us per 128-key block is the whole cost.
-This kernel computes the same partial on a 16-row tile (mma.sync), reading the page table
-itself, and reproduces FA4's arithmetic step for step, as measured on the H200
-(benchmarks/probe_fa4_arith.py, results/h200/fa4_arith.json: an emulation built from these
-steps equals FA4's out and lse; 16-row and 64-row tensor-core tiles give the same bits):
+pair fills 4 of those rows. This module computes the same partial on tensor-core tiles sized
+for decode, reading the page table itself, and reproduces FA4's arithmetic step for step, as
+measured on the H200 (benchmarks/probe_fa4_arith.py, results/h200/fa4_arith.json):
 
     key blocks of 128 from the last to the first; the first one masked past the pair's length
     S = q @ K^T (fp32 accumulate);  m = max(m_prev, rowmax S);  m' = 0 if m = -inf else m
@@ -21,25 +19,40 @@ steps equals FA4's out and lse; 16-row and 64-row tensor-core tiles give the sam
 
 with ``scale_log2 = fp32(softmax_scale) * fp32(log2 e)`` and rcp / lg2 the PTX approximations
 (``.approx.ftz``). The fused first add is ptxas contracting FA4's ``sum * r`` with the first
-addition of its in-order reduce: without it a few rows' lse (3 in the first H200 check, all in
-pairs of more than one block) were one ulp off; the probe's 64 rows had not hit the case.
+addition of its in-order reduce (unfused, a few lse were one ulp off).
+
+Two tile layouts (``layout``), both equal to FA4's pair call on every pair on the H200:
+* "rows" (``_pair_decode``): queries on the MMA's M axis (16 rows, mma.sync), keys split over
+  the warps. ~2.5 us per key block (Triton 3.6 on the H200): the first working version.
+* "keys" (``_pair_decode_keys``, the one routed): S^T = K @ Q^T with the keys on M and the G
+  query heads on N (padded to 8 or 16), computed as a batched dot over ``SPLIT`` key groups so
+  each warp owns its keys (with one 2-D dot, Triton 3.6's chained-dot heuristic gave every
+  warp the whole S^T and softmax); then S is turned back and O = P @ V as usual (V the natural
+  B operand, copied to shared memory asynchronously). A tensor-core output element is the same
+  dot in either operand role: measured equal. ``prefetch`` (PF) decides how K/V addresses are
+  made: 0 = page table read in the loop (the pipeliner then waits for every copy: no overlap),
+  1 = one block ahead by hand, 2 = every block's token rows preloaded (no load feeds an
+  address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
+  their scores are masked; V stays masked so garbage there cannot reach O).
+  ``merge=True`` folds the merge in: the last program of each (sequence, KV head) walks the
+  chunk states with the merge op's steps (``_merge_last``): equal bits, but slower than the
+  merge launch (one CTA's chain of L2 loads), so not used.
+
+Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge):
+1 x 8k 18.3 us (FA4 route 18.5), 1 x 32k 26.6 (29.4), 8 x 8k 42.9 (46.0), 8 x 32k 138.2 (146.7),
+64 x 8k 260.0 (272.0). Per key block ~1.7 us at 8 warps against FA4's ~1 us: at batch 1 the
+kernel is latency-bound (ncu: one or two warps per scheduler, ~4 cycles per instruction,
+~400-650 instructions per warp per block), so 1 x 8k, the cell canonical:1024 still misses, is
+not closed by it. ``ABL`` (``ablate``) removes pieces of the loop for timing probes only (wrong
+bits on purpose): benchmarks/probe_pair_decode_ablate.py.
 
 Checks (tests/test_triton_pair_decode.py): on the H200, every pair's out and lse equal FA4's own
 pair call (pages 16 and 128, C = 128 .. 2048, lengths on and off block and chunk boundaries,
-empty pairs, inputs with subnormal exponentials), run to run and batch invariant; on the
-Triton interpreter, the summation order against a torch transcription of the steps above.
-
-Status: correct but slower than the route it would replace (benchmarks/probe_pair_decode.py,
-results/h200/pair_decode_timing.json): at batch 1 / 8k, C = 1024, 23.6 us against 13.6 for the
-pair layout plus FA4's call, and slower at every measured shape. Not profiled on the GPU yet;
-an offline sm90 compile (4 warps, 2 stages) shows K and V pipelined with cp.async, 206
-registers and no spills, and 16 barriers per key block: the keys are split across the 4
-warps, so the row max, the thread sums and P as the A operand of P @ V all cross warps
-through shared memory: the first suspect (``config`` varies warps and stages for the probe).
-So kernels/fa4/canonical.py keeps FA4's pair call; this kernel is the measured starting point
-for a decode kernel that is both FA4-exact and fast. It need only match FA4's per-block time:
-with the pair layout already gone and the merge folded in (the last CTA of a sequence merging
-in the fixed order), one launch would close most of the batch 1 / 8k gap.
+empty pairs, inputs with subnormal exponentials, each layout / prefetch / launch config), run to
+run and batch invariant, the fused merge equal to the merge op; on the Triton interpreter, the
+summation order against a torch transcription of the steps above (every layout and prefetch)
+and the fused merge against the merge op. Offline sm90 compiles (Triton 3.6, the H200's):
+benchmarks/pair_decode_sm90_offline.py.
 
 Output: what kernels/fa4/canonical.py's pair call returns, ``out [N*B, 1, Hq, D]``, ``lse
 [N*B, Hq, 1]`` (pair index chunk-major, c * B + b), plus ``pair_lens [N*B]`` (0 for an empty
