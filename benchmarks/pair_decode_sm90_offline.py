@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--split", type=int, default=None, help="keys: key groups of QK^T (default: warps)")
     ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
     ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
+    ap.add_argument("--nmax", type=int, default=8, help="keys, merge: unrolled state walk up to this many (0: loop)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
     consts = dict(CONSTS, M=rows)
@@ -92,7 +93,7 @@ def main():
     if args.layout == "keys":
         sig.update(FUSED)
         consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
-                      FUSE=int(args.merge), LIBDEVICE=1)
+                      FUSE=int(args.merge), LIBDEVICE=1, NMAX=args.nmax)
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)

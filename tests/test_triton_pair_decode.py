@@ -127,9 +127,15 @@ def _merged_both_ways(q, kc, vc, table, sl, scale, chunk, **kw):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-def test_interpreter_fused_merge_equals_the_merge_op():
+@pytest.mark.parametrize("unroll", [True, False])
+def test_interpreter_fused_merge_equals_the_merge_op(unroll, monkeypatch):
     """merge=True: the last program of each (sequence, KV head) merges the chunk states with
-    the merge op's steps; twice in a row (the counters are left at zero for the next launch)."""
+    the merge op's steps, unrolled or walked; twice in a row (the counters are left at zero
+    for the next launch)."""
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    if not unroll:
+        monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=4, device="cpu")
     for _ in range(2):
         (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=2)
@@ -194,13 +200,18 @@ def test_cuda_run_to_run_and_batch_invariant(layout):
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("config", [(4, 2), (8, 2)])
-def test_cuda_fused_merge_equals_the_merge_op(ps, config):
+@pytest.mark.parametrize("unroll", [True, False])
+def test_cuda_fused_merge_equals_the_merge_op(ps, config, unroll, monkeypatch):
     """merge=True on the GPU: merged out and lse equal the merge op over the same states, for
     every sequence (empty pairs included), launch after launch (counters reset), and equal
     the route the op uses today (pair layout + FA4's pair call + the merge op)."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
 
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    if not unroll:
+        monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
     lens = [1, 127, 1024, 1025, 3000, 8192]
     q, kc, vc, table, sl = _inputs(lens, ps, seed=ps + config[0], device="cuda")
     for _ in range(3):

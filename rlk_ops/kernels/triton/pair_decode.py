@@ -35,8 +35,10 @@ Two tile layouts (``layout``), both equal to FA4's pair call on every pair on th
   address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
   their scores are masked; V stays masked so garbage there cannot reach O).
   ``merge=True`` folds the merge in: the last program of each (sequence, KV head) walks the
-  chunk states with the merge op's steps (``_merge_last``): equal bits, but slower than the
-  merge launch (one CTA's chain of L2 loads), so not used.
+  chunk states with the merge op's steps (``_merge_last``): equal bits on the H200; the first
+  version (one dependent L2 load after another) was slower than the merge launch (1 x 8k:
+  22.0 against 18.3 us for kernel + merge), so it is not used; the unrolled walk (every lse in
+  one load, the state loads independent of each other) is interpreter-checked, not yet timed.
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge):
 1 x 8k 18.3 us (FA4 route 18.5), 1 x 32k 26.6 (29.4), 8 x 8k 42.9 (46.0), 8 x 32k 138.2 (146.7),
@@ -75,6 +77,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 _LN2 = tl.constexpr(math.log(2.0))
 _NEG_INF = tl.constexpr(float("-inf"))
+_INF = tl.constexpr(float("inf"))
 
 
 def scale_log2(softmax_scale: float) -> float:
@@ -200,37 +203,58 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 
 @triton.jit
 def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, dd, bsz, n_chunks,
-                HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr):
+                HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NMAX: tl.constexpr):
     """rlk::merge_attn_states of sequence b's chunk states for the query heads ``head``, by the
     program that finishes last: each program counts itself in ``count`` after its state is
     written (a CTA barrier, then one acq_rel atomic); the one that sees n_chunks - 1 resets the
-    counter for the next launch and walks the states in ascending chunk order with the merge
-    kernel's operations (kernels/triton/merge.py: the same max, exp, sums, division and log,
-    no FMA contraction), reading them from L2 (.cg). An empty pair's lse is -inf, which the
-    merge skips exactly as it skips a zero state length."""
+    counter for the next launch and merges with the merge kernel's operations
+    (kernels/triton/merge.py: the same max, exp, sums in ascending chunk order, division and log,
+    no FMA contraction), reading the states from L2 (.cg). An empty pair's lse is -inf, which
+    the merge skips exactly as it skips a zero state length. NMAX > 0 (a power of two >=
+    n_chunks): every state's lse in one load and the state walk unrolled, so the loads overlap
+    (the first version walked them one dependent load at a time: slower than a merge launch)."""
     tl.debug_barrier()
     done = tl.atomic_add(count, 1, sem="acq_rel")
     if done == n_chunks - 1:
         tl.store(count, 0)
         rows = bsz * HQ                                     # merge rows: (sequence, query head)
         r = b.to(tl.int64) * HQ + head
-        mx = tl.full(head.shape, _NEG_INF, tl.float32)
-        for n in range(n_chunks):
-            ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
-            mx = tl.where(ln > mx, ln, mx)
-            mx = tl.where(ln != ln, ln, mx)
-        m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
+        m2 = hmask[:, None]
         total = tl.zeros(head.shape, tl.float32)
         acc = tl.zeros([head.shape[0], D], tl.float32)
-        m2 = hmask[:, None]
-        for n in range(n_chunks):
-            ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
-            present = ln != _NEG_INF
-            w = _mexp(ln - m_safe, LIBDEVICE)
-            total = tl.where(present, total + w, total)
-            o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None], other=0.0,
-                        cache_modifier=".cg")
-            acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+        if NMAX > 0:
+            ns = tl.arange(0, NMAX)
+            l2 = tl.load(lse + ns[:, None] * rows + r[None, :], mask=(ns[:, None] < n_chunks) & hmask[None, :],
+                         other=_NEG_INF, cache_modifier=".cg")              # [NMAX, heads]
+            mx = tl.max(l2, axis=0)                                          # a max is exact in any order
+            nan = tl.max(tl.where(l2 != l2, 1, 0), axis=0) > 0
+            mx = tl.where(nan, _INF - _INF, mx)                              # NaN propagates, as amax
+            m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
+            w2 = _mexp(l2 - m_safe[None, :], LIBDEVICE)                      # elementwise: same bits
+            for n in tl.static_range(NMAX):  # states past n_chunks have lse -inf: not present
+                pick = ns[:, None] == n                                      # row n, exactly (+ zeros)
+                ln = tl.sum(tl.where(pick, l2, 0.0), axis=0)
+                w = tl.sum(tl.where(pick, w2, 0.0), axis=0)
+                present = ln != _NEG_INF
+                total = tl.where(present, total + w, total)
+                o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None],
+                            other=0.0, cache_modifier=".cg")
+                acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+        else:
+            mx = tl.full(head.shape, _NEG_INF, tl.float32)
+            for n in range(n_chunks):
+                ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
+                mx = tl.where(ln > mx, ln, mx)
+                mx = tl.where(ln != ln, ln, mx)
+            m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
+            for n in range(n_chunks):
+                ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
+                present = ln != _NEG_INF
+                w = _mexp(ln - m_safe, LIBDEVICE)
+                total = tl.where(present, total + w, total)
+                o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None], other=0.0,
+                            cache_modifier=".cg")
+                acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
         res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
         res = tl.where(total[:, None] == 0.0, 0.0, res)
         tl.store(merged_out + r[:, None] * D + dd[None, :], res.to(merged_out.dtype.element_ty), mask=m2)
@@ -243,7 +267,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
-                      SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1):
+                      SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
+                      NMAX: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -343,12 +368,13 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=cmask)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
-                    n_chunks, HQ, D, LIBDEVICE)
+                    n_chunks, HQ, D, LIBDEVICE, NMAX)
 
 
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
+MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of every lse) up to this many chunks
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16)}
@@ -418,7 +444,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         if split is None:
             split = warps if BLOCK_N % (16 * warps) == 0 else 0
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
-                 "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET)}
+                 "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET),
+                 "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0}
     elif merge:
         raise ValueError("pair_decode merge=True needs layout='keys'")
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
