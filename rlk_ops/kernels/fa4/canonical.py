@@ -21,9 +21,10 @@ bits: where ``DECODE_PAIRS`` and the shapes allow, kernels/triton/pair_decode.py
 every (chunk, sequence) pair's FA4 partial in one launch, bit for bit; otherwise the
 triton ``decode_pairs`` kernel lays out every pair (page-table slice, length, query copy)
 in one launch and ONE FA4 paged call attends all pairs (``causal=True``, ``seqused_k`` =
-pair length). Either way the merge kernel skips empty pairs through their lengths. That is three launches where the generic route takes ~15 (ten
-small tensor ops for the pair layout, a mask, the merge); each costs ~2 us even inside a
-CUDA graph, as much as the attention itself at batch 1 / 8k. The generic route stays for
+pair length). Either way the merge kernel skips empty pairs through their lengths. That is
+two or three launches where the generic route takes ~15 (ten small tensor ops for the pair
+layout, a mask, the merge); each costs ~2 us even inside a CUDA graph, as much as the
+attention itself at batch 1 / 8k. The generic route stays for
 a merge backend that cannot take lengths (the cpu one, e.g. under the stand-in FA4 of the
 plumbing tests); tests/test_canonical_cuda.py checks both routes give the same bits.
 
@@ -97,6 +98,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     from rlk_ops.kernels.triton.merge import decode_pairs
 
     bsz, _, hq, d = q.shape
+    if DECODE_PAIRS not in ("triton", "fa4"):
+        raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = max(1, -(-page_table.shape[1] // (chunk_size // page_size)))
         cfg = triton_pairs.decode_config(n * bsz * k_cache.shape[2], q.device)
