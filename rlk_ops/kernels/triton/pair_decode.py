@@ -392,10 +392,11 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
     decode step: the shapes its bits were checked on against FA4's pair call on the H200
     (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, at most 8 query
     heads per KV head, C a multiple of the page size and of 128 with at most
-    MAX_PRELOADED_BLOCKS key blocks, a cache of fewer than 2**31 elements."""
+    MAX_PRELOADED_BLOCKS key blocks, a cache of fewer than 2**31 elements. Never on the Triton
+    interpreter: it has no PTX approximations, so its bits are not FA4's."""
     g = q.shape[2] // k_cache.shape[2]
     page = k_cache.shape[1]
-    return (q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= 8
+    return (not C.INTERPRET and q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= 8
             and chunk_size % page == 0 and chunk_size % BLOCK_N == 0
             and chunk_size // BLOCK_N <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31)
 
