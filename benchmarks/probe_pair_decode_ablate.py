@@ -3,6 +3,8 @@ removes one piece of the block loop (wrong bits on purpose; timing only): 1 = K/
 same 128 cache rows every block (L2-resident: no HBM traffic), 2 = no per-thread row sums,
 4 = no P @ V MMA, 16 = no exponentials. Times at batch 1 / 8k for C = 512 and 2048 (4 and 16 key
 blocks per pair, 32 and 8 pairs x 4 KV heads of CTAs); the slope is the per-block cost.
+results/h200/pair_decode/ablate_transposed_pv.json came from commit fbf14d6's kernel (4 warps,
+prefetch 2, the transposed P @ V); the kernel and its default prefetch have changed since.
 Usage: python3 benchmarks/probe_pair_decode_ablate.py OUT.json
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ def main():
                 row = {"batch": bsz, "context": ctx, "config": cfg, "ablate": abl}
                 for c in (512, 2048):
                     row[f"C{c}_us"] = round(b.graph_us(lambda c=c: pd.pair_decode(
-                        q, kc, vc, pt, sl, b.scale, c, config=cfg, layout="keys", prefetch=2, ablate=abl)), 2)
+                        q, kc, vc, pt, sl, b.scale, c, config=cfg, layout="keys", ablate=abl)), 2)
                 row["us_per_block"] = round((row["C2048_us"] - row["C512_us"]) / 12, 3)
                 print(row, flush=True)
                 res.append(row)

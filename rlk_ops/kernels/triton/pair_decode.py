@@ -141,10 +141,8 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
-                 scale_log2, bsz, width, chunk, page,
-                 G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                 BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
+def _pair(seq_lens, pair_lens, bsz, chunk):
+    """This program's (chunk, sequence) pair and KV head, the pair's key count (written once)."""
     pair = tl.program_id(0)
     h = tl.program_id(1)
     c = pair // bsz
@@ -152,6 +150,15 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if h == 0:
         tl.store(pair_lens + pair, n_keys)
+    return pair, h, c, b, n_keys
+
+
+@triton.jit
+def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
+                 scale_log2, bsz, width, chunk, page,
+                 G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                 BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
+    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk)
     rows = tl.arange(0, M)
     rmask = rows < G
     dd = tl.arange(0, D)
@@ -275,13 +282,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     asynchronously). Same operations per element (a tensor-core output element is the same dot
     in either operand role, measured on the H200), half the padded QK^T work and a quarter of
     the exponentials at G = 4."""
-    pair = tl.program_id(0)
-    h = tl.program_id(1)
-    c = pair // bsz
-    b = pair % bsz
-    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if h == 0:
-        tl.store(pair_lens + pair, n_keys)
+    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
