@@ -142,6 +142,20 @@ def test_interpreter_fused_merge_equals_the_merge_op(unroll, monkeypatch):
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
 
 
+def test_bad_arguments_are_named():
+    """Checked before any launch (wherever triton imports): the argument, what it must be and
+    what it was."""
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    q, kc, vc, table, sl = _inputs([5], 16, seed=5, device="cpu")
+    with pytest.raises(ValueError, match=r"chunk_size a multiple of page_size 16 and of 128, got 200"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 200)
+    with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows'\], got 'cols'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
+    with pytest.raises(ValueError, match="merge=True needs layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
+
+
 # ------------------------------------------------------------------------ GPU
 def _fa4_ready():
     if INTERPRET or not torch.cuda.is_available():
@@ -206,9 +220,8 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, unroll, monkeypatch):
     every sequence (empty pairs included), launch after launch (counters reset), and equal
     the route the op uses today (pair layout + FA4's pair call + the merge op)."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
-    from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
-
     from rlk_ops.kernels.triton import pair_decode as pd
+    from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
 
     if not unroll:
         monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
