@@ -219,6 +219,12 @@ def gathered(attend: Callable) -> Callable:
     return attend_into
 
 
+def pair_count(width: int, page_size: int, chunk_size: int) -> int:
+    """N, the chunks of a decode step's (chunk, sequence) pairs: from the page table's width
+    (``width`` pages of ``page_size``), so nothing is read back from the device; at least 1."""
+    return max(1, math.ceil(width / (chunk_size // page_size)))
+
+
 def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Decode layout: pair ``c * B + b`` (chunk-major) is sequence b's chunk c as one row
@@ -234,7 +240,7 @@ def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
     per = chunk_size // page_size
-    n = max(1, math.ceil(width / per))
+    n = pair_count(width, page_size, chunk_size)
     padded = torch.nn.functional.pad(page_table, (0, n * per - width))  # page 0: a valid id, never read
     pair_table = padded.view(bsz, n, per).transpose(0, 1).reshape(n * bsz, per)
     starts = torch.arange(n, device=seq_lens.device, dtype=torch.int64)[:, None] * chunk_size

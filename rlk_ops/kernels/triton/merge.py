@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
 
 BLOCK_R = 16     # (row, head) pairs per program at most (merge_config); any value gives the same bits
@@ -134,8 +135,10 @@ def _log(x, c_ptr):
 
 
 @triton.jit
-def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr):
-    lse = tl.load(l_ptr + n * R + off, mask=rmask, other=_NEG_INF)
+def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr, CACHE: tl.constexpr):
+    """State n's lse (-inf where its length is 0). ``CACHE``: the loads' cache modifier (".cg":
+    from L2, for states another CTA of the same launch wrote; see pair_decode's fused merge)."""
+    lse = tl.load(l_ptr + n * R + off, mask=rmask, other=_NEG_INF, cache_modifier=CACHE)
     if HAS_LENS:
         keys = tl.load(lens_ptr + n * n_lead + lead, mask=rmask, other=0)
         lse = tl.where(keys > 0, lse, _NEG_INF)
@@ -144,12 +147,13 @@ def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.con
 
 @triton.jit
 def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
-                acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr):
-    lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+                acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr, CACHE: tl.constexpr):
+    lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, CACHE)
     present = lse != _NEG_INF
     w = _exp(lse - m_safe, LIBDEVICE)
     total = tl.where(present, total + w, total)
-    o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None], other=0.0)
+    o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None], other=0.0,
+                cache_modifier=CACHE)
     acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
     return total, acc
 
@@ -171,14 +175,14 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     if MAX2D > 0:  # every state's lse in one [BLOCK, MAX2D] load, one max: no chain of N loads
         ns = tl.arange(0, MAX2D)
         mn = rmask[:, None] & (ns < N)[None, :]
-        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS)
+        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
         m = tl.max(lse2, axis=1)                                        # max is exact in any order
         nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
         m = tl.where(nan, _INF - _INF, m)                               # NaN propagates, as amax
     else:
         m = tl.full([BLOCK], _NEG_INF, tl.float32)
         for n in range(N):
-            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS)
+            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, "")
             m = tl.where(lse > m, lse, m)
             m = tl.where(lse != lse, lse, m)                            # NaN propagates, as amax
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
@@ -187,11 +191,11 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     if UNROLL > 0:  # N == UNROLL: unrolled, so the loads of every state can be in flight at once
         for n in tl.static_range(UNROLL):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
-                                     total, acc, HAS_LENS, LIBDEVICE)
+                                     total, acc, HAS_LENS, LIBDEVICE, "")
     else:
         for n in range(N):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
-                                     total, acc, HAS_LENS, LIBDEVICE)
+                                     total, acc, HAS_LENS, LIBDEVICE, "")
     res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
     res = tl.where(total[:, None] == 0.0, 0.0, res)
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
@@ -356,7 +360,7 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
     per = chunk_size // page_size
-    n = max(1, math.ceil(width / per))
+    n = pair_count(width, page_size, chunk_size)
     dev = q.device
     q_pairs = torch.empty((n * bsz, *q.shape[1:]), dtype=q.dtype, device=dev)
     pair_table = torch.empty((n * bsz, per), dtype=torch.int32, device=dev)

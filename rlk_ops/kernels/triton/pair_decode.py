@@ -68,8 +68,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
-from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants
+from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants, _merge_step, _state_lse
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
@@ -247,21 +248,16 @@ def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, 
                 o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None],
                             other=0.0, cache_modifier=".cg")
                 acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
-        else:
+        else:  # the merge kernel's walk (state rows r of the [N, B*HQ] stack; no lengths: empty is -inf)
             mx = tl.full(head.shape, _NEG_INF, tl.float32)
             for n in range(n_chunks):
-                ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
+                ln = _state_lse(lse, lse, n, rows, r, r, 0, hmask, False, ".cg")
                 mx = tl.where(ln > mx, ln, mx)
                 mx = tl.where(ln != ln, ln, mx)
             m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
             for n in range(n_chunks):
-                ln = tl.load(lse + n * rows + r, mask=hmask, other=_NEG_INF, cache_modifier=".cg")
-                present = ln != _NEG_INF
-                w = _mexp(ln - m_safe, LIBDEVICE)
-                total = tl.where(present, total + w, total)
-                o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None], other=0.0,
-                            cache_modifier=".cg")
-                acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
+                total, acc = _merge_step(out, lse, lse, n, rows, r, r, r, 0, hmask, dd, m2, D, m_safe, total, acc,
+                                         False, LIBDEVICE, ".cg")
         res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
         res = tl.where(total[:, None] == 0.0, 0.0, res)
         tl.store(merged_out + r[:, None] * D + dd[None, :], res.to(merged_out.dtype.element_ty), mask=m2)
@@ -388,6 +384,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= ROWS
 
 
+def preloadable(k_cache: torch.Tensor, chunk_size: int) -> bool:
+    """Prefetch 3 applies: a chunk's token rows fit the registers (at most MAX_PRELOADED_BLOCKS
+    key blocks) and the cache's element offsets fit int32."""
+    return chunk_size // BLOCK_N <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31
+
+
 def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
     """Where kernels/fa4/canonical.py may take this kernel ("keys" layout, prefetch 3) for a
     decode step: the shapes its bits were checked on against FA4's pair call on the H200
@@ -398,8 +400,7 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
     g = q.shape[2] // k_cache.shape[2]
     page = k_cache.shape[1]
     return (not C.INTERPRET and q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128 and 1 <= g <= 8
-            and chunk_size % page == 0 and chunk_size % BLOCK_N == 0
-            and chunk_size // BLOCK_N <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31)
+            and chunk_size % page == 0 and chunk_size % BLOCK_N == 0 and preloadable(k_cache, chunk_size))
 
 
 def decode_config(programs: int, device: torch.device) -> tuple[int, int]:
@@ -428,12 +429,13 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         raise ValueError(f"pair_decode needs chunk_size a multiple of page_size {page} and of {BLOCK_N}, "
                          f"got {chunk_size}")
     width = page_table.shape[1]
-    n = max(1, math.ceil(width / (chunk_size // page)))
+    n = pair_count(width, page, chunk_size)
     dev = q.device
     out = torch.empty((n * bsz, 1, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
     pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
     row_sums = torch.empty((n * bsz, hq), dtype=torch.float32, device=dev) if sums else lse
+    warps, stages = config or (NUM_WARPS, NUM_STAGES)
     if layout not in LAYOUTS:
         raise ValueError(f"pair_decode layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     kernel, rows = LAYOUTS[layout](hq // hkv)
@@ -441,8 +443,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if layout == "keys":
         blocks = chunk_size // BLOCK_N
         if prefetch is None:
-            prefetch = 3 if blocks <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31 else 0
-        warps = (config or (NUM_WARPS, NUM_STAGES))[0]
+            prefetch = 3 if preloadable(k_cache, chunk_size) else 0
         if split is None:
             split = warps if BLOCK_N % (16 * warps) == 0 else 0
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
@@ -459,8 +460,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
-            num_warps=(config or (NUM_WARPS, NUM_STAGES))[0], num_stages=(config or (NUM_WARPS, NUM_STAGES))[1],
-            **C.LAUNCH)
+            num_warps=warps, num_stages=stages, **C.LAUNCH)
     res = (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
     return res + merged if merge else res
 
