@@ -132,6 +132,13 @@ class Report:
         return 0 if r["all_bitwise_true"] and not r["errors"] else 1
 
 
+def write_rows(path: str | None, rows: list) -> None:
+    """A probe's result rows as JSON at ``path`` (nothing when no path was given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
     """``--md-only``: the markdown table again from a saved report (no GPU needed)."""
     with open(json_path) as f:

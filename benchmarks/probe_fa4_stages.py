@@ -7,12 +7,12 @@ included. Usage: python3 benchmarks/probe_fa4_stages.py OUT.json [deep|shallow]
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
 
 from rlk_ops.kernels.fa4 import loader  # noqa: E402
 from rlk_ops.kernels.triton import merge as tm  # noqa: E402
@@ -100,9 +100,7 @@ def main():
                         row[f"stages{st}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(row, flush=True)
                 res.append(row)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_rows(out, res)
 
 
 if __name__ == "__main__":

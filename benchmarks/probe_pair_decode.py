@@ -6,12 +6,12 @@ Usage: [PAGES=16,128] python3 benchmarks/probe_pair_decode.py OUT.json [configs]
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
 
 from rlk_ops.kernels.fa4.kernels import pair_attention  # noqa: E402
 from rlk_ops.kernels.triton import merge as tm  # noqa: E402
@@ -87,9 +87,7 @@ def configs(out):
                         row["op_keys_fused_us"] = round(b.graph_us(fused), 2)
                 print(row, flush=True)
                 res.append(row)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_rows(out, res)
 
 
 def main():
@@ -125,9 +123,7 @@ def main():
                        "op_triton_us": round(b.graph_us(lambda: merged(triton_route)), 2)}
                 print(row, flush=True)
                 res.append(row)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_rows(out, res)
 
 
 if __name__ == "__main__":

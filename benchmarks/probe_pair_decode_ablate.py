@@ -9,12 +9,12 @@ Usage: python3 benchmarks/probe_pair_decode_ablate.py OUT.json
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
 
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
@@ -36,9 +36,7 @@ def main():
                 row["us_per_block"] = round((row["C2048_us"] - row["C512_us"]) / 12, 3)
                 print(row, flush=True)
                 res.append(row)
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_rows(out, res)
 
 
 if __name__ == "__main__":
