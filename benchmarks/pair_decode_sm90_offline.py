@@ -86,6 +86,9 @@ def main():
     ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
     ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
     ap.add_argument("--nmax", type=int, default=8, help="keys, merge: unrolled state walk up to this many (0: loop)")
+    ap.add_argument("--off64", action="store_true", help="tile: int64 cache offsets")
+    ap.add_argument("--page", type=int, default=16, help="tile: page size (compile time)")
+    ap.add_argument("--heads-first", action="store_true", help="keys, tile: one pair's KV heads adjacent")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
     consts = dict(CONSTS, M=rows)
@@ -94,6 +97,10 @@ def main():
         sig.update(FUSED)
         consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
                       FUSE=int(args.merge), LIBDEVICE=1, NMAX=args.nmax)
+    if args.layout == "tile":
+        consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
+    elif args.layout == "keys":
+        consts.update(HEADS_FIRST=int(args.heads_first))
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)

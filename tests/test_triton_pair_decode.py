@@ -75,7 +75,8 @@ def _transcribed(q, k, v, n_keys, scale):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
 @pytest.mark.parametrize("ps,chunk,lens", [(16, 256, [300, 129, 1]), (128, 256, [520, 256, 17]),
                                            (16, 128, [5, 130, 260])])
-@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2), ("keys", 3)])
+@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2), ("keys", 3),
+                                             ("tile", None)])
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
@@ -150,10 +151,16 @@ def test_bad_arguments_are_named():
     q, kc, vc, table, sl = _inputs([5], 16, seed=5, device="cpu")
     with pytest.raises(ValueError, match=r"chunk_size a multiple of page_size 16 and of 128, got 200"):
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
-    with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows'\], got 'cols'"):
+    with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
     with pytest.raises(ValueError, match="merge=True needs layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
+    with pytest.raises(ValueError, match="heads_first=True needs layout 'keys' or 'tile'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", heads_first=True)
+    with pytest.raises(ValueError, match=r"layout 'tile' needs num_warps 4, got config \(8, 2\)"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", config=(8, 2))
+    with pytest.raises(ValueError, match="init_fma=False needs layout 'rows' or 'keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", init_fma=False)
 
 
 # ------------------------------------------------------------------------ GPU
@@ -174,9 +181,11 @@ def _fa4_ready():
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("chunk", [128, 256, 1024, 2048])
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("layout,prefetch,config", [("rows", None, None), ("keys", 0, (4, 2)), ("keys", 2, (4, 3)),
-                                                    ("keys", 3, (4, 2)), ("keys", 3, (8, 2)), ("keys", 3, (8, 3))])
-def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config):
+@pytest.mark.parametrize("layout,prefetch,config,heads_first", [
+    ("rows", None, None, False), ("keys", 0, (4, 2), False), ("keys", 2, (4, 3), False), ("keys", 3, (4, 2), False),
+    ("keys", 3, (8, 2), False), ("keys", 3, (8, 3), False), ("keys", 3, (8, 3), True), ("tile", None, (4, 2), False),
+    ("tile", None, (4, 2), True)])
+def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
     from rlk_ops.kernels.triton.pair_decode import pair_decode
@@ -185,7 +194,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps + wide, device="cuda", wide=wide)
     scale = D ** -0.5
     out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout=layout, prefetch=prefetch,
-                                     config=config)
+                                     config=config, heads_first=heads_first)
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
     assert n == n_ref and bitwise_equal(plens, ref_lens)
@@ -196,7 +205,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-@pytest.mark.parametrize("layout", ["rows", "keys"])
+@pytest.mark.parametrize("layout", ["rows", "keys", "tile"])
 def test_cuda_run_to_run_and_batch_invariant(layout):
     from rlk_ops.kernels.triton.pair_decode import pair_decode
 

@@ -74,6 +74,7 @@ from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_cons
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
+TILE_ROWS = 64   # layout "tile": FA4's 64-row wgmma tile
 NUM_WARPS = 4
 NUM_STAGES = 2
 _LN2 = tl.constexpr(math.log(2.0))
@@ -142,10 +143,16 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _pair(seq_lens, pair_lens, bsz, chunk):
-    """This program's (chunk, sequence) pair and KV head, the pair's key count (written once)."""
-    pair = tl.program_id(0)
-    h = tl.program_id(1)
+def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0):
+    """This program's (chunk, sequence) pair and KV head, the pair's key count (written once).
+    HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV heads (they read the
+    same cache rows at about the same time) instead of a (pair, head) grid."""
+    if HEADS_FIRST:
+        pair = tl.program_id(0) // HKV
+        h = tl.program_id(0) % HKV
+    else:
+        pair = tl.program_id(0)
+        h = tl.program_id(1)
     c = pair // bsz
     b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
@@ -271,14 +278,14 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
                       SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
-                      NMAX: tl.constexpr = 0):
+                      NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
     asynchronously). Same operations per element (a tensor-core output element is the same dot
     in either operand role, measured on the H200), half the padded QK^T work and a quarter of
     the exponentials at G = 4."""
-    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk)
+    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
@@ -368,13 +375,123 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                     n_chunks, HQ, D, LIBDEVICE, NMAX)
 
 
+@triton.jit
+def _native_sums(prev, r, p, M: tl.constexpr, EMU: tl.constexpr):
+    """``_thread_sums`` for p in the wgmma accumulator layout (64-row tile, warps on rows): there
+    a thread's columns 8j + 2t + e of a row are its own registers in (j, e) order, so the
+    reshape is free and the sum is Triton's in-thread reduction, sequential in register order,
+    with element 0 replaced by the fused rescale fma(prev, r, p0). The interpreter's sum is
+    numpy's (pairwise): there the explicit chain."""
+    if EMU:
+        return _thread_sums(prev, r, p, M, True)
+    x = tl.reshape(tl.permute(tl.reshape(p, [M, 16, 4, 2]), (0, 2, 1, 3)), [M, 4, 32])   # [M, t, 2j + e]
+    first = tl.arange(0, 32)[None, None, :] == 0
+    return tl.sum(tl.where(first, tl.math.fma(prev[:, :, None], r[:, None, None], x), x), axis=2)
+
+
+@triton.jit
+def _tile_rows(pg, pos, h, PAGE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, OFF32: tl.constexpr):
+    """Element offsets of head h's cache rows at positions ``pos`` on pages ``pg``: int32 when
+    the cache has fewer than 2**31 elements (OFF32), else int64."""
+    if OFF32:
+        tok = (pg * PAGE + pos % PAGE) * (HKV * D) + h * D
+    else:
+        tok = (pg.to(tl.int64) * PAGE + pos % PAGE) * (HKV * D) + h * D
+    return tok
+
+
+@triton.jit
+def _tile_block(qt, kc, vc, tok, valid, dd, m, part, acc, scale_log2, M: tl.constexpr, EMU: tl.constexpr,
+                MASK: tl.constexpr):
+    """One key block of ``_pair_decode_tile``: MASK for the pair's last (first walked) block."""
+    if MASK:
+        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(kc + tok[:, None] + dd[None, :])
+    if EMU:
+        s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(qt, tl.trans(k))
+    if MASK:
+        s = tl.where(valid[None, :], s, _NEG_INF)
+    m_prev = m
+    m = tl.maximum(tl.max(s, axis=1), m_prev)
+    m_use = tl.where(m == _NEG_INF, 0.0, m)
+    p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
+    r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)   # 0 before the first block: part and acc are 0
+    part = _native_sums(part, r, p, M, EMU)
+    if MASK:
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(vc + tok[:, None] + dd[None, :])
+    acc = acc * r[:, None]
+    if EMU:
+        acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
+    else:
+        acc = tl.dot(_bf16(p, EMU), v, acc)
+    return m, part, acc
+
+
+@triton.jit
+def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
+                      scale_log2, bsz, width, chunk, page,
+                      G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                      BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
+                      HEADS_FIRST: tl.constexpr = 0, OFF32: tl.constexpr = 0, PAGE: tl.constexpr = 16):
+    """FA4's own tile shape: the G query heads on the first rows of a 64-row tile over 4 warps
+    (wgmma, each warp 16 rows), so every row reduction stays inside a warp and the thread sums
+    are each thread's own registers (``_native_sums``); the pair's last key block (the only
+    masked one) is peeled off the loop, the rest load unmasked; the page-table entries of the
+    next block are read one block ahead. INIT_FMA is always on here."""
+    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
+    rows = tl.arange(0, M)
+    rmask = rows < G
+    dd = tl.arange(0, D)
+    kk = tl.arange(0, BN)
+    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + rows)[:, None] * D + dd[None, :], mask=rmask[:, None],
+                 other=0.0)
+    m = tl.full([M], _NEG_INF, tl.float32)
+    part = tl.zeros([M, 4], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    nb = tl.cdiv(n_keys, BN)
+    row = table + b.to(tl.int64) * width
+    if nb > 0:
+        in_pair = (nb - 1) * BN + kk
+        valid = in_pair < n_keys
+        pos = c * chunk + in_pair
+        pg = tl.load(row + pos // PAGE, mask=valid, other=0)
+        tok = _tile_rows(pg, pos, h, PAGE, HKV, D, OFF32)
+        m, part, acc = _tile_block(qt, kc, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, True)
+        pos = c * chunk + (nb - 2) * BN + kk
+        pg = tl.load(row + pos // PAGE, mask=pos >= c * chunk, other=0)    # block nb - 2, if any
+        for it in range(1, nb):
+            j = nb - 1 - it
+            tok = _tile_rows(pg, pos, h, PAGE, HKV, D, OFF32)
+            pos = c * chunk + (j - 1) * BN + kk
+            pg = tl.load(row + pos // PAGE, mask=pos >= c * chunk, other=0)
+            m, part, acc = _tile_block(qt, kc, vc, tok, kk < BN, dd, m, part, acc, scale_log2, M, EMU, False)
+    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
+    s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
+    total = s01 + s23
+    empty = n_keys == 0
+    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
+    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
+    head = h * G + rows
+    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
+             mask=rmask[:, None])
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=rmask)
+    if SUMS:
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=rmask)
+
+
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
 MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of every lse) up to this many chunks
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
-           "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16)}
+           "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
+           "tile": lambda g: (_pair_decode_tile, TILE_ROWS)}
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -416,7 +533,7 @@ def decode_config(programs: int, device: torch.device) -> tuple[int, int]:
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
-                merge: bool = False):
+                merge: bool = False, heads_first: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -451,12 +568,23 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                  "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0}
     elif merge:
         raise ValueError("pair_decode merge=True needs layout='keys'")
+    if heads_first and layout == "rows":
+        raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
+    if layout == "tile" and not init_fma:
+        raise ValueError("pair_decode init_fma=False needs layout 'rows' or 'keys'")
+    if layout == "tile" and warps != 4:  # 4 warps = one warpgroup on the rows: the sums stay in-thread
+        raise ValueError(f"pair_decode layout 'tile' needs num_warps 4, got config {config}")
+    if heads_first:
+        extra["HEADS_FIRST"] = 1
+    if layout == "tile":
+        extra["OFF32"] = int(k_cache.numel() < 2 ** 31)
+        extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
     if bsz:
-        kernel[(n * bsz, hkv)](
+        kernel[(n * bsz * hkv,) if heads_first else (n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,

@@ -1,0 +1,82 @@
+"""Probe (H200): the decode-pair kernel's variants against the routed one ("keys", the
+launch config the op picks), each in one run: bits of every pair (torch.equal against the
+routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair_decode.py),
+CUDA-graph time of the pairs and of the op (pairs + the merge op), and the fused merge.
+Variants: "keys" with one pair's KV heads on adjacent programs (heads_first); "tile", FA4's
+64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled), with and
+without heads_first, at 2 stages.
+Usage: [PAGES=16] [CASES=1x8192,...] python3 benchmarks/probe_pair_decode_variants.py OUT.json
+(DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+
+from rlk_ops.kernels.triton import merge as tm  # noqa: E402
+from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
+
+PAGES = tuple(int(p) for p in os.environ.get("PAGES", "16").split(","))
+CASES = tuple(tuple(int(x) for x in c.split("x")) for c in
+              os.environ.get("CASES", "1x8192,1x32768,8x8192,8x32768,64x8192").split(","))
+DEVICE = os.environ.get("DEVICE", "cuda")
+CHUNKS = {1: (512, 1024, 2048)}   # batch -> the C values timed (default: 1024)
+VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
+            "tile": {"layout": "tile", "config": (4, 2)},
+            "tile_heads_first": {"layout": "tile", "config": (4, 2), "heads_first": True}}
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    res = []
+    for page in PAGES:
+        sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=3)
+        b = cb.Bench(DEVICE, sh, None, False)
+        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
+            for c in CHUNKS.get(bsz, (1024,)):
+                n = pd.pair_count(pt.shape[1], page, c)
+                cfg = pd.decode_config(n * bsz * kc.shape[2], q.device)
+
+                def pairs(kw, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
+                    return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
+
+                def merged(kw, bsz=bsz):
+                    o, l, pl, n = pairs(kw)
+                    return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
+                                                state_lens=pl.view(n, bsz))
+
+                routed = {"layout": "keys", "config": cfg}
+                ref = pairs(routed)
+                ref_op = merged(routed)
+                full = ref[2] > 0
+                row = {"page": page, "batch": bsz, "context": ctx, "C": c, "routed_config": list(cfg),
+                       "routed_pairs_us": round(b.graph_us(lambda: pairs(routed)), 2),
+                       "routed_op_us": round(b.graph_us(lambda: merged(routed)), 2)}
+                for name, kw in VARIANTS.items():
+                    kw = {"config": cfg, **kw}
+                    try:
+                        got = pairs(kw)
+                    except Exception as e:  # noqa: BLE001 - a variant the compiler or the GPU refuses
+                        row[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                        continue
+                    row[name + "_equal"] = (cb.beq(got[0][full], ref[0][full]) and cb.beq(got[1][full], ref[1][full])
+                                            and cb.beq(got[2], ref[2]))
+                    row[name + "_pairs_us"] = round(b.graph_us(lambda kw=kw: pairs(kw)), 2)
+                    op = merged(kw)
+                    row[name + "_op_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
+                    row[name + "_op_us"] = round(b.graph_us(lambda kw=kw: merged(kw)), 2)
+                fused = {**routed, "merge": True}
+                got = pairs(fused)[4:]
+                row["keys_fused_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                row["keys_fused_us"] = round(b.graph_us(lambda: pairs(fused)), 2)
+                print(row, flush=True)
+                res.append(row)
+    write_rows(out, res)
+
+
+if __name__ == "__main__":
+    main()
