@@ -2,9 +2,11 @@
 launch config the op picks), each in one run: bits of every pair (torch.equal against the
 routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair_decode.py),
 CUDA-graph time of the pairs and of the op (pairs + the merge op), and the fused merge.
-Variants: "keys" with one pair's KV heads on adjacent programs (heads_first); "tile", FA4's
-64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled), with and
-without heads_first, at 2 stages.
+Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and without;
+"tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
+with and without heads_first, at 2 stages. (results/h200/pair_decode/variants_run1.json is from
+commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
+keys_pairs_first.)
 Usage: [PAGES=16] [CASES=1x8192,...] python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
@@ -26,6 +28,7 @@ CASES = tuple(tuple(int(x) for x in c.split("x")) for c in
 DEVICE = os.environ.get("DEVICE", "cuda")
 CHUNKS = {1: (512, 1024, 2048)}   # batch -> the C values timed (default: 1024)
 VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
+            "keys_pairs_first": {"layout": "keys", "heads_first": False},
             "tile": {"layout": "tile", "config": (4, 2)},
             "tile_heads_first": {"layout": "tile", "config": (4, 2), "heads_first": True}}
 
@@ -39,7 +42,8 @@ def main():
         for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
             for c in CHUNKS.get(bsz, (1024,)):
                 n = pd.pair_count(pt.shape[1], page, c)
-                cfg = pd.decode_config(n * bsz * kc.shape[2], q.device)
+                launch = pd.decode_launch(n * bsz * kc.shape[2], q.device)
+                cfg = launch["config"]
 
                 def pairs(kw, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
                     return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
@@ -49,15 +53,16 @@ def main():
                     return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
                                                 state_lens=pl.view(n, bsz))
 
-                routed = {"layout": "keys", "config": cfg}
+                routed = {"layout": "keys", **launch}
                 ref = pairs(routed)
                 ref_op = merged(routed)
                 full = ref[2] > 0
                 row = {"page": page, "batch": bsz, "context": ctx, "C": c, "routed_config": list(cfg),
+                       "routed_heads_first": launch["heads_first"],
                        "routed_pairs_us": round(b.graph_us(lambda: pairs(routed)), 2),
                        "routed_op_us": round(b.graph_us(lambda: merged(routed)), 2)}
                 for name, kw in VARIANTS.items():
-                    kw = {"config": cfg, **kw}
+                    kw = {**launch, **kw}
                     try:
                         got = pairs(kw)
                     except Exception as e:  # noqa: BLE001 - a variant the compiler or the GPU refuses

@@ -225,10 +225,11 @@ def test_cuda_merge_equals_cpu_reference(dtype, lead):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5), (1, 4, 5, 8), (4, 1, 0, 8)])
+@pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5), (1, 4, 5, 8), (4, 1, 0, 8),
+                                    (1, 4, 2, 8), (4, 1, 3)])
 def test_cuda_merge_config_changes_no_bit(config):
-    """Rows per program, head_dim slices, unrolled or looped walk, looped or 2D max: the CPU
-    reference's bits."""
+    """Rows per program, head_dim slices, unrolled (whole or in groups of 2 or 3, the last
+    one partly past N) or looped walk, looped or 2D max: the CPU reference's bits."""
     from rlk_ops.kernels.triton import merge as triton_merge
 
     out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, BF16, seed=11))
@@ -247,7 +248,7 @@ def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
     cpu_dev = torch.device("cpu")  # merge_config assumes 4 SMs off CUDA: 4 rows get 1-row programs
     block, _, unroll, max2d = triton_merge.merge_config(4, 8, 128, cpu_dev)
     assert (block, unroll, max2d) == (1, 8, 8)
-    assert triton_merge.merge_config(4, 300, 128, cpu_dev)[2:] == (0, 0)
+    assert triton_merge.merge_config(4, 300, 128, cpu_dev)[2:] == (triton_merge.MAX_UNROLL, 0)  # groups
     block, _, _, max2d = triton_merge.merge_config(4096, 8, 128, cpu_dev)
     assert block > 1 and max2d == 0
 

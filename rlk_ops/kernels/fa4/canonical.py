@@ -102,9 +102,9 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
-        cfg = triton_pairs.decode_config(n * bsz * k_cache.shape[2], q.device)
+        launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
-                                                          chunk_size, layout="keys", config=cfg)
+                                                          chunk_size, layout="keys", **launch)
         provenance.record("canonical_decode_pairs", DECODE_PAIRS, "triton", False,
                           "kernels/triton/pair_decode.py: FA4's pair-call bits in one launch", str(q.device))
     else:

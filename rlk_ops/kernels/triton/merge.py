@@ -2,8 +2,8 @@
 
 Forward: one program per block of (row, head) pairs of the states' common layout and
 slice of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and
-head_dim in 4 slices; up to ``MAX_UNROLL`` states the walk is unrolled so their loads
-overlap); it walks the N states in ascending order with the formula of
+head_dim in 4 slices; the walk unrolled, up to ``MAX_UNROLL`` states at a time, so their
+loads overlap); it walks the N states in ascending order with the formula of
 kernels/cpu/merge.py, step for step:
 
     M = max of the non-skipped lse_n;  w = exp(lse_n - M);  L += w;  acc += w * out_n
@@ -188,10 +188,12 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if UNROLL > 0:  # N == UNROLL: unrolled, so the loads of every state can be in flight at once
-        for n in tl.static_range(UNROLL):
-            total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
-                                     total, acc, HAS_LENS, LIBDEVICE, "")
+    if UNROLL > 0:  # groups of UNROLL states, each unrolled so its loads are in flight together (one
+        for g in range(0, tl.cdiv(N, UNROLL)):  # group when N <= MAX_UNROLL); past N: lse -inf, skipped
+            for i in tl.static_range(UNROLL):
+                n = g * UNROLL + i
+                total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask & (r * 0 + n < N), d, m2,
+                                         D, m_safe, total, acc, HAS_LENS, LIBDEVICE, "")
     else:
         for n in range(N):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
@@ -266,7 +268,10 @@ def _check_dtype(t: torch.Tensor) -> None:
                         "backend (use_backend(merge_attn_states='cpu'))")
 
 
-MAX_UNROLL = 32  # states merged with an unrolled loop up to this many (one compile per N)
+# The state walk unrolled: all N states up to MAX_UNROLL (one compile per N), beyond in groups
+# of MAX_UNROLL. Measured on the H200 (results/h200/pair_decode/variants_run1.json): a walked
+# merge of 64 states (batch 1 / 32k, C = 512) took ~17 us, one dependent load after another.
+MAX_UNROLL = 32
 # The 2D max (merge_config) reads every state's lse in one load (up to MAX_2D states; 0
 # turns it off). Measured on the H200 (results/h200/canonical.json decode profile,
 # merge_2d_max_us): decode merges 3.1 -> 2.4 us at batch 1 / 8k, C=1024 and 6.0 -> 3.9 us
@@ -288,12 +293,13 @@ def _pdl() -> dict:
 
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
-    """(BLOCK rows per program, head_dim slices, unrolled N or 0, 2D max width or 0). None
+    """(BLOCK rows per program, head_dim slices, states per unrolled group (0: a loop), 2D max
+    width or 0). None
     of it changes a bit: nothing reduces across rows or over head_dim, the states are
     walked in the same order either way, and a max is exact in any order. Few rows
     (decode: B*Hq of them) get 1-row programs and head_dim split in 4, so a batch-1 merge
-    runs on 64 SMs instead of one; an unrolled walk lets the loads of all N states be in
-    flight together instead of one after another; the 2D max (up to MAX_2D states, 1-row
+    runs on 64 SMs instead of one; an unrolled walk lets the loads of N states (up to
+    MAX_UNROLL at a time) be in flight together instead of one after another; the 2D max (up to MAX_2D states, 1-row
     programs; off when MAX_2D is 0) reads every state's lse in one load instead of a chain
     of N."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
@@ -302,7 +308,7 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
         block //= 2
     split = 4 if triton.cdiv(rows, block) < sms and d % 4 == 0 and C.pow2(d) == d else 1
     max2d = C.pow2(n) if MAX_2D and n <= MAX_2D and block == 1 else 0
-    return block, split, n if n <= MAX_UNROLL else 0, max2d
+    return block, split, min(n, MAX_UNROLL), max2d
 
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):

@@ -1,6 +1,6 @@
 """canonical:C decode pairs in FA4's arithmetic: one Triton launch instead of the pair layout
 plus FA4's paged call, with the same bits. kernels/fa4/canonical.py routes decode steps here
-(``DECODE_PAIRS = "triton"``, ``routable`` shapes, ``decode_config`` launch).
+(``DECODE_PAIRS = "triton"``, ``routable`` shapes, ``decode_launch`` arguments).
 
 canonical:C defines a chunk partial as FA4's single pass over the chunk (kernels/fa4/canonical.py).
 FA4's SM90 forward walks the key blocks of a chunk one after another on a 64-row tile; a decode
@@ -21,7 +21,7 @@ with ``scale_log2 = fp32(softmax_scale) * fp32(log2 e)`` and rcp / lg2 the PTX a
 (``.approx.ftz``). The fused first add is ptxas contracting FA4's ``sum * r`` with the first
 addition of its in-order reduce (unfused, a few lse were one ulp off).
 
-Two tile layouts (``layout``), both equal to FA4's pair call on every pair on the H200:
+Three tile layouts (``layout``), all equal to FA4's pair call on every pair on the H200:
 * "rows" (``_pair_decode``): queries on the MMA's M axis (16 rows, mma.sync), keys split over
   the warps. ~2.5 us per key block (Triton 3.6 on the H200): the first working version.
 * "keys" (``_pair_decode_keys``, the one routed): S^T = K @ Q^T with the keys on M and the G
@@ -38,7 +38,16 @@ Two tile layouts (``layout``), both equal to FA4's pair call on every pair on th
   chunk states with the merge op's steps (``_merge_last``): equal bits on the H200; the first
   version (one dependent L2 load after another) was slower than the merge launch (1 x 8k:
   22.0 against 18.3 us for kernel + merge), so it is not used; the unrolled walk (every lse in
-  one load, the state loads independent of each other) is interpreter-checked, not yet timed.
+  one load, the state loads independent of each other) was slower too (variants_run1.json:
+  1 x 8k C=1024 20.8 against 18.1 us).
+* "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
+  64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
+  thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
+  offline against FA4-like ~450). Equal bits, but slower everywhere (variants_run1.json,
+  pairs: 1 x 8k C=1024 17.3 against 15.6 us; 64 x 8k 352.8 against 254.6: a 213 KB tile, one
+  program per SM): FA4's ~1 us per block comes from its warp specialisation (a producer warp,
+  softmax of one block overlapping the next block's QK^T), which these kernels do not have.
+``heads_first``: a 1-D grid whose consecutive programs are one pair's KV heads (same bits).
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge):
 1 x 8k 18.3 us (FA4 route 18.5), 1 x 32k 26.6 (29.4), 8 x 8k 42.9 (46.0), 8 x 32k 138.2 (146.7),
@@ -520,14 +529,19 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
             and chunk_size % page == 0 and chunk_size % BLOCK_N == 0 and preloadable(k_cache, chunk_size))
 
 
-def decode_config(programs: int, device: torch.device) -> tuple[int, int]:
-    """(num_warps, num_stages) for a launch of ``programs`` (pair, KV head) programs, as measured
-    on the H200 (results/h200/pair_decode/configs_run5_split.json): up to one per SM, latency
-    decides and 8 warps with two K/V blocks in flight are fastest (1 x 8k C=1024: 15.6 us against
-    18.4 for 4 warps, one block); beyond, 4 warps and one block in flight (67 KB of shared
-    memory: three programs per SM; 64 x 8k: 254.5 us against 272.6). No bit depends on it."""
+def decode_launch(programs: int, device: torch.device) -> dict:
+    """``pair_decode`` launch arguments for ``programs`` (pair, KV head) programs, as measured on
+    the H200 (no bit depends on them). Up to one program per SM, latency decides: 8 warps with
+    two K/V blocks in flight (results/h200/pair_decode/configs_run5_split.json: 1 x 8k C=1024
+    15.6 us against 18.4 for 4 warps, one block). Beyond, throughput: 4 warps, one block in
+    flight (67 KB of shared memory, three programs per SM; 64 x 8k: 254.5 us against 272.6),
+    and one pair's KV heads on adjacent programs, which read the same cache rows together
+    (variants_run1.json: 64 x 8k pairs 248.9 against 254.6 us, 8 x 32k 128.5 against 130.3;
+    at batch 1 it was no faster)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
-    return (8, 3) if programs <= sms else (4, 2)
+    if programs <= sms:
+        return {"config": (8, 3), "heads_first": False}
+    return {"config": (4, 2), "heads_first": True}
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
