@@ -44,7 +44,6 @@ from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.dispatch import kernel_for
 from rlk_ops.kernels.fa4 import loader
 from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
-from rlk_ops.meta import provenance
 
 
 def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
@@ -105,13 +104,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
-        provenance.record("canonical_decode_pairs", DECODE_PAIRS, "triton", False,
-                          "kernels/triton/pair_decode.py: FA4's pair-call bits in one launch", str(q.device))
     else:
-        provenance.record("canonical_decode_pairs", DECODE_PAIRS, "fa4", False,
-                          "pair layout + one FA4 paged call" + ("" if DECODE_PAIRS == "fa4" else
-                                                                 " (shape outside pair_decode.routable)"),
-                          str(q.device))
         q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size,
                                                                       chunk_size)
         out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
