@@ -73,7 +73,10 @@ STREAMS = 4
 # shape) lays the pairs out and makes one FA4 paged call over them. Measured on the H200, op =
 # pairs + the merge, page 16, C = 1024 (results/h200/pair_decode/configs_run5_split.json, one
 # run): 1 x 8k 18.3 vs 18.5 us, 1 x 32k 26.6 vs 29.4, 8 x 8k 42.9 vs 46.0, 8 x 32k 138.2 vs
-# 146.7, 64 x 8k 260.0 vs 272.0. Same bits either way.
+# 146.7, 64 x 8k 260.0 vs 272.0. Same bits either way. Correction (session 6): that "fa4"
+# side was FA4's pair call without the 64-row tile the route uses; with it the pair call is
+# 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
+# us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
 DECODE_PAIRS = "triton"
 
 

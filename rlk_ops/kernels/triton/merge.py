@@ -192,8 +192,9 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
         for g in range(0, tl.cdiv(N, UNROLL)):  # group when N <= MAX_UNROLL); past N: lse -inf, skipped
             for i in tl.static_range(UNROLL):
                 n = g * UNROLL + i
-                total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask & (r * 0 + n < N), d, m2,
-                                         D, m_safe, total, acc, HAS_LENS, LIBDEVICE, "")
+                live = rmask & (r * 0 + n < N)
+                total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, live, d, m2, D, m_safe,
+                                         total, acc, HAS_LENS, LIBDEVICE, "")
     else:
         for n in range(N):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
@@ -294,14 +295,13 @@ def _pdl() -> dict:
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
     """(BLOCK rows per program, head_dim slices, states per unrolled group (0: a loop), 2D max
-    width or 0). None
-    of it changes a bit: nothing reduces across rows or over head_dim, the states are
-    walked in the same order either way, and a max is exact in any order. Few rows
+    width or 0). None of it changes a bit: nothing reduces across rows or over head_dim, the
+    states are walked in the same order either way, and a max is exact in any order. Few rows
     (decode: B*Hq of them) get 1-row programs and head_dim split in 4, so a batch-1 merge
     runs on 64 SMs instead of one; an unrolled walk lets the loads of N states (up to
-    MAX_UNROLL at a time) be in flight together instead of one after another; the 2D max (up to MAX_2D states, 1-row
-    programs; off when MAX_2D is 0) reads every state's lse in one load instead of a chain
-    of N."""
+    MAX_UNROLL at a time) be in flight together instead of one after another; the 2D max (up
+    to MAX_2D states, 1-row programs; off when MAX_2D is 0) reads every state's lse in one
+    load instead of a chain of N."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     block = BLOCK_R
     while block > 1 and triton.cdiv(rows, block) < 2 * sms:

@@ -49,7 +49,8 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   softmax of one block overlapping the next block's QK^T), which these kernels do not have.
 ``heads_first``: a 1-D grid whose consecutive programs are one pair's KV heads (same bits).
 
-Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge):
+Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
+route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
 1 x 8k 18.3 us (FA4 route 18.5), 1 x 32k 26.6 (29.4), 8 x 8k 42.9 (46.0), 8 x 32k 138.2 (146.7),
 64 x 8k 260.0 (272.0). Per key block ~1.7 us at 8 warps against FA4's ~1 us: at batch 1 the
 kernel is latency-bound (ncu: one or two warps per scheduler, ~4 cycles per instruction,
