@@ -172,6 +172,25 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
 
 
 @triton.jit
+def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_log2, M: tl.constexpr,
+            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr):
+    """Every layout's end of a pair: L = (s0 + s1) + (s2 + s3) from the thread sums, out =
+    bf16(O * rcp(L)), lse = fma(m, scale_log2, lg2(L)) * ln 2 (an empty pair: out 0, lse -inf),
+    stored for the query heads ``head`` (row sums L too when SUMS)."""
+    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
+    s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
+    total = s01 + s23
+    empty = n_keys == 0
+    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
+    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
+    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
+             mask=hmask[:, None])
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=hmask)
+    if SUMS:
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=hmask)
+
+
+@triton.jit
 def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                  scale_log2, bsz, width, chunk, page,
                  G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
@@ -212,18 +231,7 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
         else:
             acc = tl.dot(_bf16(p, EMU), v, acc)
-    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
-    s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
-    total = s01 + s23
-    empty = n_keys == 0
-    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
-    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
-    head = h * G + rows
-    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
-             mask=rmask[:, None])
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=rmask)
-    if SUMS:
-        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=rmask)
+    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
 
 
 @triton.jit
@@ -368,18 +376,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             acc = acc + tl.sum(p, axis=1)[:, None] + tl.max(v.to(tl.float32), axis=0)[None, :]
         else:
             acc = tl.dot(_bf16(p, EMU), v, acc)
-    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))
-    s01, s23 = tl.split(even_t + odd_t)
-    total = s01 + s23
-    empty = n_keys == 0
-    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
-    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     head = h * G + cols
-    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
-             mask=cmask[:, None])
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=cmask)
-    if SUMS:
-        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=cmask)
+    _finish(out, lse, sums, pair, head, cmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
                     n_chunks, HQ, D, LIBDEVICE, NMAX)
@@ -480,18 +478,7 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             pos = c * chunk + (j - 1) * BN + kk
             pg = tl.load(row + pos // PAGE, mask=pos >= c * chunk, other=0)
             m, part, acc = _tile_block(qt, kc, vc, tok, kk < BN, dd, m, part, acc, scale_log2, M, EMU, False)
-    even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
-    s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
-    total = s01 + s23
-    empty = n_keys == 0
-    o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
-    l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
-    head = h * G + rows
-    tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
-             mask=rmask[:, None])
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=rmask)
-    if SUMS:
-        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=rmask)
+    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
 
 
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
