@@ -4,7 +4,8 @@ opcodes; nvdisasm), registers, spills and shared memory (ptxas), layout conversi
 copies (TTGIR).
 
     python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
-                                                  [--prefetch 3] [--split 8] [--merge]
+                                                  [--prefetch 3] [--split 8] [--merge] [--ahead] [--l2]
+                                                  [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
 'keys' dots): ``pip install triton==3.6.0`` next to torch. Pointer and size arguments are marked
@@ -89,6 +90,9 @@ def main():
     ap.add_argument("--off64", action="store_true", help="tile: int64 cache offsets")
     ap.add_argument("--page", type=int, default=16, help="tile: page size (compile time)")
     ap.add_argument("--heads-first", action="store_true", help="keys, tile: one pair's KV heads adjacent")
+    ap.add_argument("--ahead", action="store_true", help="keys: next block's scores before this block's softmax")
+    ap.add_argument("--l2", action="store_true", help="keys: every K/V line prefetched into L2 up front")
+    ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
     consts = dict(CONSTS, M=rows)
@@ -100,11 +104,11 @@ def main():
     if args.layout == "tile":
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
-        consts.update(HEADS_FIRST=int(args.heads_first))
+        consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2))
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False})
@@ -120,6 +124,9 @@ def main():
                               text=True).stdout if os.path.exists(cubin) else ""
     usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
              if "registers" in line or "spill" in line]
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
     body = loop_sass(sass)
     ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
     print(f"pair_decode sm90 (Triton {triton.__version__}), layout {args.layout}, num_warps {args.warps}, "

@@ -4,10 +4,12 @@ routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair
 CUDA-graph time of the pairs and of the op (pairs + the merge op), and the fused merge.
 Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and without;
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
-with and without heads_first, at 2 stages. (results/h200/pair_decode/variants_run1.json is from
+with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
+into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
+(keys_ahead), and both. VARIANTS=a,b picks some; FUSED=0 skips the fused merge. (results/h200/pair_decode/variants_run1.json is from
 commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
 keys_pairs_first.)
-Usage: [PAGES=16] [CASES=1x8192,...] python3 benchmarks/probe_pair_decode_variants.py OUT.json
+Usage: [PAGES=16] [CASES=1x8192,...] [VARIANTS=...] [FUSED=0] python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations
@@ -27,10 +29,15 @@ CASES = tuple(tuple(int(x) for x in c.split("x")) for c in
               os.environ.get("CASES", "1x8192,1x32768,8x8192,8x32768,64x8192").split(","))
 DEVICE = os.environ.get("DEVICE", "cuda")
 CHUNKS = {1: (512, 1024, 2048)}   # batch -> the C values timed (default: 1024)
-VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
-            "keys_pairs_first": {"layout": "keys", "heads_first": False},
-            "tile": {"layout": "tile", "config": (4, 2)},
-            "tile_heads_first": {"layout": "tile", "config": (4, 2), "heads_first": True}}
+ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
+                "keys_pairs_first": {"layout": "keys", "heads_first": False},
+                "tile": {"layout": "tile", "config": (4, 2)},
+                "tile_heads_first": {"layout": "tile", "config": (4, 2), "heads_first": True},
+                "keys_l2": {"layout": "keys", "l2_prefetch": True},
+                "keys_ahead": {"layout": "keys", "ahead": True},
+                "keys_ahead_l2": {"layout": "keys", "ahead": True, "l2_prefetch": True}}
+VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
+FUSED = os.environ.get("FUSED", "1") == "1"
 
 
 def main():
@@ -74,10 +81,11 @@ def main():
                     op = merged(kw)
                     row[name + "_op_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
                     row[name + "_op_us"] = round(b.graph_us(lambda kw=kw: merged(kw)), 2)
-                fused = {**routed, "merge": True}
-                got = pairs(fused)[4:]
-                row["keys_fused_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
-                row["keys_fused_us"] = round(b.graph_us(lambda: pairs(fused)), 2)
+                if FUSED:
+                    fused = {**routed, "merge": True}
+                    got = pairs(fused)[4:]
+                    row["keys_fused_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                    row["keys_fused_us"] = round(b.graph_us(lambda: pairs(fused)), 2)
                 print(row, flush=True)
                 res.append(row)
     write_rows(out, res)

@@ -75,9 +75,10 @@ def _transcribed(q, k, v, n_keys, scale):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
 @pytest.mark.parametrize("ps,chunk,lens", [(16, 256, [300, 129, 1]), (128, 256, [520, 256, 17]),
                                            (16, 128, [5, 130, 260])])
-@pytest.mark.parametrize("layout,prefetch", [("rows", None), ("keys", 0), ("keys", 1), ("keys", 2), ("keys", 3),
-                                             ("tile", None)])
-def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch):
+@pytest.mark.parametrize("layout,prefetch,extra", [
+    ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
+    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True})])
+def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
     out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf."""
@@ -96,7 +97,7 @@ def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, pref
         for start in range(0, n, BLOCK_N):
             rows[int(table[b, start // ps]) * ps + start % ps, :, 0] = 0.0
     out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout,
-                                                  prefetch=prefetch)
+                                                  prefetch=prefetch, **extra)
     for c in range(n_chunks):
         for b, n in enumerate(lens):
             p, length = c * len(lens) + b, max(0, min(n - c * chunk, chunk))
@@ -153,8 +154,14 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge=True needs layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch and ahead need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
+    with pytest.raises(ValueError, match="merge, l2_prefetch and ahead need layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
+    with pytest.raises(ValueError, match="l2_prefetch=True needs prefetch 2 or 3, got 1"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, l2_prefetch=True)
+    with pytest.raises(ValueError, match="ahead=True needs prefetch 0, 2 or 3, got 1"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, ahead=True)
     with pytest.raises(ValueError, match="heads_first=True needs layout 'keys' or 'tile'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", heads_first=True)
     with pytest.raises(ValueError, match=r"layout 'tile' needs num_warps 4, got config \(8, 2\)"):
@@ -181,11 +188,13 @@ def _fa4_ready():
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("chunk", [128, 256, 1024, 2048])
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("layout,prefetch,config,heads_first", [
-    ("rows", None, None, False), ("keys", 0, (4, 2), False), ("keys", 2, (4, 3), False), ("keys", 3, (4, 2), False),
-    ("keys", 3, (8, 2), False), ("keys", 3, (8, 3), False), ("keys", 3, (8, 3), True), ("tile", None, (4, 2), False),
-    ("tile", None, (4, 2), True)])
-def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first):
+@pytest.mark.parametrize("layout,prefetch,config,heads_first,extra", [
+    ("rows", None, None, False, {}), ("keys", 0, (4, 2), False, {}), ("keys", 2, (4, 3), False, {}),
+    ("keys", 3, (4, 2), False, {}), ("keys", 3, (8, 2), False, {}), ("keys", 3, (8, 3), False, {}),
+    ("keys", 3, (8, 3), True, {}), ("tile", None, (4, 2), False, {}), ("tile", None, (4, 2), True, {}),
+    ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
+    ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True})])
+def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
     from rlk_ops.kernels.triton.pair_decode import pair_decode
@@ -194,7 +203,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps + wide, device="cuda", wide=wide)
     scale = D ** -0.5
     out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout=layout, prefetch=prefetch,
-                                     config=config, heads_first=heads_first)
+                                     config=config, heads_first=heads_first, **extra)
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
     assert n == n_ref and bitwise_equal(plens, ref_lens)

@@ -290,19 +290,100 @@ def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, 
 
 
 @triton.jit
+def _l2_prefetch(ptrs, EMU: tl.constexpr):
+    """``prefetch.global.L2`` of the 128-byte lines at ``ptrs``: no register waits for them (the
+    interpreter has no inline asm: nothing)."""
+    if not EMU:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV: tl.constexpr, D: tl.constexpr,
+              BN: tl.constexpr, PF: tl.constexpr, ABL: tl.constexpr):
+    """Key block j's element offsets (head h) and its valid keys, for prefetch 0, 2 and 3
+    (prefetch 1 carries the next page entries through the loop: inline there)."""
+    in_pair = j * BN + kk
+    valid = in_pair < n_keys
+    if PF == 3:  # int32 element offsets (the cache has < 2**31 elements); keys past the pair read page 0
+        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0) * (HKV * D) + h * D
+    elif PF == 2:
+        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
+    else:
+        pos = c * chunk + in_pair
+        pg = tl.load(row + pos // page, mask=valid, other=0)
+        tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+    if ABL & 1:
+        tok = kk.to(tl.int64) * (HKV * D) + h * D
+    return tok, valid
+
+
+@triton.jit
+def _keys_scores(kc, qt, tok, valid, dd, BN: tl.constexpr, M: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr,
+                 PF: tl.constexpr, SPLIT: tl.constexpr):
+    """S [M, BN] of one key block, computed as S^T = K @ Q^T, keys past the pair -inf."""
+    if PF == 3:
+        k = tl.load(kc + (tok[:, None] + dd[None, :]))
+    else:
+        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+    if EMU:
+        s = tl.dot(k.to(tl.float32), qt.to(tl.float32))
+    elif SPLIT:  # a batched dot over SPLIT key groups: a warp each (Triton gives a 3-D dot's
+        s = tl.reshape(tl.dot(tl.reshape(k, [SPLIT, BN // SPLIT, D]),  # warps to its batch axis)
+                              tl.broadcast_to(qt[None, :, :], [SPLIT, D, M])), [BN, M])
+    else:
+        s = tl.dot(k, qt)                                                # S^T [BN, M]
+    return tl.trans(tl.where(valid[:, None], s, _NEG_INF))               # S [M, BN]
+
+
+@triton.jit
+def _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M: tl.constexpr, EMU: tl.constexpr,
+                 PF: tl.constexpr, ABL: tl.constexpr, INIT_FMA: tl.constexpr):
+    """One key block's online softmax step given its scores: max, exponentials, thread sums,
+    O = O * r + bf16(P) @ V."""
+    m_prev = m
+    m = tl.maximum(tl.max(s, axis=1), m_prev)
+    m_use = tl.where(m == _NEG_INF, 0.0, m)
+    if ABL & 16:
+        p = s
+        r = m_use
+    else:
+        p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
+        r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)  # 0 before the first block: part and acc are 0
+    if not (ABL & 2):
+        part = _thread_sums(part, r, p, M, INIT_FMA)
+    if PF == 3:
+        v = tl.load(vc + (tok[:, None] + dd[None, :]), mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * r[:, None]
+    if EMU:
+        acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
+    elif ABL & 4:
+        acc = acc + tl.sum(p, axis=1)[:, None] + tl.max(v.to(tl.float32), axis=0)[None, :]
+    else:
+        acc = tl.dot(_bf16(p, EMU), v, acc)
+    return m, part, acc
+
+
+@triton.jit
 def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       scale_log2, bsz, width, chunk, page, n_chunks, counts, merged_out, merged_lse, log_c,
                       G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                       BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
                       SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
-                      NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0):
+                      NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
+                      AHEAD: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
     asynchronously). Same operations per element (a tensor-core output element is the same dot
     in either operand role, measured on the H200), half the padded QK^T work and a quarter of
-    the exponentials at G = 4."""
+    the exponentials at G = 4. L2PF (prefetch >= 2): every K/V line of the pair is requested
+    into L2 up front, so the block walk waits on L2 rather than on memory. AHEAD: the next
+    block's scores are issued before this block's softmax (FA4's order of issue; the same
+    operations on every block)."""
     pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
     cols = tl.arange(0, M)
     cmask = cols < G
@@ -315,67 +396,49 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     acc = tl.zeros([M, D], tl.float32)
     nb = tl.cdiv(n_keys, BN)
     row = table + b.to(tl.int64) * width
+    blk = tl.arange(0, NBC)
+    tok_all = tl.zeros([NBC, BN], tl.int32)
     if PF == 1:  # the page-table entries one block ahead, by hand
         in_pair = (nb - 1) * BN + kk
         pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
     if PF >= 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
-        blk = tl.arange(0, NBC)
         at = blk[:, None] * BN + kk[None, :]
         pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
         tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
-    for it in range(0, nb):
-        j = nb - 1 - it
-        in_pair = j * BN + kk
-        valid = in_pair < n_keys
-        pos = c * chunk + in_pair
-        if PF == 3:  # int32 element offsets (the cache has < 2**31 elements); keys past the pair read
-            tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0) * (HKV * D) + h * D  # page 0
-        elif PF == 2:
-            tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
-        else:
+        if L2PF:  # both 128-byte lines of every K and V row (keys past the pair: page 0's rows)
+            lines = (tok_all * (HKV * D) + h * D)[:, :, None] + (tl.arange(0, 2) * (D // 2))[None, None, :]
+            _l2_prefetch(kc + lines, EMU)
+            _l2_prefetch(vc + lines, EMU)
+    if AHEAD:
+        j0 = tl.maximum(nb - 1, 0)  # an empty pair reads block 0, all masked (not used)
+        tok, valid = _keys_tok(row, tok_all, blk, j0, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
+        s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT)
+        for it in range(0, nb - 1):
+            j = nb - 1 - it
+            tok_n, valid_n = _keys_tok(row, tok_all, blk, j - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
+            s_n = _keys_scores(kc, qt, tok_n, valid_n, dd, BN, M, D, EMU, PF, SPLIT)
+            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            s = s_n
+            tok = tok_n
+            valid = valid_n
+        if nb > 0:
+            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+    else:
+        for it in range(0, nb):
+            j = nb - 1 - it
             if PF == 1:
+                in_pair = j * BN + kk
+                valid = in_pair < n_keys
                 pg = pg_next
                 nxt = in_pair - BN
                 pg_next = tl.load(row + (c * chunk + nxt) // page, mask=(nxt >= 0) & (nxt < n_keys), other=0)
+                tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
+                if ABL & 1:
+                    tok = kk.to(tl.int64) * (HKV * D) + h * D
             else:
-                pg = tl.load(row + pos // page, mask=valid, other=0)
-            tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
-        if ABL & 1:
-            tok = kk.to(tl.int64) * (HKV * D) + h * D
-        if PF == 3:
-            k = tl.load(kc + (tok[:, None] + dd[None, :]))
-        else:
-            k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        if EMU:
-            s = tl.dot(k.to(tl.float32), qt.to(tl.float32))
-        elif SPLIT:  # a batched dot over SPLIT key groups: a warp each (Triton gives a 3-D dot's
-            s = tl.reshape(tl.dot(tl.reshape(k, [SPLIT, BN // SPLIT, D]),  # warps to its batch axis)
-                                  tl.broadcast_to(qt[None, :, :], [SPLIT, D, M])), [BN, M])
-        else:
-            s = tl.dot(k, qt)                                            # S^T [BN, M]
-        s = tl.trans(tl.where(valid[:, None], s, _NEG_INF))              # S [M, BN]
-        m_prev = m
-        m = tl.maximum(tl.max(s, axis=1), m_prev)
-        m_use = tl.where(m == _NEG_INF, 0.0, m)
-        if ABL & 16:
-            p = s
-            r = m_use
-        else:
-            p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
-            r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
-        if not (ABL & 2):
-            part = _thread_sums(part, r, p, M, INIT_FMA)
-        if PF == 3:
-            v = tl.load(vc + (tok[:, None] + dd[None, :]), mask=valid[:, None], other=0.0)
-        else:
-            v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * r[:, None]
-        if EMU:
-            acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
-        elif ABL & 4:
-            acc = acc + tl.sum(p, axis=1)[:, None] + tl.max(v.to(tl.float32), axis=0)[None, :]
-        else:
-            acc = tl.dot(_bf16(p, EMU), v, acc)
+                tok, valid = _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
+            s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT)
+            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
@@ -535,12 +598,13 @@ def decode_launch(programs: int, device: torch.device) -> dict:
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
-                merge: bool = False, heads_first: bool = False):
+                merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
     ``config``: (num_warps, num_stages) instead of (NUM_WARPS, NUM_STAGES) (probes; no bit
-    depends on them: every reduction order above is fixed by the code, not the launch)."""
+    depends on them: every reduction order above is fixed by the code, not the launch);
+    ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -565,11 +629,16 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             prefetch = 3 if preloadable(k_cache, chunk_size) else 0
         if split is None:
             split = warps if BLOCK_N % (16 * warps) == 0 else 0
+        if l2_prefetch and prefetch < 2:
+            raise ValueError(f"pair_decode l2_prefetch=True needs prefetch 2 or 3, got {prefetch}")
+        if ahead and prefetch == 1:
+            raise ValueError("pair_decode ahead=True needs prefetch 0, 2 or 3, got 1")
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
                  "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET),
-                 "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0}
-    elif merge:
-        raise ValueError("pair_decode merge=True needs layout='keys'")
+                 "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0,
+                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead)}
+    elif merge or l2_prefetch or ahead:
+        raise ValueError("pair_decode merge, l2_prefetch and ahead need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
