@@ -6,7 +6,8 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
-(keys_ahead), and both. VARIANTS=a,b picks some; FUSED=0 skips the fused merge. (results/h200/pair_decode/variants_run1.json is from
+(keys_ahead), and both; the merge alone with and without eager state loads (merge.EAGER_LOADS).
+VARIANTS=a,b picks some; FUSED=0 skips the fused merge. (results/h200/pair_decode/variants_run1.json is from
 commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
 keys_pairs_first.)
 Usage: [PAGES=16] [CASES=1x8192,...] [VARIANTS=...] [FUSED=0] python3 benchmarks/probe_pair_decode_variants.py OUT.json
@@ -40,6 +41,18 @@ VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_
 FUSED = os.environ.get("FUSED", "1") == "1"
 
 
+def merge_row(tm, states, lens, cfg, b):
+    """The merge op alone on these states, with its config and with eager state loads."""
+    eager_cfg = (*cfg, True) if len(cfg) == 4 else cfg
+    ref = tm.merge_attn_states(*states, state_lens=lens, config=cfg)
+    got = tm.merge_attn_states(*states, state_lens=lens, config=eager_cfg)
+    return {"merge_config": list(cfg), "merge_us": round(b.graph_us(
+                lambda: tm.merge_attn_states(*states, state_lens=lens, config=cfg)), 2),
+            "merge_eager_equal": cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1]),
+            "merge_eager_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens,
+                                                                            config=eager_cfg)), 2)}
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else None
     res = []
@@ -64,10 +77,13 @@ def main():
                 ref = pairs(routed)
                 ref_op = merged(routed)
                 full = ref[2] > 0
+                states = (ref[0].view(ref[3], bsz, 1, sh.hq, sh.d), ref[1].view(ref[3], bsz, sh.hq, 1))
+                mcfg = tm.merge_config(bsz * sh.hq, ref[3], sh.d, q.device)
+                eager = merge_row(tm, states, ref[2].view(ref[3], bsz), mcfg, b)
                 row = {"page": page, "batch": bsz, "context": ctx, "C": c, "routed_config": list(cfg),
                        "routed_heads_first": launch["heads_first"],
                        "routed_pairs_us": round(b.graph_us(lambda: pairs(routed)), 2),
-                       "routed_op_us": round(b.graph_us(lambda: merged(routed)), 2)}
+                       "routed_op_us": round(b.graph_us(lambda: merged(routed)), 2), **eager}
                 for name, kw in VARIANTS.items():
                     kw = {**launch, **kw}
                     try:

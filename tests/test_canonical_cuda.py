@@ -226,10 +226,12 @@ def test_cuda_merge_equals_cpu_reference(dtype, lead):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5), (1, 4, 5, 8), (4, 1, 0, 8),
-                                    (1, 4, 2, 8), (4, 1, 3)])
+                                    (1, 4, 2, 8), (4, 1, 3), (1, 4, 5, 8, True), (2, 1, 5, 0, True),
+                                    (4, 1, 3, 0, True), (16, 1, 0, 0, True)])
 def test_cuda_merge_config_changes_no_bit(config):
     """Rows per program, head_dim slices, unrolled (whole or in groups of 2 or 3, the last
-    one partly past N) or looped walk, looped or 2D max: the CPU reference's bits."""
+    one partly past N) or looped walk, looped or 2D max, eager loads (the skipped states'
+    NaN rows loaded and never selected): the CPU reference's bits."""
     from rlk_ops.kernels.triton import merge as triton_merge
 
     out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, BF16, seed=11))

@@ -147,13 +147,15 @@ def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.con
 
 @triton.jit
 def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
-                acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr, CACHE: tl.constexpr):
+                acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr, CACHE: tl.constexpr, EAGER: tl.constexpr = 0):
+    """State n's step. EAGER: its out rows are loaded whether or not it is present (a skipped
+    state's values are loaded and never selected), so the load does not wait for its lse."""
     lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, CACHE)
     present = lse != _NEG_INF
     w = _exp(lse - m_safe, LIBDEVICE)
     total = tl.where(present, total + w, total)
-    o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=m2 & present[:, None], other=0.0,
-                cache_modifier=CACHE)
+    omask = m2 & rmask[:, None] if EAGER else m2 & present[:, None]
+    o = tl.load(o_ptr + (n * R + r)[:, None] * D + d[None, :], mask=omask, other=0.0, cache_modifier=CACHE)
     acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
     return total, acc
 
@@ -161,7 +163,8 @@ def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2
 @triton.jit
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
-               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr, PDL: tl.constexpr):
+               LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr, PDL: tl.constexpr,
+               EAGER: tl.constexpr = 0):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
     rmask = r < R
     h = r % H
@@ -194,11 +197,11 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
                 n = g * UNROLL + i
                 live = rmask & (r * 0 + n < N)
                 total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, live, d, m2, D, m_safe,
-                                         total, acc, HAS_LENS, LIBDEVICE, "")
+                                         total, acc, HAS_LENS, LIBDEVICE, "", EAGER)
     else:
         for n in range(N):
             total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
-                                     total, acc, HAS_LENS, LIBDEVICE, "")
+                                     total, acc, HAS_LENS, LIBDEVICE, "", EAGER)
     res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
     res = tl.where(total[:, None] == 0.0, 0.0, res)
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
@@ -287,6 +290,9 @@ MAX_2D = 256
 # measured on the H200 (decode profile, total_pdl_us) bitwise equal but no faster beyond
 # noise; tests/test_canonical_cuda.py checks its bits under CUDA-graph capture.
 PDL = False
+# Eager state loads: each state's out rows are loaded without waiting for its lse (a skipped
+# state's rows are read, in bounds, and never selected: same bits). Not measured yet: off.
+EAGER_LOADS = False
 
 
 def _pdl() -> dict:
@@ -312,8 +318,8 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
 
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
-    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width]) instead of ``merge_config``'s
-    (benchmarks, tests)."""
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads]]) instead of
+    ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -324,15 +330,16 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
     assert n * rows < 2**31, "state row index n * rows must fit int32"  # element offsets are int64
     if state_lens is not None:
         state_lens = C.aligned(state_lens.reshape(n, n_lead))
-    block, split, unroll, *max2d = config or merge_config(rows, n, d, out_parts.device)
-    max2d = max2d[0] if max2d else 0
+    block, split, unroll, *rest = config or merge_config(rows, n, d, out_parts.device)
+    max2d = rest[0] if rest else 0
+    eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     block_d = C.pow2(d) // split
     launch = _pdl()
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
         D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-        UNROLL=unroll, MAX2D=max2d, PDL=bool(launch),
+        UNROLL=unroll, MAX2D=max2d, PDL=bool(launch), EAGER=int(eager),
         num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
     return out, lse
 
