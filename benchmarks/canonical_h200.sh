@@ -5,8 +5,10 @@
 #           measured in the same run when flashinfer is installed); its decode profile and
 #           decode sections at page 128 (FA4's TMA path: page size = its 128-key tile);
 #   part 2: the CUDA demo single pass and under bare 'canonical' (= 1024), the whole CUDA test
-#           suite except tests/test_canonical_cuda.py, benchmarks/attention.py (strict FA4).
-# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2
+#           suite except tests/test_canonical_cuda.py, benchmarks/attention.py (strict FA4);
+#   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
+#           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
+# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|probe
 # Writes into $OUT: steps.txt canonical_tests.txt canonical.json canonical.md canonical_p128.json
 # canonical_p128.md (part 1); demo_cuda.json demo_cuda_canonical1024.json cuda_tests.txt
 # attention.json attention.md (part 2)
@@ -33,6 +35,9 @@ if [ "$PART" = 1 ]; then
   step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
   step canonical_benchmark 330 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
   step canonical_p128 120 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+elif [ "$PART" = probe ]; then
+  step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
+  step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
 else
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"

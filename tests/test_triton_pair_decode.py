@@ -38,6 +38,13 @@ def _inputs(lens, ps, seed, device, wide=False):
     return [t.to(device) for t in (q, kc, vc, table, sl)]
 
 
+def _option_id(value):
+    """Test ids name the kernel options (``-k ahead``, ``-k l2_prefetch``)."""
+    if isinstance(value, dict):
+        return "+".join(value) or "plain"
+    return None
+
+
 # --------------------------------------------------------------- interpreter
 def _transcribed(q, k, v, n_keys, scale):
     """The kernel docstring's steps in torch, one IEEE op at a time (q [G, D], k/v [L, D])."""
@@ -77,7 +84,8 @@ def _transcribed(q, k, v, n_keys, scale):
                                            (16, 128, [5, 130, 260])])
 @pytest.mark.parametrize("layout,prefetch,extra", [
     ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
-    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True})])
+    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True})],
+    ids=_option_id)
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
@@ -193,7 +201,8 @@ def _fa4_ready():
     ("keys", 3, (4, 2), False, {}), ("keys", 3, (8, 2), False, {}), ("keys", 3, (8, 3), False, {}),
     ("keys", 3, (8, 3), True, {}), ("tile", None, (4, 2), False, {}), ("tile", None, (4, 2), True, {}),
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
-    ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True})])
+    ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True})],
+    ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
