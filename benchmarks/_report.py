@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the JSON report, its sections and the random inputs.
 
 ``benchmarks/attention.py`` and ``benchmarks/canonical.py`` subclass ``Report``.
-``graph_time_us`` is the CUDA-graph timer of ``canonical.py`` and ``kernels.py``;
+``graph_time_us`` is the CUDA-graph timer of ``canonical.py`` and ``kernels.py``
+(``graph_times_us``: several functions' graphs replayed in turn, for ratios);
 ``attention.py`` keeps its own (fixed 10 calls per graph, replays interleaved with the
 raw kernel's, as its report says).
 A section that raises is recorded in ``res["errors"]`` with its traceback, the others
@@ -21,14 +22,8 @@ from dataclasses import asdict
 import torch
 
 
-def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 500, graph: bool = True,
-                  fallback: bool = False) -> dict:
-    """GPU time per call of ``fn``: ``n`` calls (sized to ``target_ms`` from 3 timed calls,
-    3..max_calls) captured in one CUDA graph on a side stream, the graph replayed ``reps``
-    times between two events. Returns ``{"us": median, "spread_us", "method", "n"}``.
-    ``graph=False`` times the ``n`` calls eagerly between the events instead (host launch
-    cost included); ``fallback=True`` does that, recorded in ``method``, when capture fails
-    (else the capture error propagates)."""
+def _calls_for(fn, target_ms: float, max_calls: int) -> int:
+    """How many calls of ``fn`` fill ``target_ms`` (from 3 timed calls; 3..max_calls)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -37,26 +32,47 @@ def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 50
         fn()
     end.record()
     end.synchronize()
-    n = max(3, min(max_calls, int(target_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+    return max(3, min(max_calls, int(target_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+
+
+def _capture(fn, n: int):
+    """``n`` calls of ``fn`` captured in one CUDA graph on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return g
+
+
+def _replay_us(g, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 500, graph: bool = True,
+                  fallback: bool = False) -> dict:
+    """GPU time per call of ``fn``: ``n`` calls (sized to ``target_ms`` from 3 timed calls,
+    3..max_calls) captured in one CUDA graph on a side stream, the graph replayed ``reps``
+    times between two events. Returns ``{"us": median, "spread_us", "method", "n"}``.
+    ``graph=False`` times the ``n`` calls eagerly between the events instead (host launch
+    cost included); ``fallback=True`` does that, recorded in ``method``, when capture fails
+    (else the capture error propagates)."""
+    n = _calls_for(fn, target_ms, max_calls)
     method, samples = "cuda_graph", []
     if graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(n):
-                        fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            for _ in range(reps):
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / n)
+            g = _capture(fn, n)
+            samples = [_replay_us(g, n) for _ in range(reps)]
             del g
         except Exception as e:  # noqa: BLE001 - re-raised unless the caller asked for the eager fallback
             if not fallback:
@@ -65,6 +81,7 @@ def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 50
             torch.cuda.synchronize()
     if not samples:
         method = method if method != "cuda_graph" else "events"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(reps):
             start.record()
             for _ in range(n):
@@ -73,6 +90,25 @@ def graph_time_us(fn, target_ms: float = 8.0, reps: int = 5, max_calls: int = 50
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1e3 / n)
     return {"us": statistics.median(samples), "spread_us": max(samples) - min(samples), "method": method, "n": n}
+
+
+def graph_times_us(fns: dict, target_ms: float = 8.0, reps: int = 5, max_calls: int = 500) -> dict:
+    """``graph_time_us`` of several functions whose ratios are compared: each captured in its
+    own CUDA graph, the graphs replayed in turn (A, B, C, A, B, C, ...) ``reps`` rounds, so a
+    drift of the GPU's clock or temperature during the measurement falls on all of them
+    alike. Returns ``{name: {"us": median, "spread_us", "method", "n"}}``."""
+    graphs = {}
+    for name, fn in fns.items():
+        n = _calls_for(fn, target_ms, max_calls)
+        graphs[name] = (_capture(fn, n), n)
+    graphs_n = {name: n for name, (_, n) in graphs.items()}
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, (g, n) in graphs.items():
+            samples[name].append(_replay_us(g, n))
+    del graphs
+    return {name: {"us": statistics.median(t), "spread_us": max(t) - min(t), "method": "cuda_graph, interleaved",
+                   "n": graphs_n[name]} for name, t in samples.items()}
 
 
 class Report:

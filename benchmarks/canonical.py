@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rlk_ops  # noqa: E402
-from _report import Report, arguments, device_and_shapes, graph_time_us, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
+from _report import Report, arguments, device_and_shapes, graph_time_us, graph_times_us, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
@@ -104,6 +104,14 @@ class Bench(Report):
                 fn()
             return (time.perf_counter() - t0) * 1e6 / 2
         return graph_time_us(fn, self.sh.target_ms, self.sh.reps, max_calls=200)["us"]
+
+    def graph_us_many(self, fns: dict) -> dict:
+        """``graph_us`` of functions compared by ratio: _report.graph_times_us (each its own CUDA
+        graph, the graphs replayed in turn, ``reps`` rounds). CPU: ``graph_us`` of each."""
+        if self.dev != "cuda":
+            return {name: self.graph_us(fn) for name, fn in fns.items()}
+        return {name: t["us"] for name, t in graph_times_us(fns, self.sh.target_ms, self.sh.reps,
+                                                           max_calls=200).items()}
 
     def eager_us(self, fns: dict) -> dict:
         """Median us per call of each fn, interleaved per repetition (eager, CUDA events)."""
@@ -526,12 +534,15 @@ class Bench(Report):
         ps = sh.decode_page
         for bsz, ctx, q, kc, vc, pt, sl in self.decode_inputs(sh.decode_cases):
             row = {"batch": bsz, "context": ctx, "page_size": ps}
-            row["fa4_strict_raw_us"] = round(self.graph_us(lambda: fa4.paged_attention(q, kc, vc, pt, sl,
-                                                                                       self.scale)), 2)
-            row["fa4_strict_rlk_us"] = round(self.graph_us(lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl)), 2)
+            # every implementation of this case timed in one interleaved measurement (ratios)
+            fns = {"fa4_strict_raw_us": lambda: fa4.paged_attention(q, kc, vc, pt, sl, self.scale),
+                   "fa4_strict_rlk_us": lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl)}
             for c in sh.decode_chunks:
-                row[f"canonical_{c}_us"] = round(self.graph_us(
-                    lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")), 2)
+                fns[f"canonical_{c}_us"] = lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl,
+                                                                               split_kv=f"canonical:{c}")
+            if fi_table is None:
+                fns["flashinfer_auto_us"] = self._fi_run(q, kc, vc, pt, sl)
+            row.update({name: round(us, 2) for name, us in self.graph_us_many(fns).items()})
             if bsz == 1:  # the generic route (torch pair layout + mask + merge), for comparison
                 c = sh.decode_chunks[0]
                 row[f"canonical_{c}_generic_route_us"] = round(self.graph_us(
@@ -539,11 +550,7 @@ class Bench(Report):
                                                       attend_into=canonical.gathered(fa4.attention_fwd),
                                                       attend_paged=lambda *a: fa4.paged_attention(
                                                           *a[:4], a[4].clamp_min(1), a[5]))), 2)
-            fi = None
-            if fi_table is None:
-                fi = self._fi_measure(q, kc, vc, pt, sl)
-            else:
-                fi = fi_table.get(f"B{bsz}_ctx{ctx}")
+            fi = row.get("flashinfer_auto_us") if fi_table is None else fi_table.get(f"B{bsz}_ctx{ctx}")
             row["flashinfer_auto_us"] = None if fi is None else round(fi, 2)
             for c in sh.decode_chunks:
                 t = row[f"canonical_{c}_us"]
@@ -553,10 +560,12 @@ class Bench(Report):
             row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
             rows.append(row)
             print("   ", row, flush=True)
-        self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off",
+        self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off, "
+                              "every implementation of a case replayed in turn (graph_times_us)",
                               "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
 
-    def _fi_measure(self, q, kc, vc, pt, sl):
+    def _fi_run(self, q, kc, vc, pt, sl):
+        """FlashInfer's auto-split decode of this batch, planned: the call to time (run())."""
         from rlk_ops.kernels import flashinfer as FI
 
         bsz, _, hq, d = q.shape
@@ -566,7 +575,7 @@ class Bench(Report):
         w.plan(indptr, indices, last, hq, self.sh.hkv, d, kc.shape[1], q_data_type=q.dtype, kv_data_type=kc.dtype,
                sm_scale=self.scale, q_len_per_req=1, **args)
         qq = q.reshape(bsz, hq, d)
-        return self.graph_us(lambda: w.run(qq, (kc, vc), return_lse=True))
+        return lambda: w.run(qq, (kc, vc), return_lse=True)
 
     def training(self):
         sh = self.sh
