@@ -7,10 +7,12 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; the merge alone with and without eager state loads (merge.EAGER_LOADS).
-VARIANTS=a,b picks some; FUSED=0 skips the fused merge. (results/h200/pair_decode/variants_run1.json is from
+VARIANTS=a,b picks some; FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
+(pair layout, FA4's pair call, merge) with and without the layout launch prefetching every
+pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
 commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
 keys_pairs_first.)
-Usage: [PAGES=16] [CASES=1x8192,...] [VARIANTS=...] [FUSED=0] python3 benchmarks/probe_pair_decode_variants.py OUT.json
+Usage: [PAGES=16] [CASES=1x8192,...] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
                 "keys_ahead_l2": {"layout": "keys", "ahead": True, "l2_prefetch": True}}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
 FUSED = os.environ.get("FUSED", "1") == "1"
+FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 
 
 def merge_row(tm, states, lens, cfg, b):
@@ -56,6 +59,10 @@ def merge_row(tm, states, lens, cfg, b):
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else None
     res = []
+    if FA4_ROUTE:
+        if DEVICE == "cpu":
+            cb.install_dry_run()  # the stand-in FA4 (plumbing only)
+        from rlk_ops.kernels.fa4 import kernels as fa4_kernels
     for page in PAGES:
         sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=3)
         b = cb.Bench(DEVICE, sh, None, False)
@@ -97,6 +104,16 @@ def main():
                     op = merged(kw)
                     row[name + "_op_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
                     row[name + "_op_us"] = round(b.graph_us(lambda kw=kw: merged(kw)), 2)
+                if FA4_ROUTE:
+                    for name, pf in (("fa4_route", None), ("fa4_route_l2", (kc, vc))):
+                        def route(pf=pf, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c, bsz=bsz):
+                            qp, ptab, plens, klens, n = tm.decode_pairs(q, pt, sl, page, c, prefetch=pf)
+                            o, l = fa4_kernels.pair_attention(qp, kc, vc, ptab, klens, b.scale)
+                            return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
+                                                        state_lens=plens.view(n, bsz))
+                        got = route()
+                        row[name + "_op_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                        row[name + "_op_us"] = round(b.graph_us(route), 2)
                 if FUSED:
                     fused = {**routed, "merge": True}
                     got = pairs(fused)[4:]

@@ -239,9 +239,9 @@ def _merge_bwd(do_ptr, dl_ptr, o_ptr, l_ptr, out_ptr, lse_ptr, dop_ptr, dlp_ptr,
 
 
 @triton.jit
-def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, B, width, chunk,
+def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, kc_ptr, vc_ptr, B, width, chunk,
                   PER: tl.constexpr, BLOCK_P: tl.constexpr, QN: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  PDL: tl.constexpr):
+                  PDL: tl.constexpr, PAGE_ELEMS: tl.constexpr = 0, PAGE_BYTES: tl.constexpr = 0):
     i = tl.program_id(0).to(tl.int64)        # pair c * B + b (chunk-major)
     c = i // B
     b = i % B
@@ -255,6 +255,13 @@ def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr
     col = c * PER + j
     page = tl.load(table_ptr + b * width + col, mask=(j < PER) & (col < width) & ((j * 0 + plen) > 0), other=0)
     tl.store(pt_ptr + i * PER + j, page, mask=j < PER)
+    if PAGE_BYTES > 0:  # the pair's K and V pages requested into L2 (lanes past it: page 0 again)
+        at = page.to(tl.int64) * PAGE_ELEMS
+        size = tl.full([BLOCK_P], PAGE_BYTES, tl.int32)
+        for cache in tl.static_range(2):
+            base = kc_ptr if cache == 0 else vc_ptr
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                      [base + at, size], dtype=tl.int32, is_pure=False, pack=1)
     for k0 in tl.static_range(0, QN, BLOCK_Q):
         k = k0 + tl.arange(0, BLOCK_Q)
         tl.store(qp_ptr + i * QN + k, tl.load(q_ptr + b * QN + k, mask=k < QN), mask=k < QN)
@@ -363,12 +370,15 @@ def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
     return d_out_parts, d_lse_parts
 
 
-def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
+def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefetch=None):
     """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
     [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
     ``pair_table``/``pair_lens``/``N`` equal ``kernels/cpu/canonical.decode_pairs``;
     ``kernel_lens = max(pair_lens, 1)`` is what the attention kernel is given (an empty
-    pair then reads one key of page 0 and the merge skips it through ``pair_lens``)."""
+    pair then reads one key of page 0 and the merge skips it through ``pair_lens``).
+    ``prefetch=(k_cache, v_cache)``: every page of every pair is also requested into L2
+    (``cp.async.bulk.prefetch.L2``, pages of 16-byte multiples), so the attention call after
+    this launch reads it from L2; a hint, no value changes (not on the interpreter)."""
     if chunk_size % page_size:
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
@@ -382,8 +392,18 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int):
     if bsz:
         qn = q[0].numel()
         launch = _pdl()
+        pf = {}
+        kc, vc = prefetch if prefetch is not None else (q, q)
+        if prefetch is not None and not C.INTERPRET:
+            page_bytes = kc[0].numel() * kc.element_size()
+            if (page_bytes % 16 or not kc.is_contiguous() or not vc.is_contiguous() or kc.data_ptr() % 16
+                    or vc.data_ptr() % 16):
+                raise ValueError(f"decode_pairs prefetch needs contiguous 16-byte aligned caches with pages of a "
+                                 f"16-byte multiple, got {page_bytes} bytes per page, strides {kc.stride()} / "
+                                 f"{vc.stride()}, base offsets mod 16 {kc.data_ptr() % 16} / {vc.data_ptr() % 16}")
+            pf = {"PAGE_ELEMS": kc[0].numel(), "PAGE_BYTES": page_bytes}
         _pairs_kernel[(n * bsz,)](
             C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
-            bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn, BLOCK_Q=min(C.pow2(qn), 4096),
-            PDL=bool(launch), num_warps=NUM_WARPS, **C.LAUNCH, **launch)
+            kc, vc, bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn,
+            BLOCK_Q=min(C.pow2(qn), 4096), PDL=bool(launch), **pf, num_warps=NUM_WARPS, **C.LAUNCH, **launch)
     return q_pairs, pair_table, pair_lens, kernel_lens, n
