@@ -324,6 +324,13 @@ def test_cuda_decode_pairs_kernel_equals_policy_layout():
         assert n == ref_n and bitwise_equal(pair_table, ref_table) and bitwise_equal(pair_lens, ref_lens)
         assert bitwise_equal(kernel_lens, ref_lens.clamp_min(1))
         assert bitwise_equal(q_pairs, q[None].expand(n, *q.shape).reshape(n * 4, *q.shape[1:]))
+        # prefetch: the same layout; only pages under a pair's keys are requested (the
+        # garbage entries past them would be addresses far outside this 28-page cache)
+        cache = torch.zeros(28, page_size, HKV, D, dtype=BF16, device=DEV)
+        got = triton_merge.decode_pairs(q, table, seq_lens, page_size, chunk, prefetch=(cache, cache.clone()))
+        torch.cuda.synchronize()
+        assert got[4] == n and all(bitwise_equal(a, b) for a, b in zip(got[:4], (q_pairs, pair_table, pair_lens,
+                                                                                  kernel_lens)))
 
 
 # ------------------------------------------------------------------ train == rollout

@@ -255,8 +255,9 @@ def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr
     col = c * PER + j
     page = tl.load(table_ptr + b * width + col, mask=(j < PER) & (col < width) & ((j * 0 + plen) > 0), other=0)
     tl.store(pt_ptr + i * PER + j, page, mask=j < PER)
-    if PAGE_BYTES > 0:  # the pair's K and V pages requested into L2 (lanes past it: page 0 again)
-        at = page.to(tl.int64) * PAGE_ELEMS
+    if PAGE_BYTES > 0:  # the pair's K and V pages requested into L2 (lanes past its keys: page 0; the
+        used = j * (chunk // PER) < plen  # table's entries there may be anything, never an address)
+        at = tl.where(used, page, 0).to(tl.int64) * PAGE_ELEMS
         size = tl.full([BLOCK_P], PAGE_BYTES, tl.int32)
         for cache in tl.static_range(2):
             base = kc_ptr if cache == 0 else vc_ptr
