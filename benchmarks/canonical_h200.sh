@@ -36,7 +36,7 @@ if [ "$PART" = 1 ]; then
   step canonical_benchmark 330 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
   step canonical_p128 120 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
 elif [ "$PART" = probe ]; then
-  step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
+  step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
 else
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
