@@ -255,6 +255,20 @@ def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
     assert block > 1 and max2d == 0
 
 
+def test_decode_pairs_prefetch_refuses_caches_it_cannot_prefetch():
+    """decode_pairs(prefetch=...) names what it needs and what it got (checked before a launch)."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    q = torch.zeros(1, 1, HQ, D)
+    table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    cache = torch.zeros(4, 16, HKV, D, dtype=BF16)
+    with pytest.raises(ValueError, match=rf"contiguous 16-byte aligned caches of one shape.*got shapes "
+                                         rf"\(4, 16, {HKV}, 128\) / \(4, 16, {HKV}, 64\)"):
+        triton_merge.decode_pairs(q, table, lens, 16, 128, prefetch=(cache, cache[..., :64]))
+    assert not triton_merge.prefetchable(cache, cache.transpose(1, 2))
+
+
 @cuda
 @pytest.mark.cuda
 def test_cuda_merge_rows_batch_invariant_run_to_run_and_state_lens():

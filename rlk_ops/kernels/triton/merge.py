@@ -371,6 +371,14 @@ def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
     return d_out_parts, d_lse_parts
 
 
+def prefetchable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """``decode_pairs(prefetch=(k_cache, v_cache))`` applies: contiguous caches, 16-byte aligned,
+    same shape, pages of a 16-byte multiple (the bulk prefetch's unit)."""
+    return (k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+            and (k_cache[0].numel() * k_cache.element_size()) % 16 == 0)
+
+
 def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefetch=None):
     """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
     [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
@@ -395,14 +403,15 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefe
         launch = _pdl()
         pf = {}
         kc, vc = prefetch if prefetch is not None else (q, q)
-        if prefetch is not None and not C.INTERPRET:
+        if prefetch is not None:
             page_bytes = kc[0].numel() * kc.element_size()
-            if (page_bytes % 16 or not kc.is_contiguous() or not vc.is_contiguous() or kc.data_ptr() % 16
-                    or vc.data_ptr() % 16):
-                raise ValueError(f"decode_pairs prefetch needs contiguous 16-byte aligned caches with pages of a "
-                                 f"16-byte multiple, got {page_bytes} bytes per page, strides {kc.stride()} / "
+            if not prefetchable(kc, vc):
+                raise ValueError(f"decode_pairs prefetch needs two contiguous 16-byte aligned caches of one shape "
+                                 f"with pages of a 16-byte multiple, got shapes {tuple(kc.shape)} / "
+                                 f"{tuple(vc.shape)}, {page_bytes} bytes per page, strides {kc.stride()} / "
                                  f"{vc.stride()}, base offsets mod 16 {kc.data_ptr() % 16} / {vc.data_ptr() % 16}")
-            pf = {"PAGE_ELEMS": kc[0].numel(), "PAGE_BYTES": page_bytes}
+            if not C.INTERPRET:  # the interpreter has no inline asm
+                pf = {"PAGE_ELEMS": kc[0].numel(), "PAGE_BYTES": page_bytes}
         _pairs_kernel[(n * bsz,)](
             C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
             kc, vc, bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn,

@@ -591,8 +591,13 @@ def decode_launch(programs: int, device: torch.device) -> dict:
     at batch 1 it was no faster)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
-        return {"config": (8, 3), "heads_first": False}
+        return {"config": (8, 3), "heads_first": False, **LATENCY_OPTIONS}
     return {"config": (4, 2), "heads_first": True}
+
+
+# "keys" options taken in the latency regime (decode_launch, up to one program per SM): none
+# until measured faster on the H200 (benchmarks/probe_pair_decode_variants.py).
+LATENCY_OPTIONS: dict = {}
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
