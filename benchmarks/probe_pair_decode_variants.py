@@ -12,7 +12,7 @@ VARIANTS=a,b picks some; FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op 
 pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
 commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
 keys_pairs_first.)
-Usage: [PAGES=16] [CASES=1x8192,...] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] python3 benchmarks/probe_pair_decode_variants.py OUT.json
+Usage: [PAGES=16] [CASES=1x8192,...] [CHUNKS=1024] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ PAGES = tuple(int(p) for p in os.environ.get("PAGES", "16").split(","))
 CASES = tuple(tuple(int(x) for x in c.split("x")) for c in
               os.environ.get("CASES", "1x8192,1x32768,8x8192,8x32768,64x8192").split(","))
 DEVICE = os.environ.get("DEVICE", "cuda")
-CHUNKS = {1: (512, 1024, 2048)}   # batch -> the C values timed (default: 1024)
+CHUNKS = {1: (512, 1024, 2048)}   # batch -> the C values timed (default: 1024); CHUNKS=c,.. for every batch
+if os.environ.get("CHUNKS"):
+    CHUNKS = {b: tuple(int(c) for c in os.environ["CHUNKS"].split(",")) for b in (1, 8, 64)}
 ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
                 "keys_pairs_first": {"layout": "keys", "heads_first": False},
                 "tile": {"layout": "tile", "config": (4, 2)},
