@@ -228,13 +228,15 @@ def test_cuda_merge_equals_cpu_reference(dtype, lead):
 @pytest.mark.parametrize("config", [(16, 1, 0), (1, 4, 5), (2, 2, 0), (4, 1, 5), (1, 4, 5, 8), (4, 1, 0, 8),
                                     (1, 4, 2, 8), (4, 1, 3), (1, 4, 5, 8, True), (2, 1, 5, 0, True),
                                     (4, 1, 3, 0, True), (16, 1, 0, 0, True)])
-def test_cuda_merge_config_changes_no_bit(config):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_cuda_merge_config_changes_no_bit(config, dtype):
     """Rows per program, head_dim slices, unrolled (whole or in groups of 2 or 3, the last
     one partly past N) or looped walk, looped or 2D max, eager loads (the skipped states'
-    NaN rows loaded and never selected): the CPU reference's bits."""
+    NaN rows loaded and never selected): the CPU reference's bits. (fp32 states: the cells
+    the dry run's interpreter can check, see the module docstring.)"""
     from rlk_ops.kernels.triton import merge as triton_merge
 
-    out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, BF16, seed=11))
+    out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, dtype, seed=11))
     got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config)
     ref = _cpu_merge(out_parts, lse_parts)
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
