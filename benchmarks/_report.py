@@ -179,6 +179,7 @@ def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
     """``--md-only``: the markdown table again from a saved report (no GPU needed)."""
     with open(json_path) as f:
         r = json.load(f)
+    r.setdefault("out_path", json_path)
     with open(md_path, "w") as f:
         f.write(markdown(r))
     summary(r)

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The H200 session for canonical:C (issue 8), after the FA4 + FlashInfer install, in two parts
+# The H200 session for canonical:C (issue 8), after the FA4 + FlashInfer install, in three parts
 # (one device command each, at most 10 min):
-#   part 1: tests/test_canonical_cuda.py; benchmarks/canonical.py at page 16 (FlashInfer auto
-#           measured in the same run when flashinfer is installed); its decode profile and
-#           decode sections at page 128 (FA4's TMA path: page size = its 128-key tile);
-#   part 2: the CUDA demo single pass and under bare 'canonical' (= 1024), the whole CUDA test
+#   part 1: tests/test_canonical_cuda.py; benchmarks/canonical.py's bitwise sections and decode
+#           profile at page 16 -> canonical_bitwise.json/md;
+#   part 2: benchmarks/canonical.py's decode (FlashInfer auto measured in the same run when
+#           flashinfer is installed; every implementation of a case timed interleaved),
+#           training and accuracy sections at page 16 -> canonical_speed.json/md; decode profile
+#           and decode at page 128 (FA4's TMA path: page size = its 128-key tile);
+#           (one part until session 7: the interleaved decode timing made it overrun 10 min)
+#   part 3: the CUDA demo single pass and under bare 'canonical' (= 1024), the whole CUDA test
 #           suite except tests/test_canonical_cuda.py, benchmarks/attention.py (strict FA4);
 #   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
 #           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
-# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|probe
-# Writes into $OUT: steps.txt canonical_tests.txt canonical.json canonical.md canonical_p128.json
-# canonical_p128.md (part 1); demo_cuda.json demo_cuda_canonical1024.json cuda_tests.txt
-# attention.json attention.md (part 2)
+# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|3|probe
+# Writes into $OUT: steps.txt canonical_tests.txt canonical_bitwise.json/md (part 1);
+# canonical_speed.json/md canonical_p128.json/md (part 2); demo_cuda.json
+# demo_cuda_canonical1024.json cuda_tests.txt attention.json attention.md (part 3);
+# probe_tests.txt variants.json (probe)
 set -u -o pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}
@@ -33,16 +38,20 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and sec
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/steps.txt"
 if [ "$PART" = 1 ]; then
   step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
-  step canonical_benchmark 330 "python3 benchmarks/canonical.py --out $OUT/canonical.json --md $OUT/canonical.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -25 $OUT/canonical_bench.log; exit \$rc"
-  step canonical_p128 120 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+  step canonical_bitwise 380 "python3 benchmarks/canonical.py --sections environment,merge,fa4_equalities,in_place,bitwise,decode_profile --out $OUT/canonical_bitwise.json --md $OUT/canonical_bitwise.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -8 $OUT/canonical_bench.log; exit \$rc"
+elif [ "$PART" = 2 ]; then
+  step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
+  step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
 elif [ "$PART" = probe ]; then
   step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
-else
+elif [ "$PART" = 3 ]; then
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"
   step cuda_suite 310 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
   tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
   step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
+else
+  echo "usage: canonical_h200.sh COMMIT 1|2|3|probe (got part $PART)"; exit 2
 fi
 echo "=== steps"; cat "$OUT/steps.txt"
