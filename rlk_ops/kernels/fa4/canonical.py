@@ -78,9 +78,6 @@ STREAMS = 4
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
 DECODE_PAIRS = "triton"
-# The "fa4" route's layout launch also requests every pair's pages into L2 (decode_pairs
-# prefetch=), so FA4's pair call after it reads them from L2. Off until measured faster.
-PREFETCH_PAGES = False
 
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
@@ -100,7 +97,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
                                          attend_into=attend_into, attend_paged=paged_nonempty)
     from rlk_ops.kernels.triton import pair_decode as triton_pairs
-    from rlk_ops.kernels.triton.merge import decode_pairs, prefetchable
+    from rlk_ops.kernels.triton.merge import decode_pairs
 
     bsz, _, hq, d = q.shape
     if DECODE_PAIRS not in ("triton", "fa4"):
@@ -111,8 +108,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
     else:
-        q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(
-            q, page_table, seq_lens, page_size, chunk_size,
-            prefetch=(k_cache, v_cache) if PREFETCH_PAGES and prefetchable(k_cache, v_cache) else None)
+        q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size,
+                                                                      chunk_size)
         out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
     return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz))

@@ -299,7 +299,9 @@ MAX_2D = 256
 # noise; tests/test_canonical_cuda.py checks its bits under CUDA-graph capture.
 PDL = False
 # Eager state loads: each state's out rows are loaded without waiting for its lse (a skipped
-# state's rows are read, in bounds, and never selected: same bits). Not measured yet: off.
+# state's rows are read, in bounds, and never selected: same bits). Off: measured on the H200
+# (pair_decode/variants_run2.json, canonical:1024 decode merges) 8 x 32k 9.6 -> 7.2 us but
+# 1 x 32k 4.4 -> 5.5, elsewhere no change.
 EAGER_LOADS = False
 
 
@@ -387,7 +389,9 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefe
     pair then reads one key of page 0 and the merge skips it through ``pair_lens``).
     ``prefetch=(k_cache, v_cache)``: every page of every pair is also requested into L2
     (``cp.async.bulk.prefetch.L2``, pages of 16-byte multiples), so the attention call after
-    this launch reads it from L2; a hint, no value changes (not on the interpreter)."""
+    this launch reads it from L2; a hint, no value changes (not on the interpreter). Measured
+    slower on the H200 (the FA4 route's op at 1 x 8k, C = 1024: 19.4 -> 39.0 us, and every
+    other cell: pair_decode/variants_run2.json), so the route does not use it."""
     if chunk_size % page_size:
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape

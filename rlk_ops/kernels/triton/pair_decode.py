@@ -48,6 +48,10 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   program per SM): FA4's ~1 us per block comes from its warp specialisation (a producer warp,
   softmax of one block overlapping the next block's QK^T), which these kernels do not have.
 ``heads_first``: a 1-D grid whose consecutive programs are one pair's KV heads (same bits).
+``l2_prefetch`` ("keys", prefetch >= 2: every K/V line of the chunk requested into L2 before the
+walk) and ``ahead`` ("keys": the next block's scores issued before this block's softmax, FA4's
+order of issue): same bits (CUDA tests), both slower on the H200 (variants_run2.json, C = 1024,
+pairs: 1 x 8k 15.7 -> 18.1 and 16.8 us; 64 x 8k 257 -> 388 and 271), so not routed.
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
 route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
@@ -591,13 +595,8 @@ def decode_launch(programs: int, device: torch.device) -> dict:
     at batch 1 it was no faster)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
-        return {"config": (8, 3), "heads_first": False, **LATENCY_OPTIONS}
+        return {"config": (8, 3), "heads_first": False}
     return {"config": (4, 2), "heads_first": True}
-
-
-# "keys" options taken in the latency regime (decode_launch, up to one program per SM): none
-# until measured faster on the H200 (benchmarks/probe_pair_decode_variants.py).
-LATENCY_OPTIONS: dict = {}
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
