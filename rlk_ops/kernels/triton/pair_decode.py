@@ -195,20 +195,25 @@ def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_l
 
 
 @triton.jit
+def _rows_start(q, b, h, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, BN: tl.constexpr):
+    """A queries-on-rows kernel's start: sequence b's G query heads of KV head h on the first
+    rows of an M-row tile, and the empty running state (max -inf, thread sums and O zero)."""
+    rows = tl.arange(0, M)
+    rmask = rows < G
+    dd = tl.arange(0, D)
+    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + rows)[:, None] * D + dd[None, :], mask=rmask[:, None],
+                 other=0.0)
+    return (rows, rmask, dd, tl.arange(0, BN), qt, tl.full([M], _NEG_INF, tl.float32), tl.zeros([M, 4], tl.float32),
+            tl.zeros([M, D], tl.float32))
+
+
+@triton.jit
 def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                  scale_log2, bsz, width, chunk, page,
                  G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                  BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
     pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk)
-    rows = tl.arange(0, M)
-    rmask = rows < G
-    dd = tl.arange(0, D)
-    kk = tl.arange(0, BN)
-    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + rows)[:, None] * D + dd[None, :], mask=rmask[:, None],
-                 other=0.0)
-    m = tl.full([M], _NEG_INF, tl.float32)
-    part = tl.zeros([M, 4], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    rows, rmask, dd, kk, qt, m, part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
     nb = tl.cdiv(n_keys, BN)
     for it in range(0, nb):
         j = nb - 1 - it
@@ -519,15 +524,7 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     masked one) is peeled off the loop, the rest load unmasked; the page-table entries of the
     next block are read one block ahead. INIT_FMA is always on here."""
     pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
-    rows = tl.arange(0, M)
-    rmask = rows < G
-    dd = tl.arange(0, D)
-    kk = tl.arange(0, BN)
-    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + rows)[:, None] * D + dd[None, :], mask=rmask[:, None],
-                 other=0.0)
-    m = tl.full([M], _NEG_INF, tl.float32)
-    part = tl.zeros([M, 4], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    rows, rmask, dd, kk, qt, m, part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
     nb = tl.cdiv(n_keys, BN)
     row = table + b.to(tl.int64) * width
     if nb > 0:
