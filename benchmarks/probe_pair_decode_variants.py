@@ -48,7 +48,7 @@ FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 
 def merge_row(tm, states, lens, cfg, b):
     """The merge op alone on these states, with its config and with eager state loads."""
-    eager_cfg = (*cfg, True) if len(cfg) == 4 else cfg
+    eager_cfg = (*cfg, True)   # merge_config's 4 entries, then eager loads
     ref = tm.merge_attn_states(*states, state_lens=lens, config=cfg)
     got = tm.merge_attn_states(*states, state_lens=lens, config=eager_cfg)
     return {"merge_config": list(cfg), "merge_us": round(b.graph_us(
