@@ -6,7 +6,9 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
-(keys_ahead), and both; the merge alone with and without eager state loads (merge.EAGER_LOADS).
+(keys_ahead), and both; "split" (scores of every key block in one launch, then the value walk
+per head-dim slice: split_{warps}x{stages}_s{slices}); the merge alone with and without eager
+state loads (merge.EAGER_LOADS).
 VARIANTS=a,b picks some; FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
 (pair layout, FA4's pair call, merge) with and without the layout launch prefetching every
 pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
@@ -41,6 +43,9 @@ ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
                 "keys_l2": {"layout": "keys", "l2_prefetch": True},
                 "keys_ahead": {"layout": "keys", "ahead": True},
                 "keys_ahead_l2": {"layout": "keys", "ahead": True, "l2_prefetch": True}}
+for _w, _st, _sl in ((4, 3, 4), (8, 3, 4), (4, 3, 8), (8, 3, 8), (4, 3, 2), (8, 2, 4)):
+    ALL_VARIANTS[f"split_{_w}x{_st}_s{_sl}"] = {"layout": "split", "config": (_w, _st), "slices": _sl,
+                                              "heads_first": False}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
 FUSED = os.environ.get("FUSED", "1") == "1"
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
