@@ -587,12 +587,6 @@ def _split_scores(q, kc, table, seq_lens, scores, bsz, width, chunk, page,
 
 
 @triton.jit
-def _rep(x, GP: tl.constexpr, M: tl.constexpr):
-    """x [GP] on M rows: row i holds x[i % GP] (GP divides M)."""
-    return tl.reshape(tl.broadcast_to(x[None, :], [M // GP, GP]), [M])
-
-
-@triton.jit
 def _rep2(x, GP: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
     """x [GP, N] on M rows: row i holds x's row i % GP."""
     return tl.reshape(tl.broadcast_to(x[None, :, :], [M // GP, GP, N]), [M, N])
@@ -605,13 +599,14 @@ def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_
                   SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
     """Layout "split", second launch: one program per (pair, KV head, DW-wide slice of the head
     dim) walks the pair's blocks from the last to the first with ``_pair_decode``'s steps on the
-    stored scores: the running max, the exponentials and the thread sums on the GP (G rounded up
-    to a power of two) real rows, every slice the same way; then O's DW columns = O * r +
-    bf16(P) @ V[:, slice] on the M-row mma.sync tile, whose rows repeat the GP rows. A column of
-    O is the same tensor-core chain whichever other columns share its tile, so the slices' bits
-    are the whole tile's. All token rows of the chunk (NBC: its block count, rounded up to a
-    power of two) are read from the page table up front (no load in the walk feeds an
-    address)."""
+    stored scores. The running max, the exponentials and O's DW columns = O * r + bf16(P) @
+    V[:, slice] run on the M-row mma.sync tile, whose rows repeat the G query rows (row i reads
+    row i % GP, GP = G rounded up to a power of two); the thread sums run on the same scores read
+    in [row, t, 2j + e] order (the same max and exponentials, computed there), every slice the
+    same way. A column of O is the same tensor-core chain whichever other columns share its
+    tile, so the slices' bits are the whole tile's. All token rows of the chunk (NBC: its block
+    count, rounded up to a power of two) are read from the page table up front (no load in the
+    walk feeds an address)."""
     pair = tl.program_id(0)
     h = tl.program_id(1)
     ds = tl.program_id(2)
@@ -628,8 +623,10 @@ def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_
     pg_all = tl.load(table + b.to(tl.int64) * width + (c * chunk + at) // page, mask=at < n_keys, other=0)
     tok_all = pg_all * page + (c * chunk + at) % page                    # [NBC, BN] cache rows (int32)
     srow = scores + ((pair.to(tl.int64) * HKV + h) * G + rows) * chunk
-    m = tl.full([GP], _NEG_INF, tl.float32)
+    m = tl.full([M], _NEG_INF, tl.float32)
     m3 = tl.full([GP], _NEG_INF, tl.float32)
+    rows16 = tl.arange(0, M) % GP
+    srow16 = scores + ((pair.to(tl.int64) * HKV + h) * G + rows16) * chunk
     part = tl.zeros([GP, 4], tl.float32)
     acc = tl.zeros([M, DW], tl.float32)
     e32 = tl.arange(0, 32)
@@ -638,7 +635,7 @@ def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_
     for it in range(0, nb):
         j = nb - 1 - it
         valid = j * BN + kk < n_keys
-        s = tl.load(srow[:, None] + (j * BN + kk)[None, :], mask=(rows < G)[:, None], other=0.0)
+        s = tl.load(srow16[:, None] + (j * BN + kk)[None, :], mask=(rows16 < G)[:, None], other=0.0)
         m_prev = m
         m = tl.maximum(tl.max(s, axis=1), m_prev)
         m_use = tl.where(m == _NEG_INF, 0.0, m)
@@ -655,13 +652,13 @@ def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_
         part = _chain(part, r3, p3, GP, INIT_FMA)
         tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
         v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * _rep(r, GP, M)[:, None]
+        acc = acc * r[:, None]
         if EMU:
-            acc = tl.dot(_bf16(_rep2(p, GP, M, BN), EMU).to(tl.float32), v.to(tl.float32), acc)
+            acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
         else:
-            acc = tl.dot(_bf16(_rep2(p, GP, M, BN), EMU), v, acc)
+            acc = tl.dot(_bf16(p, EMU), v, acc)
     tile = tl.arange(0, M)
-    _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc, _rep(m, GP, M), n_keys,
+    _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc, m, n_keys,
             scale_log2, M, HQ, D, EMU, SUMS, ds == 0)
 
 
