@@ -92,6 +92,7 @@ def main():
     ap.add_argument("--heads-first", action="store_true", help="keys, tile: one pair's KV heads adjacent")
     ap.add_argument("--ahead", action="store_true", help="keys: next block's scores before this block's softmax")
     ap.add_argument("--l2", action="store_true", help="keys: every K/V line prefetched into L2 up front")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
@@ -111,7 +112,8 @@ def main():
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False})
+                            options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False,
+                                     **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")

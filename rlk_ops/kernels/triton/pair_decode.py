@@ -662,6 +662,92 @@ def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_
             scale_log2, M, HQ, D, EMU, SUMS, ds == 0)
 
 
+@triton.jit
+def _pair_decode_phased(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, sbuf, pbuf, rbuf,
+                        scale_log2, bsz, width, chunk, page,
+                        G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                        BN: tl.constexpr, NBC: tl.constexpr, GP: tl.constexpr, EMU: tl.constexpr,
+                        SUMS: tl.constexpr, INIT_FMA: tl.constexpr, HEADS_FIRST: tl.constexpr = 0):
+    """``_pair_decode``'s steps, reordered so that only the two sequential chains (O and the
+    thread sums) walk the blocks one after another: (1) every key block's S = q @ K^T (16-row
+    mma.sync tile, as "rows") into ``sbuf`` [program, GP, NBC * BN]; (2) all blocks at once:
+    block maxima, the running max before (m_prev) and after (m) each block in the walk order
+    (a max is exact in any order), m' = 0 if m = -inf, P = ex2(fma(S, scale_log2, -m' *
+    scale_log2)) and r = ex2((m_prev - m') * scale_log2), the same operations on the same
+    values as the walk computes them; P (fp32) back into ``sbuf``, bf16(P) into ``pbuf``, r
+    into ``rbuf`` [program, NBC, GP]; (3) the walk from the last block to the first: thread
+    sums fma(sum, r, p_first) + ... over ``sbuf`` in FA4's column order, and O = O * r +
+    bf16(P) @ V on the tile whose rows repeat the G query rows (row i = row i % GP). Blocks past
+    the pair are never walked. The CTA barrier between the phases orders this program's own
+    global writes before its reads."""
+    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
+    prog = pair.to(tl.int64) * HKV + h
+    rows, rmask, dd, kk, qt, _m, _part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
+    nb = tl.cdiv(n_keys, BN)
+    row = table + b.to(tl.int64) * width
+    blk = tl.arange(0, NBC)
+    at = blk[:, None] * BN + kk[None, :]
+    pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
+    tok_all = pg_all * page + (c * chunk + at) % page                    # [NBC, BN] cache rows (int32)
+    srows = sbuf + (prog * GP + rows % GP) * (NBC * BN)                  # [M] (row i: query row i % GP)
+    for j in range(0, nb):                                               # (1) scores, any order
+        valid = j * BN + kk < n_keys
+        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
+        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        if EMU:
+            s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(qt, tl.trans(k))
+        s = tl.where(valid[None, :], s, _NEG_INF)
+        tl.store(srows[:, None] + (j * BN + kk)[None, :], s, mask=(rows < GP)[:, None])
+    tl.debug_barrier()
+    g = tl.arange(0, GP)                                                 # (2) every block at once
+    sp = sbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + at[None, :, :]
+    s_all = tl.load(sp, mask=(blk < nb)[None, :, None], other=_NEG_INF)  # [GP, NBC, BN]
+    bm = tl.max(s_all, axis=2)                                           # [GP, NBC] block maxima
+    later = blk[None, :] > blk[:, None]                                  # [j, k]: k walked before j
+    m_prev = tl.max(tl.where(later[None, :, :], bm[:, None, :], _NEG_INF), axis=2)
+    m_all = tl.maximum(bm, m_prev)
+    m_use = tl.where(m_all == _NEG_INF, 0.0, m_all)
+    p_all = _approx(tl.math.fma(s_all, scale_log2, -(m_use * scale_log2)[:, :, None]), "ex2", EMU)
+    r_all = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
+    tl.store(sp, p_all, mask=(blk < nb)[None, :, None])
+    tl.store(pbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + at[None, :, :], _bf16(p_all, EMU),
+             mask=(blk < nb)[None, :, None])
+    tl.store(rbuf + (prog * NBC + blk[None, :]) * GP + g[:, None], r_all, mask=(blk < nb)[None, :])
+    m_fin = tl.max(m_all, axis=1)                                        # the walk's final running max
+    tl.debug_barrier()
+    t4 = tl.arange(0, 4)
+    part = tl.zeros([GP, 4], tl.float32)
+    prow = pbuf + (prog * GP + rows % GP) * (NBC * BN)
+    for it in range(0, nb):                                              # (3) the two chains
+        j = nb - 1 - it
+        valid = j * BN + kk < n_keys
+        r4 = tl.load(rbuf + (prog * NBC + j) * GP + g[:, None] + 0 * t4[None, :])        # [GP, 4]
+        for e in tl.static_range(32):   # FA4's thread t: columns 8 (e // 2) + 2t + e % 2, in order
+            pk = tl.load(sbuf + (prog * GP + g[:, None]) * (NBC * BN) + j * BN + 8 * (e // 2) + e % 2
+                         + 2 * t4[None, :])
+            if e == 0:
+                if INIT_FMA:
+                    part = tl.math.fma(part, r4, pk)
+                else:
+                    part = part * r4 + pk
+            else:
+                part = part + pk
+        r = tl.load(rbuf + (prog * NBC + j) * GP + rows % GP)
+        pt = tl.load(prow[:, None] + (j * BN + kk)[None, :])
+        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
+        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * r[:, None]
+        if EMU:
+            acc = tl.dot(pt.to(tl.float32), v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(pt, v, acc)
+    tile = tl.arange(0, M)
+    _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc,
+            tl.reshape(tl.broadcast_to(m_fin[None, :], [M // GP, GP]), [M]), n_keys, scale_log2, M, HQ, D, EMU, SUMS)
+
+
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
@@ -670,7 +756,8 @@ MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of e
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
            "tile": lambda g: (_pair_decode_tile, TILE_ROWS),
-           "split": lambda g: (_split_values, ROWS)}
+           "split": lambda g: (_split_values, ROWS),
+           "phased": lambda g: (_pair_decode_phased, ROWS)}
 SLICES = 4                  # "split": head-dim slices per (pair, KV head) in the value walk
 SCORE_WARPS = 4             # "split": the score launch's warps
 
@@ -724,8 +811,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
-    ``config``: (num_warps, num_stages) instead of (NUM_WARPS, NUM_STAGES) (probes; no bit
-    depends on them: every reduction order above is fixed by the code, not the launch);
+    ``config``: (num_warps, num_stages[, maxnreg]) instead of (NUM_WARPS, NUM_STAGES) (probes;
+    maxnreg caps the registers per thread, so more programs fit an SM; no bit depends on them: every reduction order above is fixed by the code, not the launch);
     ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits); ``slices``:
     layout "split"'s head-dim slices (a power of two dividing head_dim, at least 8 columns
     each)."""
@@ -742,7 +829,11 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
     pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
     row_sums = torch.empty((n * bsz, hq), dtype=torch.float32, device=dev) if sums else lse
-    warps, stages = config or (NUM_WARPS, NUM_STAGES)
+    config = tuple(config or (NUM_WARPS, NUM_STAGES))
+    if len(config) not in (2, 3):
+        raise ValueError(f"pair_decode config must be (num_warps, num_stages[, maxnreg]), got {config}")
+    warps, stages = config[:2]
+    maxnreg = {"maxnreg": config[2]} if len(config) == 3 else {}
     if layout not in LAYOUTS:
         raise ValueError(f"pair_decode layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     kernel, rows = LAYOUTS[layout](hq // hkv)
@@ -765,11 +856,13 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         raise ValueError("pair_decode merge, l2_prefetch and ahead need layout='keys'")
     if layout == "split" and (merge or heads_first or prefetch is not None or ablate):
         raise ValueError("pair_decode layout 'split' takes none of merge, heads_first, prefetch, ablate")
+    if layout == "phased" and (prefetch is not None or ablate):
+        raise ValueError("pair_decode layout 'phased' takes neither prefetch nor ablate")
     if layout == "split" and (slices < 1 or slices & (slices - 1) or d % slices or d // slices < 8):
         raise ValueError(f"pair_decode slices must be a power of two dividing head_dim {d} into slices of at "
                          f"least 8 columns, got {slices}")
     if heads_first and layout == "rows":
-        raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
+        raise ValueError("pair_decode heads_first=True needs layout 'keys', 'tile' or 'phased'")
     if layout == "tile" and not init_fma:
         raise ValueError("pair_decode init_fma=False needs layout 'rows' or 'keys'")
     if layout == "tile" and warps != 4:  # 4 warps = one warpgroup on the rows: the sums stay in-thread
@@ -783,7 +876,20 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
-    if layout == "split":
+    if layout == "phased":
+        g, nbc = hq // hkv, triton.next_power_of_2(chunk_size // BLOCK_N)
+        gp = triton.next_power_of_2(g)
+        sbuf = torch.empty((n * bsz * hkv, gp, nbc * BLOCK_N), dtype=torch.float32, device=dev)
+        pbuf = torch.empty((n * bsz * hkv, gp, nbc * BLOCK_N), dtype=q.dtype, device=dev)
+        rbuf = torch.empty((n * bsz * hkv, nbc, gp), dtype=torch.float32, device=dev)
+        if bsz:
+            kernel[(n * bsz * hkv,) if heads_first else (n * bsz, hkv)](
+                C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
+                out, lse, pair_lens, row_sums, sbuf, pbuf, rbuf, scale_log2(softmax_scale), bsz, width, chunk_size,
+                page, G=g, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, NBC=nbc, GP=gp, EMU=C.INTERPRET, SUMS=sums,
+                INIT_FMA=init_fma, HEADS_FIRST=int(heads_first), num_warps=warps, num_stages=stages,
+                **maxnreg, **C.LAUNCH)
+    elif layout == "split":
         if bsz:
             _split_launch(q, k_cache, v_cache, page_table, seq_lens, out, lse, pair_lens, row_sums,
                           scale_log2(softmax_scale), n, bsz, width, chunk_size, slices, warps, stages, sums, init_fma)
@@ -792,7 +898,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
-            num_warps=warps, num_stages=stages, **C.LAUNCH)
+            num_warps=warps, num_stages=stages, **maxnreg, **C.LAUNCH)
     res = (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
     return res + merged if merge else res
 
