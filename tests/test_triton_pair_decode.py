@@ -39,9 +39,12 @@ def _inputs(lens, ps, seed, device, wide=False):
 
 
 def _option_id(value):
-    """Test ids name the kernel options (``-k ahead``, ``-k l2_prefetch``)."""
+    """Test ids name the kernel options (``-k ahead``, ``-k l2_prefetch``) and launch configs
+    (``-k 4x1x128``)."""
     if isinstance(value, dict):
         return "+".join(value) or "plain"
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
     return None
 
 
