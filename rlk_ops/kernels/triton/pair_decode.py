@@ -676,10 +676,11 @@ def _pair_decode_phased(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, s
     scale_log2)) and r = ex2((m_prev - m') * scale_log2), the same operations on the same
     values as the walk computes them; P (fp32) back into ``sbuf``, bf16(P) into ``pbuf``, r
     into ``rbuf`` [program, NBC, GP]; (3) the walk from the last block to the first: thread
-    sums fma(sum, r, p_first) + ... over ``sbuf`` in FA4's column order, and O = O * r +
-    bf16(P) @ V on the tile whose rows repeat the G query rows (row i = row i % GP). Blocks past
-    the pair are never walked. The CTA barrier between the phases orders this program's own
-    global writes before its reads."""
+    sums fma(sum, r, p_first) + ... over ``sbuf`` in FA4's column order (``_chain``), and O = O
+    * r + bf16(P) @ V on the tile whose rows repeat the G query rows (row i = row i % GP); a
+    block's sum inputs and r are read during the block before, so neither chain waits for a
+    load. Blocks past the pair are never walked. The CTA barrier between the phases orders this
+    program's own global writes before its reads."""
     pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
     prog = pair.to(tl.int64) * HKV + h
     rows, rmask, dd, kk, qt, _m, _part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
@@ -717,24 +718,24 @@ def _pair_decode_phased(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, s
     tl.store(rbuf + (prog * NBC + blk[None, :]) * GP + g[:, None], r_all, mask=(blk < nb)[None, :])
     m_fin = tl.max(m_all, axis=1)                                        # the walk's final running max
     tl.debug_barrier()
-    t4 = tl.arange(0, 4)
     part = tl.zeros([GP, 4], tl.float32)
     prow = pbuf + (prog * GP + rows % GP) * (NBC * BN)
+    e32 = tl.arange(0, 32)
+    cols3 = (8 * (e32 // 2) + e32 % 2)[None, None, :] + 2 * tl.arange(0, 4)[None, :, None]   # [1, t, 2j + e]
+    p3row = sbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + cols3                      # [GP, 4, 32]
+    rrow = rbuf + prog * NBC * GP + rows % GP                                               # [M]
+    r4row = rbuf + prog * NBC * GP + g                                                      # [GP]
+    j0 = tl.maximum(nb - 1, 0)       # each block's row-sum inputs and r are read one block ahead
+    p3 = tl.load(p3row + j0 * BN, mask=(g * 0 + nb > 0)[:, None, None], other=0.0)
+    r = tl.load(rrow + j0 * GP, mask=rows * 0 + nb > 0, other=0.0)
+    r4 = tl.load(r4row + j0 * GP, mask=g * 0 + nb > 0, other=0.0)
     for it in range(0, nb):                                              # (3) the two chains
         j = nb - 1 - it
+        p3_next = tl.load(p3row + (j - 1) * BN, mask=(g * 0 + j > 0)[:, None, None], other=0.0)
+        r_next = tl.load(rrow + (j - 1) * GP, mask=rows * 0 + j > 0, other=0.0)
+        r4_next = tl.load(r4row + (j - 1) * GP, mask=g * 0 + j > 0, other=0.0)
+        part = _chain(part, r4, p3, GP, INIT_FMA)       # FA4's thread sums, columns in its order
         valid = j * BN + kk < n_keys
-        r4 = tl.load(rbuf + (prog * NBC + j) * GP + g[:, None] + 0 * t4[None, :])        # [GP, 4]
-        for e in tl.static_range(32):   # FA4's thread t: columns 8 (e // 2) + 2t + e % 2, in order
-            pk = tl.load(sbuf + (prog * GP + g[:, None]) * (NBC * BN) + j * BN + 8 * (e // 2) + e % 2
-                         + 2 * t4[None, :])
-            if e == 0:
-                if INIT_FMA:
-                    part = tl.math.fma(part, r4, pk)
-                else:
-                    part = part * r4 + pk
-            else:
-                part = part + pk
-        r = tl.load(rbuf + (prog * NBC + j) * GP + rows % GP)
         pt = tl.load(prow[:, None] + (j * BN + kk)[None, :])
         tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
         v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
@@ -743,6 +744,9 @@ def _pair_decode_phased(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, s
             acc = tl.dot(pt.to(tl.float32), v.to(tl.float32), acc)
         else:
             acc = tl.dot(pt, v, acc)
+        p3 = p3_next
+        r = r_next
+        r4 = r4_next
     tile = tl.arange(0, M)
     _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc,
             tl.reshape(tl.broadcast_to(m_fin[None, :], [M // GP, GP]), [M]), n_keys, scale_log2, M, HQ, D, EMU, SUMS)
