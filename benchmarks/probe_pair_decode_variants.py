@@ -6,12 +6,10 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
-(keys_ahead), and both; "split" (scores of every key block in one launch, then the value walk
-per head-dim slice: split_{warps}x{stages}_s{slices}); "phased" (one launch: all scores, then
-the softmax of every block at once, then only the O and row-sum chains walk the blocks:
-phased_{warps}x{stages}); "keys" under a register cap, so that four programs fit an SM
-(keys_{warps}x{stages}_r{maxnreg}); the merge alone with and without eager
-state loads (merge.EAGER_LOADS).
+(keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
+(keys_{warps}x{stages}_r{maxnreg}); the merge alone with and without eager state loads
+(merge.EAGER_LOADS). variants_run3_split.json and variants_run4_phased.json timed two layouts
+since removed, "split" and "phased" (pair_decode's docstring).
 VARIANTS=a,b picks some; FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
 (pair layout, FA4's pair call, merge) with and without the layout launch prefetching every
 pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
@@ -46,11 +44,6 @@ ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
                 "keys_l2": {"layout": "keys", "l2_prefetch": True},
                 "keys_ahead": {"layout": "keys", "ahead": True},
                 "keys_ahead_l2": {"layout": "keys", "ahead": True, "l2_prefetch": True}}
-for _w, _st, _sl in ((4, 3, 4), (8, 3, 4), (4, 3, 8), (8, 3, 8), (4, 3, 2), (8, 2, 4)):
-    ALL_VARIANTS[f"split_{_w}x{_st}_s{_sl}"] = {"layout": "split", "config": (_w, _st), "slices": _sl,
-                                              "heads_first": False}
-for _w, _st in ((8, 3), (4, 3), (8, 2), (4, 2)):
-    ALL_VARIANTS[f"phased_{_w}x{_st}"] = {"layout": "phased", "config": (_w, _st), "heads_first": False}
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}

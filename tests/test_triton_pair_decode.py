@@ -87,16 +87,12 @@ def _transcribed(q, k, v, n_keys, scale):
                                            (16, 128, [5, 130, 260])])
 @pytest.mark.parametrize("layout,prefetch,extra", [
     ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
-    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True}),
-    ("split", None, {}), ("split", None, {"slices": 2}), ("split", None, {"slices": 1}), ("phased", None, {}),
-    ("phased", None, {"heads_first": True})],
+    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True})],
     ids=_option_id)
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
-    out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf.
-    (Layout "split" with 8-column slices is checked on the GPU only: the interpreter's dot is
-    numpy's matmul, whose summation order changes below 16 columns.)"""
+    out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf."""
     from rlk_ops.kernels.triton.pair_decode import BLOCK_N, pair_decode, scale_log2
 
     q, kc, vc, table, sl = _inputs(lens, ps, seed=1, device="cpu")
@@ -167,7 +163,7 @@ def test_bad_arguments_are_named():
     q, kc, vc, table, sl = _inputs([5], 16, seed=5, device="cpu")
     with pytest.raises(ValueError, match=r"chunk_size a multiple of page_size 16 and of 128, got 200"):
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
-    with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'phased', 'rows', 'split', 'tile'\], got 'cols'"):
+    with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
     with pytest.raises(ValueError, match="merge, l2_prefetch and ahead need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
@@ -177,17 +173,9 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, l2_prefetch=True)
     with pytest.raises(ValueError, match="ahead=True needs prefetch 0, 2 or 3, got 1"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, ahead=True)
-    with pytest.raises(ValueError, match="layout 'split' takes none of merge, heads_first, prefetch, ablate"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="split", heads_first=True)
-    for bad in (0, 3, 32):
-        with pytest.raises(ValueError, match=f"slices must be a power of two dividing head_dim 128 into slices of "
-                                             f"at least 8 columns, got {bad}"):
-            pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="split", slices=bad)
-    with pytest.raises(ValueError, match="layout 'phased' takes neither prefetch nor ablate"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="phased", prefetch=3)
     with pytest.raises(ValueError, match=r"config must be \(num_warps, num_stages\[, maxnreg\]\), got \(4,\)"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", config=(4,))
-    with pytest.raises(ValueError, match="heads_first=True needs layout 'keys', 'tile' or 'phased'"):
+    with pytest.raises(ValueError, match="heads_first=True needs layout 'keys' or 'tile'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", heads_first=True)
     with pytest.raises(ValueError, match=r"layout 'tile' needs num_warps 4, got config \(8, 2\)"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", config=(8, 2))
@@ -219,10 +207,7 @@ def _fa4_ready():
     ("keys", 3, (8, 3), True, {}), ("tile", None, (4, 2), False, {}), ("tile", None, (4, 2), True, {}),
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
-    ("split", None, (4, 3), False, {"slices": 4}), ("split", None, (8, 3), False, {"slices": 8}),
-    ("split", None, (4, 2), False, {"slices": 16}), ("split", None, (8, 2), False, {"slices": 1}),
-    ("phased", None, (8, 3), False, {}), ("phased", None, (4, 2), True, {}), ("keys", 3, (4, 1, 128), True, {}),
-    ("keys", 3, (8, 1, 64), True, {})],
+    ("keys", 3, (4, 1, 128), True, {})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention
@@ -244,7 +229,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-@pytest.mark.parametrize("layout", ["rows", "keys", "tile", "split", "phased"])
+@pytest.mark.parametrize("layout", ["rows", "keys", "tile"])
 def test_cuda_run_to_run_and_batch_invariant(layout):
     from rlk_ops.kernels.triton.pair_decode import pair_decode
 

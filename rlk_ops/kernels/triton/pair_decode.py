@@ -52,6 +52,19 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
 walk) and ``ahead`` ("keys": the next block's scores issued before this block's softmax, FA4's
 order of issue): same bits (CUDA tests), both slower on the H200 (variants_run2.json, C = 1024,
 pairs: 1 x 8k 15.7 -> 18.1 and 16.8 us; 64 x 8k 257 -> 388 and 271), so not routed.
+Two reorderings were built, checked equal to FA4's pair call on the H200 and removed as slower
+(session 8; code in commits 50e6b04..633a33d): "split", a pair's key blocks scored side by side
+in one launch (program per pair, KV head, block) and the walk in a second launch per head-dim
+slice (variants_run3_split.json, op at C = 1024: 1 x 8k 20.0 against 18.8 us, 64 x 8k 356
+against 261); "phased", one launch that scores every block, then takes every block's max,
+exponentials and rescale factor at once (a max is exact in any order, so the running max before
+and after each block is known up front), so only the O and thread-sum chains walk the blocks
+(variants_run4_phased.json: 1 x 8k 20.1 against 19.4 us, 64 x 8k 295 against 259). From C =
+512 to 1024 at 1 x 8k the split's walk grew 1.16 us per block, the phased kernel 1.47: the walk
+keeps its layout conversions and CTA barriers per block in Triton, and each added launch or
+phase costs more than the parallel scoring saves. A register cap for
+four programs per SM (``config`` (4, 1, 128) or (8, 1, 64)) was slower too (64 x 8k pairs 312
+and 453 against 252 us).
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
 route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
@@ -135,12 +148,6 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
     multiply, the variant FA4 was measured not to use). Column k of thread t is picked out with
     reshapes and splits (no arithmetic)."""
     x = tl.reshape(tl.permute(tl.reshape(p, [M, 16, 4, 2]), (0, 2, 1, 3)), [M, 4, 32])  # [M, t, 2j + e]
-    return _chain(prev, r, x, M, INIT_FMA)
-
-
-@triton.jit
-def _chain(prev, r, x, M: tl.constexpr, INIT_FMA: tl.constexpr):
-    """``_thread_sums`` given x [M, 4, 32] = p's columns 8j + 2t + e at [row, t, 2j + e]."""
     for k in tl.static_range(32):
         y0, y1 = tl.split(tl.reshape(x, [M, 4, 16, 2]))
         y = y1 if k % 2 == 1 else y0
@@ -183,11 +190,10 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
 
 @triton.jit
 def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_log2, M: tl.constexpr,
-            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first=None):
+            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr):
     """Every layout's end of a pair: L = (s0 + s1) + (s2 + s3) from the thread sums, out =
     bf16(O * rcp(L)), lse = fma(m, scale_log2, lg2(L)) * ln 2 (an empty pair: out 0, lse -inf),
-    stored for the query heads ``head`` and the head-dim columns ``dd`` (row sums L too when
-    SUMS); lse and L only where ``first`` (layout "split": one of a pair's column slices)."""
+    stored for the query heads ``head`` (row sums L too when SUMS)."""
     even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
     s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
     total = s01 + s23
@@ -196,12 +202,9 @@ def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_l
     l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
              mask=hmask[:, None])
-    lmask = hmask
-    if first is not None:
-        lmask = tl.where(first, hmask, False)
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=lmask)
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=hmask)
     if SUMS:
-        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=lmask)
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=hmask)
 
 
 @triton.jit
@@ -555,203 +558,6 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
 
 
-@triton.jit
-def _split_scores(q, kc, table, seq_lens, scores, bsz, width, chunk, page,
-                  G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                  BN: tl.constexpr, EMU: tl.constexpr):
-    """Layout "split", first launch: one program per (pair, KV head, key block) computes that
-    block's S = q @ K^T exactly as ``_pair_decode`` does (queries on the rows of a 16-row
-    mma.sync tile), keys past the pair -inf, and stores it: scores [pairs, HKV, G, chunk]
-    (fp32). Nothing here depends on another block, so a pair's blocks run side by side."""
-    pair = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
-    c = pair // bsz
-    b = pair % bsz
-    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if j * BN < n_keys:
-        rows, rmask, dd, kk, qt, m, part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
-        in_pair = j * BN + kk
-        valid = in_pair < n_keys
-        pos = c * chunk + in_pair
-        pg = tl.load(table + b.to(tl.int64) * width + pos // page, mask=valid, other=0)
-        tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
-        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        if EMU:
-            s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(qt, tl.trans(k))
-        s = tl.where(valid[None, :], s, _NEG_INF)
-        dst = scores + ((pair.to(tl.int64) * HKV + h) * G + rows[:, None]) * chunk + in_pair[None, :]
-        tl.store(dst, s, mask=rmask[:, None])
-
-
-@triton.jit
-def _rep2(x, GP: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
-    """x [GP, N] on M rows: row i holds x's row i % GP."""
-    return tl.reshape(tl.broadcast_to(x[None, :, :], [M // GP, GP, N]), [M, N])
-
-
-@triton.jit
-def _split_values(vc, table, seq_lens, scores, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-                  G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                  BN: tl.constexpr, NBC: tl.constexpr, DW: tl.constexpr, GP: tl.constexpr, EMU: tl.constexpr,
-                  SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
-    """Layout "split", second launch: one program per (pair, KV head, DW-wide slice of the head
-    dim) walks the pair's blocks from the last to the first with ``_pair_decode``'s steps on the
-    stored scores. The running max, the exponentials and O's DW columns = O * r + bf16(P) @
-    V[:, slice] run on the M-row mma.sync tile, whose rows repeat the G query rows (row i reads
-    row i % GP, GP = G rounded up to a power of two); the thread sums run on the same scores read
-    in [row, t, 2j + e] order (the same max and exponentials, computed there), every slice the
-    same way. A column of O is the same tensor-core chain whichever other columns share its
-    tile, so the slices' bits are the whole tile's. All token rows of the chunk (NBC: its block
-    count, rounded up to a power of two) are read from the page table up front (no load in the
-    walk feeds an address)."""
-    pair = tl.program_id(0)
-    h = tl.program_id(1)
-    ds = tl.program_id(2)
-    c = pair // bsz
-    b = pair % bsz
-    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if (h == 0) & (ds == 0):
-        tl.store(pair_lens + pair, n_keys)
-    rows = tl.arange(0, GP)
-    kk = tl.arange(0, BN)
-    dd = ds * DW + tl.arange(0, DW)
-    blk = tl.arange(0, NBC)
-    at = blk[:, None] * BN + kk[None, :]
-    pg_all = tl.load(table + b.to(tl.int64) * width + (c * chunk + at) // page, mask=at < n_keys, other=0)
-    tok_all = pg_all * page + (c * chunk + at) % page                    # [NBC, BN] cache rows (int32)
-    srow = scores + ((pair.to(tl.int64) * HKV + h) * G + rows) * chunk
-    m = tl.full([M], _NEG_INF, tl.float32)
-    m3 = tl.full([GP], _NEG_INF, tl.float32)
-    rows16 = tl.arange(0, M) % GP
-    srow16 = scores + ((pair.to(tl.int64) * HKV + h) * G + rows16) * chunk
-    part = tl.zeros([GP, 4], tl.float32)
-    acc = tl.zeros([M, DW], tl.float32)
-    e32 = tl.arange(0, 32)
-    cols3 = (8 * (e32 // 2) + e32 % 2)[None, None, :] + 2 * tl.arange(0, 4)[None, :, None]   # [1, t, 2j + e]
-    nb = tl.cdiv(n_keys, BN)
-    for it in range(0, nb):
-        j = nb - 1 - it
-        valid = j * BN + kk < n_keys
-        s = tl.load(srow16[:, None] + (j * BN + kk)[None, :], mask=(rows16 < G)[:, None], other=0.0)
-        m_prev = m
-        m = tl.maximum(tl.max(s, axis=1), m_prev)
-        m_use = tl.where(m == _NEG_INF, 0.0, m)
-        p = _approx(tl.math.fma(s, scale_log2, -(m_use * scale_log2)[:, None]), "ex2", EMU)
-        r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)  # 0 before the first block: part and acc are 0
-        # the thread sums from the same scores read in [row, t, 2j + e] order (the same max,
-        # exponentials and rescale, computed on that arrangement)
-        s3 = tl.load(srow[:, None, None] + j * BN + cols3, mask=(rows < G)[:, None, None], other=0.0)
-        m3_prev = m3
-        m3 = tl.maximum(tl.max(tl.max(s3, axis=2), axis=1), m3_prev)
-        m3_use = tl.where(m3 == _NEG_INF, 0.0, m3)
-        p3 = _approx(tl.math.fma(s3, scale_log2, -(m3_use * scale_log2)[:, None, None]), "ex2", EMU)
-        r3 = _approx((m3_prev - m3_use) * scale_log2, "ex2", EMU)
-        part = _chain(part, r3, p3, GP, INIT_FMA)
-        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
-        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * r[:, None]
-        if EMU:
-            acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(_bf16(p, EMU), v, acc)
-    tile = tl.arange(0, M)
-    _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc, m, n_keys,
-            scale_log2, M, HQ, D, EMU, SUMS, ds == 0)
-
-
-@triton.jit
-def _pair_decode_phased(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, sbuf, pbuf, rbuf,
-                        scale_log2, bsz, width, chunk, page,
-                        G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                        BN: tl.constexpr, NBC: tl.constexpr, GP: tl.constexpr, EMU: tl.constexpr,
-                        SUMS: tl.constexpr, INIT_FMA: tl.constexpr, HEADS_FIRST: tl.constexpr = 0):
-    """``_pair_decode``'s steps, reordered so that only the two sequential chains (O and the
-    thread sums) walk the blocks one after another: (1) every key block's S = q @ K^T (16-row
-    mma.sync tile, as "rows") into ``sbuf`` [program, GP, NBC * BN]; (2) all blocks at once:
-    block maxima, the running max before (m_prev) and after (m) each block in the walk order
-    (a max is exact in any order), m' = 0 if m = -inf, P = ex2(fma(S, scale_log2, -m' *
-    scale_log2)) and r = ex2((m_prev - m') * scale_log2), the same operations on the same
-    values as the walk computes them; P (fp32) back into ``sbuf``, bf16(P) into ``pbuf``, r
-    into ``rbuf`` [program, NBC, GP]; (3) the walk from the last block to the first: thread
-    sums fma(sum, r, p_first) + ... over ``sbuf`` in FA4's column order (``_chain``), and O = O
-    * r + bf16(P) @ V on the tile whose rows repeat the G query rows (row i = row i % GP); a
-    block's sum inputs and r are read during the block before, so neither chain waits for a
-    load. Blocks past the pair are never walked. The CTA barrier between the phases orders this
-    program's own global writes before its reads."""
-    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
-    prog = pair.to(tl.int64) * HKV + h
-    rows, rmask, dd, kk, qt, _m, _part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
-    nb = tl.cdiv(n_keys, BN)
-    row = table + b.to(tl.int64) * width
-    blk = tl.arange(0, NBC)
-    at = blk[:, None] * BN + kk[None, :]
-    pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
-    tok_all = pg_all * page + (c * chunk + at) % page                    # [NBC, BN] cache rows (int32)
-    srows = sbuf + (prog * GP + rows % GP) * (NBC * BN)                  # [M] (row i: query row i % GP)
-    for j in range(0, nb):                                               # (1) scores, any order
-        valid = j * BN + kk < n_keys
-        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
-        k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        if EMU:
-            s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(qt, tl.trans(k))
-        s = tl.where(valid[None, :], s, _NEG_INF)
-        tl.store(srows[:, None] + (j * BN + kk)[None, :], s, mask=(rows < GP)[:, None])
-    tl.debug_barrier()
-    g = tl.arange(0, GP)                                                 # (2) every block at once
-    sp = sbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + at[None, :, :]
-    s_all = tl.load(sp, mask=(blk < nb)[None, :, None], other=_NEG_INF)  # [GP, NBC, BN]
-    bm = tl.max(s_all, axis=2)                                           # [GP, NBC] block maxima
-    later = blk[None, :] > blk[:, None]                                  # [j, k]: k walked before j
-    m_prev = tl.max(tl.where(later[None, :, :], bm[:, None, :], _NEG_INF), axis=2)
-    m_all = tl.maximum(bm, m_prev)
-    m_use = tl.where(m_all == _NEG_INF, 0.0, m_all)
-    p_all = _approx(tl.math.fma(s_all, scale_log2, -(m_use * scale_log2)[:, :, None]), "ex2", EMU)
-    r_all = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)
-    tl.store(sp, p_all, mask=(blk < nb)[None, :, None])
-    tl.store(pbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + at[None, :, :], _bf16(p_all, EMU),
-             mask=(blk < nb)[None, :, None])
-    tl.store(rbuf + (prog * NBC + blk[None, :]) * GP + g[:, None], r_all, mask=(blk < nb)[None, :])
-    m_fin = tl.max(m_all, axis=1)                                        # the walk's final running max
-    tl.debug_barrier()
-    part = tl.zeros([GP, 4], tl.float32)
-    prow = pbuf + (prog * GP + rows % GP) * (NBC * BN)
-    e32 = tl.arange(0, 32)
-    cols3 = (8 * (e32 // 2) + e32 % 2)[None, None, :] + 2 * tl.arange(0, 4)[None, :, None]   # [1, t, 2j + e]
-    p3row = sbuf + (prog * GP + g)[:, None, None] * (NBC * BN) + cols3                      # [GP, 4, 32]
-    rrow = rbuf + prog * NBC * GP + rows % GP                                               # [M]
-    r4row = rbuf + prog * NBC * GP + g                                                      # [GP]
-    j0 = tl.maximum(nb - 1, 0)       # each block's row-sum inputs and r are read one block ahead
-    p3 = tl.load(p3row + j0 * BN, mask=(g * 0 + nb > 0)[:, None, None], other=0.0)
-    r = tl.load(rrow + j0 * GP, mask=rows * 0 + nb > 0, other=0.0)
-    r4 = tl.load(r4row + j0 * GP, mask=g * 0 + nb > 0, other=0.0)
-    for it in range(0, nb):                                              # (3) the two chains
-        j = nb - 1 - it
-        p3_next = tl.load(p3row + (j - 1) * BN, mask=(g * 0 + j > 0)[:, None, None], other=0.0)
-        r_next = tl.load(rrow + (j - 1) * GP, mask=rows * 0 + j > 0, other=0.0)
-        r4_next = tl.load(r4row + (j - 1) * GP, mask=g * 0 + j > 0, other=0.0)
-        part = _chain(part, r4, p3, GP, INIT_FMA)       # FA4's thread sums, columns in its order
-        valid = j * BN + kk < n_keys
-        pt = tl.load(prow[:, None] + (j * BN + kk)[None, :])
-        tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
-        v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * r[:, None]
-        if EMU:
-            acc = tl.dot(pt.to(tl.float32), v.to(tl.float32), acc)
-        else:
-            acc = tl.dot(pt, v, acc)
-        p3 = p3_next
-        r = r_next
-        r4 = r4_next
-    tile = tl.arange(0, M)
-    _finish(out, lse, sums, pair, h * G + tile, tile < G, dd, _rep2(part, GP, M, 4), acc,
-            tl.reshape(tl.broadcast_to(m_fin[None, :], [M // GP, GP]), [M]), n_keys, scale_log2, M, HQ, D, EMU, SUMS)
-
-
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
@@ -759,11 +565,7 @@ MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of e
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
-           "tile": lambda g: (_pair_decode_tile, TILE_ROWS),
-           "split": lambda g: (_split_values, ROWS),
-           "phased": lambda g: (_pair_decode_phased, ROWS)}
-SLICES = 4                  # "split": head-dim slices per (pair, KV head) in the value walk
-SCORE_WARPS = 4             # "split": the score launch's warps
+           "tile": lambda g: (_pair_decode_tile, TILE_ROWS)}
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -810,16 +612,13 @@ def decode_launch(programs: int, device: torch.device) -> dict:
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
-                merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = SLICES):
+                merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
     ``config``: (num_warps, num_stages[, maxnreg]) instead of (NUM_WARPS, NUM_STAGES) (probes;
-    maxnreg caps the registers per thread, so more programs fit an SM; no bit depends on them: every reduction order above is fixed by the code, not the launch);
-    ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits); ``slices``:
-    layout "split"'s head-dim slices (a power of two dividing head_dim, at least 8 columns
-    each)."""
+    maxnreg caps the registers per thread so that more programs fit an SM; no bit depends on them: every reduction order above is fixed by the code, not the launch);
+    ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -858,15 +657,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                  "L2PF": int(l2_prefetch), "AHEAD": int(ahead)}
     elif merge or l2_prefetch or ahead:
         raise ValueError("pair_decode merge, l2_prefetch and ahead need layout='keys'")
-    if layout == "split" and (merge or heads_first or prefetch is not None or ablate):
-        raise ValueError("pair_decode layout 'split' takes none of merge, heads_first, prefetch, ablate")
-    if layout == "phased" and (prefetch is not None or ablate):
-        raise ValueError("pair_decode layout 'phased' takes neither prefetch nor ablate")
-    if layout == "split" and (slices < 1 or slices & (slices - 1) or d % slices or d // slices < 8):
-        raise ValueError(f"pair_decode slices must be a power of two dividing head_dim {d} into slices of at "
-                         f"least 8 columns, got {slices}")
     if heads_first and layout == "rows":
-        raise ValueError("pair_decode heads_first=True needs layout 'keys', 'tile' or 'phased'")
+        raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
         raise ValueError("pair_decode init_fma=False needs layout 'rows' or 'keys'")
     if layout == "tile" and warps != 4:  # 4 warps = one warpgroup on the rows: the sums stay in-thread
@@ -880,24 +672,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
-    if layout == "phased":
-        g, nbc = hq // hkv, triton.next_power_of_2(chunk_size // BLOCK_N)
-        gp = triton.next_power_of_2(g)
-        sbuf = torch.empty((n * bsz * hkv, gp, nbc * BLOCK_N), dtype=torch.float32, device=dev)
-        pbuf = torch.empty((n * bsz * hkv, gp, nbc * BLOCK_N), dtype=q.dtype, device=dev)
-        rbuf = torch.empty((n * bsz * hkv, nbc, gp), dtype=torch.float32, device=dev)
-        if bsz:
-            kernel[(n * bsz * hkv,) if heads_first else (n * bsz, hkv)](
-                C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
-                out, lse, pair_lens, row_sums, sbuf, pbuf, rbuf, scale_log2(softmax_scale), bsz, width, chunk_size,
-                page, G=g, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, NBC=nbc, GP=gp, EMU=C.INTERPRET, SUMS=sums,
-                INIT_FMA=init_fma, HEADS_FIRST=int(heads_first), num_warps=warps, num_stages=stages,
-                **maxnreg, **C.LAUNCH)
-    elif layout == "split":
-        if bsz:
-            _split_launch(q, k_cache, v_cache, page_table, seq_lens, out, lse, pair_lens, row_sums,
-                          scale_log2(softmax_scale), n, bsz, width, chunk_size, slices, warps, stages, sums, init_fma)
-    elif bsz:
+    if bsz:
         kernel[(n * bsz * hkv,) if heads_first else (n * bsz, hkv)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
@@ -905,26 +680,6 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             num_warps=warps, num_stages=stages, **maxnreg, **C.LAUNCH)
     res = (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
     return res + merged if merge else res
-
-
-def _split_launch(q, k_cache, v_cache, page_table, seq_lens, out, lse, pair_lens, row_sums, sl2, n, bsz, width,
-                  chunk_size, slices, warps, stages, sums, init_fma):
-    """Layout "split": the score launch (pair, KV head, key block), then the value walk (pair,
-    KV head, head-dim slice) over the scores it stored."""
-    hq, d = q.shape[2], q.shape[3]
-    hkv, page = k_cache.shape[2], k_cache.shape[1]
-    g = hq // hkv
-    nbc = chunk_size // BLOCK_N
-    scores = torch.empty((n * bsz, hkv, g, chunk_size), dtype=torch.float32, device=q.device)
-    meta = dict(G=g, HQ=hq, HKV=hkv, D=d, M=ROWS, BN=BLOCK_N, EMU=C.INTERPRET)
-    _split_scores[(n * bsz, hkv, nbc)](C.aligned(q), C.aligned(k_cache), C.aligned(page_table), C.aligned(seq_lens),
-                                      scores, bsz, width, chunk_size, page, **meta, num_warps=SCORE_WARPS,
-                                      num_stages=1, **C.LAUNCH)
-    _split_values[(n * bsz, hkv, slices)](C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens), scores,
-                                         out, lse, pair_lens, row_sums, sl2, bsz, width, chunk_size, page, **meta,
-                                         NBC=triton.next_power_of_2(nbc), DW=d // slices, GP=triton.next_power_of_2(g),
-                                         SUMS=sums,
-                                         INIT_FMA=init_fma, num_warps=warps, num_stages=stages, **C.LAUNCH)
 
 
 _COUNTS: dict = {}
