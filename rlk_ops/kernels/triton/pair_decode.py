@@ -62,9 +62,9 @@ and after each block is known up front), so only the O and thread-sum chains wal
 (variants_run4_phased.json: 1 x 8k 20.1 against 19.4 us, 64 x 8k 295 against 259). From C =
 512 to 1024 at 1 x 8k the split's walk grew 1.16 us per block, the phased kernel 1.47: the walk
 keeps its layout conversions and CTA barriers per block in Triton, and each added launch or
-phase costs more than the parallel scoring saves. A register cap for
-four programs per SM (``config`` (4, 1, 128) or (8, 1, 64)) was slower too (64 x 8k pairs 312
-and 453 against 252 us).
+phase costs more than the parallel scoring saves. A register cap for four programs per SM
+(``config`` (4, 1, 128) or (8, 1, 64)) was slower too (64 x 8k pairs 312 and 453 against 252
+us).
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
 route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
@@ -617,7 +617,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
     ``config``: (num_warps, num_stages[, maxnreg]) instead of (NUM_WARPS, NUM_STAGES) (probes;
-    maxnreg caps the registers per thread so that more programs fit an SM; no bit depends on them: every reduction order above is fixed by the code, not the launch);
+    maxnreg caps the registers per thread so that more programs fit an SM; no bit depends on
+    them: every reduction order above is fixed by the code, not the launch);
     ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
