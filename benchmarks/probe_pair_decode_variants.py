@@ -49,18 +49,28 @@ for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
 FUSED = os.environ.get("FUSED", "1") == "1"
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
+VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 
 
 def merge_row(tm, states, lens, cfg, b):
-    """The merge op alone on these states, with its config and with eager state loads."""
+    """The merge op alone on these states: the walk kernel with its config and with eager state
+    loads, and the states-side-by-side kernel (_merge_vec, VEC_WIDTH states a group) on 1-row,
+    1-warp programs (merge_vec_config)."""
     eager_cfg = (*cfg, True)   # merge_config's 4 entries, then eager loads
-    ref = tm.merge_attn_states(*states, state_lens=lens, config=cfg)
-    got = tm.merge_attn_states(*states, state_lens=lens, config=eager_cfg)
+    ref = tm.merge_attn_states(*states, state_lens=lens, config=cfg, vec=0)
+    got = tm.merge_attn_states(*states, state_lens=lens, config=eager_cfg, vec=0)
+    n, d = states[0].shape[0], states[0].shape[-1]
+    vcfg = tm.vec_config(n, d)
+    vec = tm.merge_attn_states(*states, state_lens=lens, config=vcfg, vec=VEC_WIDTH)
     return {"merge_config": list(cfg), "merge_us": round(b.graph_us(
-                lambda: tm.merge_attn_states(*states, state_lens=lens, config=cfg)), 2),
+                lambda: tm.merge_attn_states(*states, state_lens=lens, config=cfg, vec=0)), 2),
             "merge_eager_equal": cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1]),
             "merge_eager_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens,
-                                                                            config=eager_cfg)), 2)}
+                                                                            config=eager_cfg, vec=0)), 2),
+            "merge_vec_config": list(vcfg),
+            "merge_vec_equal": cb.beq(vec[0], ref[0]) and cb.beq(vec[1], ref[1]),
+            "merge_vec_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens, config=vcfg,
+                                                                          vec=VEC_WIDTH)), 2)}
 
 
 def main():

@@ -243,6 +243,42 @@ def test_cuda_merge_config_changes_no_bit(config, dtype):
     assert triton_merge.merge_config(37 * 3, 5, 128, out_parts.device)[2] == 5  # default: unrolled
 
 
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("block,split,vec", [(1, 4, 32), (1, 1, 32), (2, 2, 8), (1, 4, 4), (4, 1, 1)])
+@pytest.mark.parametrize("n", [5, 37])
+@pytest.mark.parametrize("two_d_max", [True, False])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_cuda_merge_vec_changes_no_bit(block, split, vec, n, two_d_max, dtype):
+    """_merge_vec (states side by side in groups of vec, the last group partly past N; skipped
+    states' NaN rows loaded and never selected; a row with no state): the CPU reference's
+    bits, with and without the 2D max, and with pair lengths in place of -inf lse."""
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    out_parts, lse_parts = _with_empty(*_states(n, 37, 3, 128, dtype, seed=13))
+    config = (block, split, 0, triton_merge.C.pow2(n) if two_d_max else 0)
+    got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config, vec=vec)
+    ref = _cpu_merge(out_parts, lse_parts)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+    # decode's form: [N, B, 1, H, D] states whose empty pairs are named by a 0 length
+    dec_out = _randn(n, 9, 1, 3, 128, seed=14, dtype=dtype)
+    dec_lse = _randn(n, 9, 3, 1, seed=15, dtype=torch.float32) * 4
+    lens = (torch.arange(n * 9, device=DEV).view(n, 9) % 3).to(torch.int32)   # every third pair empty
+    masked = torch.where((lens > 0)[:, :, None, None], dec_lse, -math.inf)
+    got = triton_merge.merge_attn_states(dec_out, dec_lse, state_lens=lens, config=config, vec=vec)
+    ref = _cpu_merge(dec_out, masked)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+def test_merge_vec_refuses_a_width_that_is_not_a_power_of_two():
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    parts = torch.zeros(3, 2, 1, 4, 8), torch.zeros(3, 2, 4, 1)
+    with pytest.raises(ValueError, match="vec must be a power of two .*got 12"):
+        triton_merge.merge_attn_states(*parts, vec=12)
+
+
 def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
     """The measured rule (triton merge.MAX_2D): 1-row programs (decode) take the 2D max over
     up to MAX_2D states; multi-row programs and more states walk the lse chain."""

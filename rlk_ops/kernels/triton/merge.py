@@ -210,6 +210,90 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
 
 
 @triton.jit
+def _keep(x, ASM: tl.constexpr):
+    """x itself, through an opaque (impure) move: Triton then cannot recompute x's producers in
+    a consumer's layout (where every thread would compute every element) and moves the values
+    instead. The interpreter (no inline asm) gets x."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def _pick(x, k: tl.constexpr, B: tl.constexpr, BD: tl.constexpr, LOG_NP: tl.constexpr):
+    """x[:, :, k] of x [B, BD, 2**LOG_NP]: reshapes and splits, no arithmetic (the state axis
+    is in-thread, so this is a choice of register)."""
+    y = x
+    for lvl in tl.static_range(LOG_NP):
+        y0, y1 = tl.split(tl.reshape(y, [B, BD, 1 << (LOG_NP - 1 - lvl), 2]))
+        y = y1 if (k >> lvl) & 1 else y0
+    return tl.reshape(y, [B, BD])
+
+
+@triton.jit
+def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
+               LIBDEVICE: tl.constexpr, NP: tl.constexpr, LOG_NP: tl.constexpr, MAX2D: tl.constexpr,
+               PDL: tl.constexpr):
+    """``_merge_fwd``'s formula with the per-state scalar work side by side: NP states at a time,
+    their lse loaded in one [BLOCK, NP] load, their weights w = exp(lse - M) computed as one
+    [BLOCK, NP] tensor and their out rows in one [BLOCK, BLOCK_D, NP] load; the products
+    w * out are formed for all NP at once (one IEEE multiply each, as in the reference) and
+    only the two sums walk the states in ascending order, L + w and acc + w * out, each a
+    where() on the state being present. L is carried per (row, column) (the same value in
+    every column) so that no step reduces across threads."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rmask = r < R
+    h = r % H
+    s = (r // H) % S
+    lead = r // (H * S)
+    off = lead * (H * S) + h * S + s
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if MAX2D > 0:
+        ns = tl.arange(0, MAX2D)
+        mn = rmask[:, None] & (ns < N)[None, :]
+        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
+        m = tl.max(lse2, axis=1)
+        nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
+        m = tl.where(nan, _INF - _INF, m)
+    else:
+        m = tl.full([BLOCK], _NEG_INF, tl.float32)
+        for n in range(N):
+            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, "")
+            m = tl.where(lse > m, lse, m)
+            m = tl.where(lse != lse, lse, m)
+    m_safe = tl.where(m == _NEG_INF, 0.0, m)
+    ks = tl.arange(0, NP)
+    total = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    for g in range(0, tl.cdiv(N, NP)):
+        st = g * NP + ks                                                    # this group's states
+        live = rmask[:, None] & (st < N)[None, :]                           # past N: lse -inf, skipped
+        lse = _state_lse(l_ptr, lens_ptr, st[None, :], R, off[:, None], lead[:, None], n_lead, live, HAS_LENS, "")
+        w = _keep(_exp(lse - m_safe[:, None], LIBDEVICE), LIBDEVICE)        # [BLOCK, NP], a state per lane
+        present = tl.where(_keep(lse, LIBDEVICE) != _NEG_INF, 1, 0)
+        o = tl.load(o_ptr + ((st[None, None, :] * R + r[:, None, None]) * D + d[None, :, None]),
+                    mask=live[:, None, :] & dmask[None, :, None], other=0.0).to(tl.float32)
+        w3 = tl.broadcast_to(w[:, None, :], [BLOCK, BLOCK_D, NP])
+        p3 = tl.broadcast_to(present[:, None, :], [BLOCK, BLOCK_D, NP])
+        wo = w3 * o
+        for k in tl.static_range(NP):
+            pk = _pick(p3, k, BLOCK, BLOCK_D, LOG_NP) != 0
+            total = tl.where(pk, total + _pick(w3, k, BLOCK, BLOCK_D, LOG_NP), total)
+            acc = tl.where(pk, acc + _pick(wo, k, BLOCK, BLOCK_D, LOG_NP), acc)
+    res = tl.math.div_rn(acc, total)
+    res = tl.where(total == 0.0, 0.0, res)
+    m2 = rmask[:, None] & dmask[None, :]
+    tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
+    row_total = tl.max(total, axis=1)                                    # every column holds the row's L
+    first = (r * 0 + tl.program_id(1)) == 0
+    tl.store(lse_ptr + off, m + _log(row_total, c_ptr), mask=rmask & first)
+
+
+@triton.jit
 def _merge_bwd(do_ptr, dl_ptr, o_ptr, l_ptr, out_ptr, lse_ptr, dop_ptr, dlp_ptr, N, R, S, H,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
                LIBDEVICE: tl.constexpr):
@@ -305,6 +389,14 @@ PDL = False
 EAGER_LOADS = False
 
 
+# States side by side in _merge_vec (a group's weights one exp per lane, its products w * out
+# one tile op; only the two sums walk the states); 0: the walk kernel _merge_fwd for every
+# merge. 32 (a warp's lanes): offline sm90 (Triton 3.6) ~390 instructions per 32 states
+# against ~2,250 for the unrolled walk; with 8 or 16 the compiler recomputed every weight in
+# every lane. Off until measured on the H200.
+VEC_STATES = 0
+
+
 def _pdl() -> dict:
     return {"launch_pdl": True} if PDL and not C.INTERPRET else {}
 
@@ -327,9 +419,25 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
     return block, split, min(n, MAX_UNROLL), max2d
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
+def vec_config(n: int, d: int) -> tuple[int, int, int, int]:
+    """``_merge_vec``'s blocking: 1-row, 1-warp programs over a quarter of head_dim (the layout
+    in which Triton 3.6 keeps the weights one state per lane: offline sm90 compiles, one exp per
+    lane; with more rows or warps per program it recomputes every weight in every thread) and
+    the 2D max up to MAX_2D states."""
+    return 1, 4 if d % 4 == 0 and C.pow2(d) == d else 1, 0, C.pow2(n) if MAX_2D and n <= MAX_2D else 0
+
+
+def vec_states(block: int, block_d: int) -> int:
+    """States side by side in ``_merge_vec`` (0: the walk kernel ``_merge_fwd``): VEC_STATES on
+    1-row programs of one warp (see vec_config), else the walk."""
+    return VEC_STATES if block == 1 and block_d <= 32 else 0
+
+
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None):
     """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads]]) instead of
-    ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests)."""
+    ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests). ``vec``: states side by side in
+    ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead of ``vec_states``'s;
+    ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config`` (not unroll/eager)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -345,6 +453,17 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None):
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     block_d = C.pow2(d) // split
     launch = _pdl()
+    vec = vec_states(block, block_d) if vec is None else vec
+    if vec:
+        if vec != C.pow2(vec):
+            raise ValueError(f"merge_attn_states vec must be a power of two (states side by side), got {vec}")
+        _merge_vec[(triton.cdiv(rows, block), split)](
+            C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
+            _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
+            D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
+            NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch),
+            num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
+        return out, lse
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
