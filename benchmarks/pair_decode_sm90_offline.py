@@ -5,6 +5,7 @@ copies (TTGIR).
 
     python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
                                                   [--prefetch 3] [--split 8] [--merge] [--ahead] [--l2]
+                                                  [--slices 4]
                                                   [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
@@ -93,6 +94,7 @@ def main():
     ap.add_argument("--ahead", action="store_true", help="keys: next block's scores before this block's softmax")
     ap.add_argument("--l2", action="store_true", help="keys: every K/V line prefetched into L2 up front")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
+    ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
@@ -105,7 +107,7 @@ def main():
     if args.layout == "tile":
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
-        consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2))
+        consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices)
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)

@@ -1,16 +1,18 @@
 """Probe (H200): the decode-pair kernel's variants against the routed one ("keys", the
 launch config the op picks), each in one run: bits of every pair (torch.equal against the
 routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair_decode.py),
-CUDA-graph time of the pairs and of the op (pairs + the merge op), and the fused merge.
+CUDA-graph time of the pairs and of the op (pairs + the merge op; also with the merge's
+_merge_vec kernel, routed_op_vec_*), and the fused merge.
 Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and without;
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
-(keys_{warps}x{stages}_r{maxnreg}); the merge alone with and without eager state loads
+(keys_{warps}x{stages}_r{maxnreg}); "keys" with the head dim of V and O split over 2, 4 or 8
+programs per (pair, KV head), each scoring the block itself (keys_ds{slices}); the merge alone with and without eager state loads
 (merge.EAGER_LOADS). variants_run3_split.json and variants_run4_phased.json timed two layouts
 since removed, "split" and "phased" (pair_decode's docstring).
-VARIANTS=a,b picks some; FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
+VARIANTS=a,b picks some (none: only the routed kernel and the merges); FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
 (pair layout, FA4's pair call, merge) with and without the layout launch prefetching every
 pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
 commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
@@ -44,9 +46,11 @@ ALL_VARIANTS = {"keys_heads_first": {"layout": "keys", "heads_first": True},
                 "keys_l2": {"layout": "keys", "l2_prefetch": True},
                 "keys_ahead": {"layout": "keys", "ahead": True},
                 "keys_ahead_l2": {"layout": "keys", "ahead": True, "l2_prefetch": True}}
+for _ds in (2, 4, 8):
+    ALL_VARIANTS[f"keys_ds{_ds}"] = {"layout": "keys", "slices": _ds}
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
-VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
+VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
@@ -92,10 +96,11 @@ def main():
                 def pairs(kw, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
                     return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
 
-                def merged(kw, bsz=bsz):
+                def merged(kw, bsz=bsz, vec=None):
                     o, l, pl, n = pairs(kw)
+                    vkw = {} if vec is None else {"vec": vec, "config": tm.vec_config(n, sh.d)}
                     return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
-                                                state_lens=pl.view(n, bsz))
+                                                state_lens=pl.view(n, bsz), **vkw)
 
                 routed = {"layout": "keys", **launch}
                 ref = pairs(routed)
@@ -108,6 +113,9 @@ def main():
                        "routed_heads_first": launch["heads_first"],
                        "routed_pairs_us": round(b.graph_us(lambda: pairs(routed)), 2),
                        "routed_op_us": round(b.graph_us(lambda: merged(routed)), 2), **eager}
+                op_vec = merged(routed, vec=VEC_WIDTH)
+                row["routed_op_vec_equal"] = cb.beq(op_vec[0], ref_op[0]) and cb.beq(op_vec[1], ref_op[1])
+                row["routed_op_vec_us"] = round(b.graph_us(lambda: merged(routed, vec=VEC_WIDTH)), 2)
                 for name, kw in VARIANTS.items():
                     kw = {**launch, **kw}
                     try:

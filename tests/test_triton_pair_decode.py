@@ -87,7 +87,8 @@ def _transcribed(q, k, v, n_keys, scale):
                                            (16, 128, [5, 130, 260])])
 @pytest.mark.parametrize("layout,prefetch,extra", [
     ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
-    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True})],
+    ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True}),
+    ("keys", 3, {"slices": 4}), ("keys", 0, {"slices": 2, "ahead": True}), ("keys", 3, {"slices": 8, "heads_first": True})],
     ids=_option_id)
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
@@ -165,10 +166,16 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch and ahead need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch and ahead need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
+    with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
+    with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
     with pytest.raises(ValueError, match="l2_prefetch=True needs prefetch 2 or 3, got 1"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, l2_prefetch=True)
     with pytest.raises(ValueError, match="ahead=True needs prefetch 0, 2 or 3, got 1"):
@@ -207,7 +214,8 @@ def _fa4_ready():
     ("keys", 3, (8, 3), True, {}), ("tile", None, (4, 2), False, {}), ("tile", None, (4, 2), True, {}),
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
-    ("keys", 3, (4, 1, 128), True, {})],
+    ("keys", 3, (4, 1, 128), True, {}), ("keys", 3, (8, 3), False, {"slices": 4}),
+    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention

@@ -170,30 +170,36 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0):
-    """This program's (chunk, sequence) pair and KV head, the pair's key count (written once).
-    HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV heads (they read the
-    same cache rows at about the same time) instead of a (pair, head) grid."""
+def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
+          DS: tl.constexpr = 1):
+    """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
+    count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
+    heads (and their slices; they read the same cache rows at about the same time) instead of
+    a (pair, head, slice) grid."""
     if HEADS_FIRST:
-        pair = tl.program_id(0) // HKV
-        h = tl.program_id(0) % HKV
+        pid = tl.program_id(0)
+        ds = pid % DS
+        pair = pid // DS // HKV
+        h = pid // DS % HKV
     else:
         pair = tl.program_id(0)
         h = tl.program_id(1)
+        ds = tl.program_id(2) if DS > 1 else 0
     c = pair // bsz
     b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if h == 0:
+    if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
-    return pair, h, c, b, n_keys
+    return pair, h, c, b, n_keys, ds
 
 
 @triton.jit
 def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_log2, M: tl.constexpr,
-            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr):
+            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first=None):
     """Every layout's end of a pair: L = (s0 + s1) + (s2 + s3) from the thread sums, out =
     bf16(O * rcp(L)), lse = fma(m, scale_log2, lg2(L)) * ln 2 (an empty pair: out 0, lse -inf),
-    stored for the query heads ``head`` (row sums L too when SUMS)."""
+    stored for the query heads ``head`` and head-dim columns ``dd`` (row sums L too when SUMS);
+    lse and L only where ``first`` (one of a pair's head-dim slices)."""
     even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
     s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
     total = s01 + s23
@@ -202,9 +208,12 @@ def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_l
     l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
              mask=hmask[:, None])
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=hmask)
+    lmask = hmask
+    if first is not None:
+        lmask = tl.where(first, hmask, False)
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=lmask)
     if SUMS:
-        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=hmask)
+        tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=lmask)
 
 
 @triton.jit
@@ -225,7 +234,7 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                  scale_log2, bsz, width, chunk, page,
                  G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                  BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr):
-    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk)
+    pair, h, c, b, n_keys, _ = _pair(seq_lens, pair_lens, bsz, chunk)
     rows, rmask, dd, kk, qt, m, part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
     nb = tl.cdiv(n_keys, BN)
     for it in range(0, nb):
@@ -396,7 +405,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
                       SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
-                      AHEAD: tl.constexpr = 0):
+                      AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -405,17 +414,21 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     the exponentials at G = 4. L2PF (prefetch >= 2): every K/V line of the pair is requested
     into L2 up front, so the block walk waits on L2 rather than on memory. AHEAD: the next
     block's scores are issued before this block's softmax (FA4's order of issue; the same
-    operations on every block)."""
-    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
+    operations on every block). DS: the head dim of V and O split over DS programs (a slice
+    each, ``dv``); each one scores the whole block itself (the same scores, max, exponentials
+    and sums in every slice) and keeps only its columns of O, each the same tensor-core chain
+    as in the whole tile."""
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
+    dv = ds * (D // DS) + tl.arange(0, D // DS)                          # this program's columns of V and O
     kk = tl.arange(0, BN)
     qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + cols)[None, :] * D + dd[:, None], mask=cmask[None, :],
                  other=0.0)                                              # Q^T [D, M]
     m = tl.full([M], _NEG_INF, tl.float32)
     part = tl.zeros([M, 4], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    acc = tl.zeros([M, D // DS], tl.float32)
     nb = tl.cdiv(n_keys, BN)
     row = table + b.to(tl.int64) * width
     blk = tl.arange(0, NBC)
@@ -439,12 +452,12 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             j = nb - 1 - it
             tok_n, valid_n = _keys_tok(row, tok_all, blk, j - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s_n = _keys_scores(kc, qt, tok_n, valid_n, dd, BN, M, D, EMU, PF, SPLIT)
-            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
             s = s_n
             tok = tok_n
             valid = valid_n
         if nb > 0:
-            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
     else:
         for it in range(0, nb):
             j = nb - 1 - it
@@ -460,9 +473,10 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             else:
                 tok, valid = _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT)
-            m, part, acc = _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
     head = h * G + cols
-    _finish(out, lse, sums, pair, head, cmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
+    _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
+            (ds == 0) if DS > 1 else None)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
                     n_chunks, HQ, D, LIBDEVICE, NMAX)
@@ -536,7 +550,7 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     are each thread's own registers (``_native_sums``); the pair's last key block (the only
     masked one) is peeled off the loop, the rest load unmasked; the page-table entries of the
     next block are read one block ahead. INIT_FMA is always on here."""
-    pair, h, c, b, n_keys = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
+    pair, h, c, b, n_keys, _ = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST)
     rows, rmask, dd, kk, qt, m, part, acc = _rows_start(q, b, h, G, HQ, D, M, BN)
     nb = tl.cdiv(n_keys, BN)
     row = table + b.to(tl.int64) * width
@@ -612,14 +626,16 @@ def decode_launch(programs: int, device: torch.device) -> dict:
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
-                merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False):
+                merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
+                slices: int = 1):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
     ``config``: (num_warps, num_stages[, maxnreg]) instead of (NUM_WARPS, NUM_STAGES) (probes;
     maxnreg caps the registers per thread so that more programs fit an SM; no bit depends on
     them: every reduction order above is fixed by the code, not the launch);
-    ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits)."""
+    ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits); ``slices``: its
+    DS, the head dim of V and O over that many programs per (pair, KV head) (same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -656,8 +672,14 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                  "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET),
                  "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0,
                  "L2PF": int(l2_prefetch), "AHEAD": int(ahead)}
-    elif merge or l2_prefetch or ahead:
-        raise ValueError("pair_decode merge, l2_prefetch and ahead need layout='keys'")
+        if slices not in (1, 2, 4, 8) or d % slices or d // slices < 16:
+            raise ValueError(f"pair_decode slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got {slices} "
+                             f"for head_dim {d}")
+        if merge and slices > 1:
+            raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
+        extra["DS"] = slices
+    elif merge or l2_prefetch or ahead or slices != 1:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead and slices need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
@@ -674,7 +696,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
     if bsz:
-        kernel[(n * bsz * hkv,) if heads_first else (n * bsz, hkv)](
+        kernel[(n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
