@@ -237,7 +237,7 @@ def test_cuda_merge_config_changes_no_bit(config, dtype):
     from rlk_ops.kernels.triton import merge as triton_merge
 
     out_parts, lse_parts = _with_empty(*_states(5, 37, 3, 128, dtype, seed=11))
-    got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config)
+    got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config, vec=0)   # the walk kernel
     ref = _cpu_merge(out_parts, lse_parts)
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
     assert triton_merge.merge_config(37 * 3, 5, 128, out_parts.device)[2] == 5  # default: unrolled
@@ -245,11 +245,11 @@ def test_cuda_merge_config_changes_no_bit(config, dtype):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("block,split,vec", [(1, 4, 32), (1, 1, 32), (2, 2, 8), (1, 4, 4), (4, 1, 1)])
+@pytest.mark.parametrize("block,split,vec,two_d_max,dtype", [
+    (1, 4, 32, True, BF16), (1, 4, 32, False, BF16), (1, 1, 32, True, torch.float32), (2, 2, 8, False, BF16),
+    (1, 4, 4, True, torch.float32), (4, 1, 1, False, BF16)])
 @pytest.mark.parametrize("n", [5, 37])
-@pytest.mark.parametrize("two_d_max", [True, False])
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_cuda_merge_vec_changes_no_bit(block, split, vec, n, two_d_max, dtype):
+def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n):
     """_merge_vec (states side by side in groups of vec, the last group partly past N; skipped
     states' NaN rows loaded and never selected; a row with no state): the CPU reference's
     bits, with and without the 2D max, and with pair lengths in place of -inf lse."""

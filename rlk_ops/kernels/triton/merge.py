@@ -1,10 +1,13 @@
 """Triton rlk::merge_attn_states (+ backward) and the canonical:C decode pair layout.
 
-Forward: one program per block of (row, head) pairs of the states' common layout and
-slice of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and
-head_dim in 4 slices; the walk unrolled, up to ``MAX_UNROLL`` states at a time, so their
-loads overlap); it walks the N states in ascending order with the formula of
-kernels/cpu/merge.py, step for step:
+Forward: one program per block of (row, head) pairs of the states' common layout and slice
+of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and head_dim in 4
+slices). Two kernels with the same steps: ``_merge_vec`` on 1-row, 1-warp programs (decode;
+``VEC_STATES``): 32 states at a time side by side, a weight per lane, every product w * out
+in one tile op, only the two sums walking the states; ``_merge_fwd`` otherwise (training,
+batch 64): the walk unrolled, up to ``MAX_UNROLL`` states at a time, so their loads overlap.
+Both go through the N states in ascending order with the formula of kernels/cpu/merge.py,
+step for step:
 
     M = max of the non-skipped lse_n;  w = exp(lse_n - M);  L += w;  acc += w * out_n
     out = acc / L rounded once;  lse = M + log(L);  a state with lse = -inf is skipped
@@ -13,7 +16,7 @@ kernels/cpu/merge.py, step for step:
 Every step is one IEEE operation (no FMA contraction: ``_common.LAUNCH``; ``div_rn``, not
 Triton's default approximate fp32 division), ``exp`` is the same Cody-Waite + degree-7
 Horner polynomial as ``numerics.exp`` (fp32) and ``log`` the same float64 atanh series
-as ``numerics.log``, rounded once to fp32. So this kernel gives the CPU reference merge's
+as ``numerics.log``, rounded once to fp32. So both kernels give the CPU reference merge's
 bits, which tests/test_canonical_cuda.py checks with torch.equal. Nothing reduces across
 rows or over head_dim, so the bits of a row do not depend on the blocking, the head_dim
 slicing, the unrolling or the batch.
@@ -390,11 +393,16 @@ EAGER_LOADS = False
 
 
 # States side by side in _merge_vec (a group's weights one exp per lane, its products w * out
-# one tile op; only the two sums walk the states); 0: the walk kernel _merge_fwd for every
-# merge. 32 (a warp's lanes): offline sm90 (Triton 3.6) ~390 instructions per 32 states
-# against ~2,250 for the unrolled walk; with 8 or 16 the compiler recomputed every weight in
-# every lane. Off until measured on the H200.
-VEC_STATES = 0
+# one tile op; only the two sums walk the states) on 1-row, 1-warp programs; other blockings
+# and VEC_STATES = 0: the walk kernel _merge_fwd. 32 (a warp's lanes): offline sm90 (Triton
+# 3.6) ~390 instructions per 32 states against ~2,250 for the unrolled walk (with 8 or 16 the
+# compiler recomputed every weight in every lane). Measured on the H200, bitwise equal to the
+# walk (results/h200/pair_decode/variants_run5_vec_slices.json, page 16, merge alone, us, walk
+# -> vec): C=512 1 x 8k 5.93 -> 2.88, 1 x 32k 6.7 -> 3.58, 8 x 8k 7.0 -> 3.49, 8 x 32k 17.75 ->
+# 4.42; C=1024 1 x 8k 3.89 -> 3.24, 1 x 32k 5.55 -> 3.31, 8 x 8k 3.66 -> 3.62, 8 x 32k 10.0
+# -> 3.62. At batch 64 (2-row walk programs) the vec blocking was slower (C=1024 6.34 against
+# 5.13), so batch 64 keeps the walk.
+VEC_STATES = 32
 
 
 def _pdl() -> dict:
