@@ -59,7 +59,7 @@ VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per gro
 def merge_row(tm, states, lens, cfg, b):
     """The merge op alone on these states: the walk kernel with its config and with eager state
     loads, and the states-side-by-side kernel (_merge_vec, VEC_WIDTH states a group) on 1-row,
-    1-warp programs (merge_vec_config)."""
+    1-warp programs (merge_vec_config; and over all or half of head_dim, merge_vec_s1/s2)."""
     eager_cfg = (*cfg, True)   # merge_config's 4 entries, then eager loads
     ref = tm.merge_attn_states(*states, state_lens=lens, config=cfg, vec=0)
     got = tm.merge_attn_states(*states, state_lens=lens, config=eager_cfg, vec=0)
@@ -74,7 +74,18 @@ def merge_row(tm, states, lens, cfg, b):
             "merge_vec_config": list(vcfg),
             "merge_vec_equal": cb.beq(vec[0], ref[0]) and cb.beq(vec[1], ref[1]),
             "merge_vec_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens, config=vcfg,
-                                                                          vec=VEC_WIDTH)), 2)}
+                                                                          vec=VEC_WIDTH)), 2),
+            **{k: v for split in (1, 2) for k, v in vec_blocking(tm, states, lens, ref, (1, split, *vcfg[2:]), b).items()}}
+
+
+def vec_blocking(tm, states, lens, ref, cfg, b):
+    """_merge_vec on 1-row, 1-warp programs over head_dim / split columns (offline sm90: the
+    weights stay one per lane; fewer, longer programs than merge_vec_config's split of 4)."""
+    got = tm.merge_attn_states(*states, state_lens=lens, config=cfg, vec=VEC_WIDTH)
+    name = f"merge_vec_s{cfg[1]}"
+    return {name + "_equal": cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1]),
+            name + "_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens, config=cfg,
+                                                                        vec=VEC_WIDTH)), 2)}
 
 
 def main():

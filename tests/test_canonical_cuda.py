@@ -270,6 +270,24 @@ def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n):
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
 
 
+def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
+    """The measured rule (triton merge.VEC_STATES): decode's 1-row programs over a quarter of
+    head_dim (fewer rows than SMs: up to batch 8 on the H200) take _merge_vec, 32 states a
+    group; multi-row programs (batch 64, training) keep the walk (the vec blocking was slower
+    at batch 64)."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    cpu_dev = torch.device("cpu")  # merge_config assumes 4 SMs off CUDA: 2 rows get 1-row programs, 4 slices
+    block, split, _, _ = triton_merge.merge_config(2, 16, 128, cpu_dev)
+    assert (block, split) == (1, 4) and triton_merge.vec_states(block, 128 // split) == 32
+    block, split, _, _ = triton_merge.merge_config(4096, 16, 128, cpu_dev)
+    assert block > 1 and triton_merge.vec_states(block, 128 // split) == 0
+    assert triton_merge.vec_states(1, 128) == 0   # a 1-row program over all of head_dim: 4 warps
+    assert triton_merge.vec_config(40, 128) == (1, 4, 0, 64)
+    assert triton_merge.vec_config(300, 128) == (1, 4, 0, 0)   # past MAX_2D: the looped max
+
+
 def test_merge_vec_refuses_a_width_that_is_not_a_power_of_two():
     pytest.importorskip("triton")
     from rlk_ops.kernels.triton import merge as triton_merge

@@ -2,10 +2,11 @@
 
 Forward: one program per block of (row, head) pairs of the states' common layout and slice
 of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and head_dim in 4
-slices). Two kernels with the same steps: ``_merge_vec`` on 1-row, 1-warp programs (decode;
-``VEC_STATES``): 32 states at a time side by side, a weight per lane, every product w * out
-in one tile op, only the two sums walking the states; ``_merge_fwd`` otherwise (training,
-batch 64): the walk unrolled, up to ``MAX_UNROLL`` states at a time, so their loads overlap.
+slices). Two kernels with the same steps: ``_merge_vec`` on 1-row, 1-warp programs over a
+quarter of head_dim (decode up to batch 8 on the H200; ``VEC_STATES``, ``vec_states``): 32
+states at a time side by side, a weight per lane, every product w * out in one tile op, only
+the two sums walking the states; ``_merge_fwd`` otherwise (training, larger batches): the
+walk unrolled, up to ``MAX_UNROLL`` states at a time, so their loads overlap.
 Both go through the N states in ascending order with the formula of kernels/cpu/merge.py,
 step for step:
 
@@ -393,7 +394,8 @@ EAGER_LOADS = False
 
 
 # States side by side in _merge_vec (a group's weights one exp per lane, its products w * out
-# one tile op; only the two sums walk the states) on 1-row, 1-warp programs; other blockings
+# one tile op; only the two sums walk the states) on 1-row, 1-warp programs over a quarter of
+# head_dim (merge_config gives those while rows < SMs: decode up to batch 8); other blockings
 # and VEC_STATES = 0: the walk kernel _merge_fwd. 32 (a warp's lanes): offline sm90 (Triton
 # 3.6) ~390 instructions per 32 states against ~2,250 for the unrolled walk (with 8 or 16 the
 # compiler recomputed every weight in every lane). Measured on the H200, bitwise equal to the
