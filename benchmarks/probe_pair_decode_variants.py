@@ -9,15 +9,17 @@ with and without heads_first, at 2 stages; "keys" with every K/V line of the pai
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
 (keys_{warps}x{stages}_r{maxnreg}); "keys" with the head dim of V and O split over 2, 4 or 8
-programs per (pair, KV head), each scoring the block itself (keys_ds{slices}); the merge alone with and without eager state loads
-(merge.EAGER_LOADS). variants_run3_split.json and variants_run4_phased.json timed two layouts
-since removed, "split" and "phased" (pair_decode's docstring).
-VARIANTS=a,b picks some (none: only the routed kernel and the merges); FUSED=0 skips the fused merge; FA4_ROUTE=1 adds the op on the FA4 route
-(pair layout, FA4's pair call, merge) with and without the layout launch prefetching every
-pair's pages into L2 (merge.decode_pairs prefetch=). (results/h200/pair_decode/variants_run1.json is from
-commit 3338e45, when the routed kernel never took heads_first: its "routed" is today's
-keys_pairs_first.)
-Usage: [PAGES=16] [CASES=1x8192,...] [CHUNKS=1024] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] python3 benchmarks/probe_pair_decode_variants.py OUT.json
+programs per (pair, KV head), each scoring the block itself (keys_ds{slices}); the merge alone
+with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
+variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
+"split" and "phased" (pair_decode's docstring).
+VARIANTS=a,b picks some (none: only the routed kernel and the merges); FUSED=0 skips the fused
+merge; FA4_ROUTE=1 adds the op on the FA4 route (pair layout, FA4's pair call, merge) with and
+without the layout launch prefetching every pair's pages into L2 (merge.decode_pairs prefetch=).
+(results/h200/pair_decode/variants_run1.json is from commit 3338e45, when the routed kernel
+never took heads_first: its "routed" is today's keys_pairs_first.)
+Usage: [PAGES=16] [CASES=1x8192,...] [CHUNKS=1024] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] [VEC_WIDTH=32]
+       python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations

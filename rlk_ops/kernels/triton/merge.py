@@ -214,16 +214,6 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
 
 
 @triton.jit
-def _keep(x, ASM: tl.constexpr):
-    """x itself, through an opaque (impure) move: Triton then cannot recompute x's producers in
-    a consumer's layout (where every thread would compute every element) and moves the values
-    instead. The interpreter (no inline asm) gets x."""
-    if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
-    return x
-
-
-@triton.jit
 def _pick(x, k: tl.constexpr, B: tl.constexpr, BD: tl.constexpr, LOG_NP: tl.constexpr):
     """x[:, :, k] of x [B, BD, 2**LOG_NP]: reshapes and splits, no arithmetic (the state axis
     is in-thread, so this is a choice of register)."""
@@ -277,8 +267,8 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
         st = g * NP + ks                                                    # this group's states
         live = rmask[:, None] & (st < N)[None, :]                           # past N: lse -inf, skipped
         lse = _state_lse(l_ptr, lens_ptr, st[None, :], R, off[:, None], lead[:, None], n_lead, live, HAS_LENS, "")
-        w = _keep(_exp(lse - m_safe[:, None], LIBDEVICE), LIBDEVICE)        # [BLOCK, NP], a state per lane
-        present = tl.where(_keep(lse, LIBDEVICE) != _NEG_INF, 1, 0)
+        w = _exp(lse - m_safe[:, None], LIBDEVICE)        # [BLOCK, NP], a state per lane
+        present = tl.where(lse != _NEG_INF, 1, 0)
         o = tl.load(o_ptr + ((st[None, None, :] * R + r[:, None, None]) * D + d[None, :, None]),
                     mask=live[:, None, :] & dmask[None, :, None], other=0.0).to(tl.float32)
         w3 = tl.broadcast_to(w[:, None, :], [BLOCK, BLOCK_D, NP])
