@@ -87,7 +87,10 @@ def main():
     ap.add_argument("--split", type=int, default=None, help="keys: key groups of QK^T (default: warps)")
     ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
     ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
-    ap.add_argument("--nmax", type=int, default=8, help="keys, merge: unrolled state walk up to this many (0: loop)")
+    ap.add_argument("--nmax", type=int, default=8, help="keys, merge: unrolled state walk up to this many (0: loop)"
+                    "; vec: the states side by side (a power of two)")
+    ap.add_argument("--merge-kernel", choices=("walk", "vec"), default="vec", help="keys, merge: the fused merge's steps")
+    ap.add_argument("--seq-major", action="store_true", help="keys: programs in sequence-major order")
     ap.add_argument("--off64", action="store_true", help="tile: int64 cache offsets")
     ap.add_argument("--page", type=int, default=16, help="tile: page size (compile time)")
     ap.add_argument("--heads-first", action="store_true", help="keys, tile: one pair's KV heads adjacent")
@@ -95,7 +98,7 @@ def main():
     ap.add_argument("--l2", action="store_true", help="keys: every K/V line prefetched into L2 up front")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
-    ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds)")
+    ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
     consts = dict(CONSTS, M=rows)
@@ -103,7 +106,10 @@ def main():
     if args.layout == "keys":
         sig.update(FUSED)
         consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
-                      FUSE=int(args.merge), LIBDEVICE=1, NMAX=args.nmax)
+                      FUSE=(2 if args.merge_kernel == "vec" else 1) if args.merge else 0, LIBDEVICE=1, NMAX=args.nmax,
+                      SEQ_MAJOR=int(args.seq_major), GP=triton.next_power_of_2(CONSTS["G"]),
+                      LOG_NP=max(args.nmax, 1).bit_length() - 1,
+                      DSL=max(min(CONSTS["D"], pd.VEC_TILE // (triton.next_power_of_2(CONSTS["G"]) * max(args.nmax, 1))), 1))
     if args.layout == "tile":
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
@@ -131,6 +137,8 @@ def main():
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass)
+        with open(args.sass + ".ttgir", "w") as f:
+            f.write(ttgir)
     body = loop_sass(sass)
     ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
     print(f"pair_decode sm90 (Triton {triton.__version__}), layout {args.layout}, num_warps {args.warps}, "

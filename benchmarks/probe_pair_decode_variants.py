@@ -14,7 +14,8 @@ with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
 "split" and "phased" (pair_decode's docstring).
 VARIANTS=a,b picks some (none: only the routed kernel and the merges); FUSED=0 skips the fused
-merge; FA4_ROUTE=1 adds the op on the FA4 route (pair layout, FA4's pair call, merge) with and
+merge (keys_fused*: its walk and vec steps, chunk- and sequence-major programs); keys_seq: the
+routed kernel with sequence-major programs; FA4_ROUTE=1 adds the op on the FA4 route (pair layout, FA4's pair call, merge) with and
 without the layout launch prefetching every pair's pages into L2 (merge.decode_pairs prefetch=).
 (results/h200/pair_decode/variants_run1.json is from commit 3338e45, when the routed kernel
 never took heads_first: its "routed" is today's keys_pairs_first.)
@@ -52,8 +53,13 @@ for _ds in (2, 4, 8):
     ALL_VARIANTS[f"keys_ds{_ds}"] = {"layout": "keys", "slices": _ds}
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
+ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
+# the fused merge (pair_decode merge=True) on the routed launch: the walk's steps (keys_fused,
+# as timed before session 10), the vec steps, and the vec steps with sequence-major programs
+FUSED_VARIANTS = {"keys_fused": {"merge_kernel": "walk"}, "keys_fused_vec": {"merge_kernel": "vec"},
+                  "keys_fused_vec_seq": {"merge_kernel": "vec", "seq_major": True}}
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 
@@ -153,10 +159,15 @@ def main():
                         row[name + "_op_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
                         row[name + "_op_us"] = round(b.graph_us(route), 2)
                 if FUSED:
-                    fused = {**routed, "merge": True}
-                    got = pairs(fused)[4:]
-                    row["keys_fused_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
-                    row["keys_fused_us"] = round(b.graph_us(lambda: pairs(fused)), 2)
+                    for name, kw in FUSED_VARIANTS.items():
+                        fused = {**routed, "merge": True, **kw}
+                        try:
+                            got = pairs(fused)[4:]
+                        except Exception as e:  # noqa: BLE001 - as above
+                            row[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                            continue
+                        row[name + "_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                        row[name + "_us"] = round(b.graph_us(lambda fused=fused: pairs(fused)), 2)
                 print(row, flush=True)
                 res.append(row)
     write_rows(out, res)

@@ -657,15 +657,18 @@ def test_cuda_provenance_names_fa4_and_triton(packed):
 
 @pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (graph capture)")
 @pytest.mark.cuda
-@pytest.mark.parametrize("pdl", [False, True])
-def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypatch):
+@pytest.mark.parametrize("pdl,fused", [(False, "never"), (True, "never"), (False, "always")])
+def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, fused, monkeypatch):
     """The decode route makes no host sync: it captures into a CUDA graph (value checks off:
     with them on, capture raises ValueChecksInCapture) and replays bitwise, with or without
-    programmatic dependent launch for its two Triton launches (merge.PDL)."""
+    programmatic dependent launch for its two Triton launches (merge.PDL), and with the merge
+    fused into the pair kernel (fa4 canonical.FUSED_MERGE; its counters replayed too)."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.triton import merge as triton_merge
     from rlk_ops.ops import _validate
 
     monkeypatch.setattr(triton_merge, "PDL", pdl)
+    monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", fused)
     q, k, v, cu, train = packed
     chunk = CHUNKS[0]
     k_cache, v_cache, table = _cache(k, v, cu, 16, seed=6)
@@ -687,7 +690,8 @@ def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypat
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
-        graph.replay()
+        for _ in range(2):  # a second replay starts from the counters the first one left
+            graph.replay()
         torch.cuda.synchronize()
     assert _validate.VALUE_CHECKS == checks  # restored
     assert bitwise_equal(captured[0], eager[0]) and bitwise_equal(captured[1], eager[1])
@@ -709,7 +713,8 @@ def test_cpu_reference_merge_is_the_cpu_default():
 def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeypatch):
     """fa4 canonical.DECODE_PAIRS: the Triton pair kernel ("triton") and the pair layout + FA4
     call ("fa4") give the same decode rows, and both the training rows (sequences at different
-    positions, one repeated, a padded table)."""
+    positions, one repeated, a padded table); the Triton pair kernel with the merge fused in
+    (FUSED_MERGE "always"; "never" for the others) too."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
     q, k, v, cu, train = packed
@@ -721,11 +726,34 @@ def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeyp
     qd = q[rows][:, None]
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     got = {}
-    for route in ("fa4", "triton"):
+    for name, route, fused in (("fa4", "fa4", "never"), ("triton", "triton", "never"), ("fused", "triton", "always")):
         monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", route)
-        got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
-                                             split_kv=f"canonical:{chunk}")
-    assert bitwise_equal(got["fa4"][0], got["triton"][0]) and bitwise_equal(got["fa4"][1], got["triton"][1])
-    o, l = got["triton"]
+        monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", fused)
+        for _ in range(2):  # the fused merge's counters are left at zero for the next step
+            got[name] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
+                                                split_kv=f"canonical:{chunk}")
+    for name in ("triton", "fused"):
+        assert bitwise_equal(got["fa4"][0], got[name][0]) and bitwise_equal(got["fa4"][1], got[name][1]), name
+    o, l = got["fused"]
     for i, r in enumerate(rows):
         assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i
+
+
+def test_fused_merge_rule_and_bad_setting(monkeypatch):
+    """fa4 canonical.fuse_merge: only with the Triton merge op as the merge backend, up to
+    pair_decode.MERGE_VEC_MAX chunks, "waves" only beyond one program per SM (CPU: 4); a bad
+    FUSED_MERGE is named."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels import triton as triton_backend
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    cpu, tm = torch.device("cpu"), triton_backend.merge_attn_states
+    for setting, expect in (("never", (False, False)), ("always", (True, True)), ("waves", (False, True))):
+        monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", setting)
+        assert (fa4_canonical.fuse_merge(4, 8, tm, cpu), fa4_canonical.fuse_merge(5, 8, tm, cpu)) == expect
+        assert not fa4_canonical.fuse_merge(5, 8, lambda *a: a, cpu)
+        assert not fa4_canonical.fuse_merge(5, pd.MERGE_VEC_MAX + 1, tm, cpu)
+    monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", "sometimes")
+    with pytest.raises(ValueError, match="FUSED_MERGE must be 'never', 'always' or 'waves', got 'sometimes'"):
+        fa4_canonical.fuse_merge(5, 8, tm, cpu)

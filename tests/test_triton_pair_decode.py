@@ -141,19 +141,37 @@ def _merged_both_ways(q, kc, vc, table, sl, scale, chunk, **kw):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("unroll", [True, False])
-def test_interpreter_fused_merge_equals_the_merge_op(unroll, monkeypatch):
+@pytest.mark.parametrize("kernel,unroll,seq_major", [("walk", True, False), ("walk", False, False),
+                                                     ("vec", True, False), ("vec", True, True)])
+def test_interpreter_fused_merge_equals_the_merge_op(kernel, unroll, seq_major, monkeypatch):
     """merge=True: the last program of each (sequence, KV head) merges the chunk states with
-    the merge op's steps, unrolled or walked; twice in a row (the counters are left at zero
-    for the next launch)."""
+    the merge op's steps, unrolled or walked, or side by side (vec, head_dim in several
+    slices here: VEC_TILE shrunk), programs in chunk- or sequence-major order; twice in a row
+    (the counters are left at zero for the next launch)."""
     from rlk_ops.kernels.triton import pair_decode as pd
 
     if not unroll:
         monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
+    monkeypatch.setattr(pd, "VEC_TILE", 1024)   # 5 chunks: NP 8, DSL 32 (4 slices of head_dim)
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=4, device="cpu")
     for _ in range(2):
-        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=2)
+        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=2,
+                                                               merge_kernel=kernel, seq_major=seq_major)
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+def test_interpreter_sequence_major_order_changes_no_state():
+    """seq_major=True runs the programs in another order and stores every state in the same
+    place: out, lse and pair lengths equal the chunk-major launch's, heads_first or not."""
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=5, device="cpu")
+    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3)
+    for heads_first in (False, True):
+        got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, seq_major=True,
+                          heads_first=heads_first)
+        assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
 def test_bad_arguments_are_named():
@@ -166,16 +184,23 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead and slices need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
+    with pytest.raises(ValueError, match="merge_kernel must be 'vec' or 'walk', got 'tree'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, merge_kernel="tree")
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
+    wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
+    with pytest.raises(ValueError, match="merge_kernel='vec' takes up to 128 chunks per sequence, got 129"):
+        pair_decode(q, kc, vc, wide, sl, 1.0, 128, layout="keys", merge=True)
     with pytest.raises(ValueError, match="l2_prefetch=True needs prefetch 2 or 3, got 1"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, l2_prefetch=True)
     with pytest.raises(ValueError, match="ahead=True needs prefetch 0, 2 or 3, got 1"):
@@ -255,11 +280,15 @@ def test_cuda_run_to_run_and_batch_invariant(layout):
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("config", [(4, 2), (8, 2)])
-@pytest.mark.parametrize("unroll", [True, False])
-def test_cuda_fused_merge_equals_the_merge_op(ps, config, unroll, monkeypatch):
+@pytest.mark.parametrize("kernel,unroll,seq_major,chunk", [
+    ("walk", True, False, 1024), ("walk", False, False, 1024), ("vec", True, False, 1024), ("vec", True, True, 1024),
+    ("vec", True, True, 256), ("vec", True, False, 128)])
+def test_cuda_fused_merge_equals_the_merge_op(ps, config, kernel, unroll, seq_major, chunk, monkeypatch):
     """merge=True on the GPU: merged out and lse equal the merge op over the same states, for
     every sequence (empty pairs included), launch after launch (counters reset), and equal
-    the route the op uses today (pair layout + FA4's pair call + the merge op)."""
+    the route the op uses today (pair layout + FA4's pair call + the merge op); the walk
+    (unrolled or looped) and the vec steps (C = 256 and 128: 32 and 64 states, head_dim in
+    4 and 8 slices), chunk- or sequence-major programs."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton import pair_decode as pd
     from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
@@ -269,9 +298,11 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, unroll, monkeypatch):
     lens = [1, 127, 1024, 1025, 3000, 8192]
     q, kc, vc, table, sl = _inputs(lens, ps, seed=ps + config[0], device="cuda")
     for _ in range(3):
-        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 1024, config=config)
+        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, chunk, config=config,
+                                                               merge_kernel=kernel, seq_major=seq_major,
+                                                               heads_first=seq_major)
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
-    qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, 1024)
+    qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, chunk)
     o, l = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)
     fa4_out, fa4_lse = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                          state_lens=plens.view(n, len(lens)))

@@ -97,7 +97,8 @@ import triton.language as tl
 
 from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
-from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants, _merge_step, _state_lse
+from rlk_ops.kernels.triton.merge import (_exp as _mexp, _log as _mlog, _log_constants, _merge_step, _pick,
+                                          _state_lse)
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
@@ -171,22 +172,31 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 @triton.jit
 def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
-          DS: tl.constexpr = 1):
+          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
     """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
     count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
     heads (and their slices; they read the same cache rows at about the same time) instead of
-    a (pair, head, slice) grid."""
+    a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
+    chunks on consecutive pair slots, so its states are done early and, with the fused merge,
+    merged while later sequences stream) instead of chunk-major; the pair index (where the
+    state is stored) stays chunk-major, c * bsz + b."""
     if HEADS_FIRST:
         pid = tl.program_id(0)
         ds = pid % DS
-        pair = pid // DS // HKV
+        slot = pid // DS // HKV
         h = pid // DS % HKV
     else:
-        pair = tl.program_id(0)
+        slot = tl.program_id(0)
         h = tl.program_id(1)
         ds = tl.program_id(2) if DS > 1 else 0
-    c = pair // bsz
-    b = pair % bsz
+    if SEQ_MAJOR:
+        b = slot // n_chunks
+        c = slot % n_chunks
+        pair = c * bsz + b
+    else:
+        pair = slot
+        c = pair // bsz
+        b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
@@ -321,6 +331,58 @@ def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, 
 
 
 @triton.jit
+def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G: tl.constexpr,
+                    GP: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NP: tl.constexpr,
+                    LOG_NP: tl.constexpr, DSL: tl.constexpr):
+    """``_merge_last`` with merge.py's ``_merge_vec`` steps: the program that finishes last
+    (same counter protocol) loads every state's lse of its G query heads in one [GP, NP] load
+    (NP a power of two >= n_chunks; GP = G rounded up to a power of two), takes the max and the
+    weights w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's
+    out rows in one [GP, DSL, NP] load, forms every w * out at once and walks only the two sums
+    over the states in ascending order (L + w, acc + w * out, each a where() on "present"):
+    the merge op's operations and order, so its bits. No reduction crosses the state axis
+    except the max (exact in any order), which is what made the unrolled walk slow (a
+    cross-thread sum and layout conversion per state)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count, 1, sem="acq_rel")
+    if done == n_chunks - 1:
+        tl.store(count, 0)
+        rows = bsz * HQ                                      # merge rows: (sequence, query head)
+        g = tl.arange(0, GP)
+        hmask = g < G
+        r = b.to(tl.int64) * HQ + h * G + g
+        ks = tl.arange(0, NP)
+        live = hmask[:, None] & (ks < n_chunks)[None, :]
+        l2 = tl.load(lse + ks[None, :] * rows + r[:, None], mask=live, other=_NEG_INF, cache_modifier=".cg")
+        mx = tl.max(l2, axis=1)                              # a max is exact in any order
+        nan = tl.max(tl.where(l2 != l2, 1, 0), axis=1) > 0
+        mx = tl.where(nan, _INF - _INF, mx)                  # NaN propagates, as amax
+        m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
+        w = _mexp(l2 - m_safe[:, None], LIBDEVICE)           # [GP, NP]: one exp per element
+        present = tl.where(l2 != _NEG_INF, 1, 0)             # an empty pair's lse is -inf: skipped
+        w1 = tl.reshape(w, [GP, 1, NP])
+        p1 = tl.reshape(present, [GP, 1, NP])
+        total = tl.zeros([GP, 1], tl.float32)                # L: the states walked in order, once per row
+        for k in tl.static_range(NP):
+            total = tl.where(_pick(p1, k, GP, 1, LOG_NP) != 0, total + _pick(w1, k, GP, 1, LOG_NP), total)
+        w3 = tl.broadcast_to(w1, [GP, DSL, NP])
+        p3 = tl.broadcast_to(p1, [GP, DSL, NP])
+        for sl in tl.static_range(D // DSL):
+            d = sl * DSL + tl.arange(0, DSL)
+            o = tl.load(out + ((ks[None, None, :] * rows + r[:, None, None]) * D + d[None, :, None]),
+                        mask=live[:, None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+            wo = w3 * o
+            acc = tl.zeros([GP, DSL], tl.float32)
+            for k in tl.static_range(NP):
+                acc = tl.where(_pick(p3, k, GP, DSL, LOG_NP) != 0, acc + _pick(wo, k, GP, DSL, LOG_NP), acc)
+            res = tl.math.div_rn(acc, tl.broadcast_to(total, [GP, DSL]))
+            res = tl.where(total == 0.0, 0.0, res)
+            tl.store(merged_out + r[:, None] * D + d[None, :], res.to(merged_out.dtype.element_ty),
+                     mask=hmask[:, None])
+        tl.store(merged_lse + r, mx + _mlog(tl.reshape(total, [GP]), log_c), mask=hmask)
+
+
+@triton.jit
 def _l2_prefetch(ptrs, EMU: tl.constexpr):
     """``prefetch.global.L2`` of the 128-byte lines at ``ptrs``: no register waits for them (the
     interpreter has no inline asm: nothing)."""
@@ -405,7 +467,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       PF: tl.constexpr = 0, NBC: tl.constexpr = 1, ABL: tl.constexpr = 0,
                       SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
-                      AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1):
+                      AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
+                      GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -418,7 +481,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     each, ``dv``); each one scores the whole block itself (the same scores, max, exponentials
     and sums in every slice) and keeps only its columns of O, each the same tensor-core chain
     as in the whole tile."""
-    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS)
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
@@ -477,9 +540,12 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
-    if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
+    if FUSE == 1:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
                     n_chunks, HQ, D, LIBDEVICE, NMAX)
+    if FUSE == 2:  # the same with _merge_vec's steps (states side by side)
+        _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
+                        HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
 
 
 @triton.jit
@@ -576,6 +642,8 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
 MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of every lse) up to this many chunks
+VEC_TILE = 4096             # merge_kernel="vec": elements of one [GP, DSL, NP] state tile (head_dim in DSL slices)
+MERGE_VEC_MAX = 128         # merge_kernel="vec": chunks per sequence at most (DSL >= 8 at G = 4)
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
@@ -627,7 +695,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1):
+                slices: int = 1, merge_kernel: str = "vec", seq_major: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -635,7 +703,10 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     maxnreg caps the registers per thread so that more programs fit an SM; no bit depends on
     them: every reduction order above is fixed by the code, not the launch);
     ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits); ``slices``: its
-    DS, the head dim of V and O over that many programs per (pair, KV head) (same bits)."""
+    DS, the head dim of V and O over that many programs per (pair, KV head) (same bits);
+    ``merge_kernel``: the fused merge's steps, "vec" (``_merge_last_vec``, up to
+    MERGE_VEC_MAX chunks) or "walk" (``_merge_last``); ``seq_major``: programs in
+    sequence-major order ("keys"; the states' layout is unchanged, same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -668,18 +739,27 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             raise ValueError(f"pair_decode l2_prefetch=True needs prefetch 2 or 3, got {prefetch}")
         if ahead and prefetch == 1:
             raise ValueError("pair_decode ahead=True needs prefetch 0, 2 or 3, got 1")
+        if merge_kernel not in ("vec", "walk"):
+            raise ValueError(f"pair_decode merge_kernel must be 'vec' or 'walk', got {merge_kernel!r}")
+        vec = merge and merge_kernel == "vec"
+        if vec and n > MERGE_VEC_MAX:
+            raise ValueError(f"pair_decode merge_kernel='vec' takes up to {MERGE_VEC_MAX} chunks per sequence, got "
+                             f"{n} (page_table width {width} x page {page} / chunk_size {chunk_size}); use 'walk'")
+        gp = triton.next_power_of_2(hq // hkv)
+        np_ = triton.next_power_of_2(n)
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
-                 "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET),
-                 "NMAX": triton.next_power_of_2(n) if merge and n <= MERGE_UNROLL else 0,
-                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead)}
+                 "FUSE": (2 if vec else 1) if merge else 0, "LIBDEVICE": int(not C.INTERPRET),
+                 "NMAX": np_ if vec or (merge and n <= MERGE_UNROLL) else 0,
+                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead), "SEQ_MAJOR": int(seq_major), "GP": gp,
+                 "LOG_NP": np_.bit_length() - 1, "DSL": max(min(d, VEC_TILE // (gp * np_)), 1)}
         if slices not in (1, 2, 4, 8) or d % slices or d // slices < 16:
             raise ValueError(f"pair_decode slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got {slices} "
                              f"for head_dim {d}")
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
         extra["DS"] = slices
-    elif merge or l2_prefetch or ahead or slices != 1:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead and slices need layout='keys'")
+    elif merge or l2_prefetch or ahead or slices != 1 or seq_major:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices and seq_major need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
