@@ -246,7 +246,8 @@ def test_cuda_merge_config_changes_no_bit(config, dtype):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("block,split,vec,two_d_max,dtype", [
-    (1, 4, 32, True, BF16), (1, 4, 32, False, BF16), (1, 1, 32, True, torch.float32), (2, 2, 8, False, BF16),
+    (1, 4, 32, True, BF16), (1, 4, 32, False, BF16), (1, 1, 32, True, torch.float32), (1, 1, 32, True, BF16),
+    (1, 1, 32, False, BF16), (2, 2, 8, False, BF16),
     (1, 4, 4, True, torch.float32), (4, 1, 1, False, BF16)])
 @pytest.mark.parametrize("n", [5, 37])
 def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n):
@@ -271,10 +272,11 @@ def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n):
 
 
 def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
-    """The measured rule (triton merge.VEC_STATES): decode's 1-row programs over a quarter of
-    head_dim (fewer rows than SMs: up to batch 8 on the H200) take _merge_vec, 32 states a
-    group; multi-row programs (batch 64, training) keep the walk (the vec blocking was slower
-    at batch 64)."""
+    """The measured rule (triton merge.VEC_STATES, VEC_ROWS_MAX): decode's 1-row programs over a
+    quarter of head_dim (fewer rows than SMs: up to batch 8 on the H200) take _merge_vec, 32
+    states a group; with a config that gives multi-row programs vec_states keeps the walk (the
+    quarter-head_dim vec blocking was slower at batch 64); merge_route gives larger decode
+    batches _merge_vec over all of head_dim, training the walk."""
     pytest.importorskip("triton")
     from rlk_ops.kernels.triton import merge as triton_merge
 
@@ -286,6 +288,13 @@ def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
     assert triton_merge.vec_states(1, 128) == 0   # a 1-row program over all of head_dim: 4 warps
     assert triton_merge.vec_config(40, 128) == (1, 4, 0, 64)
     assert triton_merge.vec_config(300, 128) == (1, 4, 0, 0)   # past MAX_2D: the looped max
+    # merge_route (no explicit config): past one program per SM up to VEC_ROWS_MAX rows, _merge_vec
+    # on 1-row programs over all of head_dim (batch 64 decode); beyond, and head_dim > 128, the walk
+    assert triton_merge.merge_route(2, 16, 128, cpu_dev) == ((1, 4, 16, 16), 32)   # unroll unused by vec
+    assert triton_merge.merge_route(8, 16, 128, cpu_dev) == ((1, 1, 0, 16), 32)
+    assert triton_merge.merge_route(4096, 300, 128, cpu_dev) == ((1, 1, 0, 0), 32)
+    assert triton_merge.merge_route(4097, 16, 128, cpu_dev)[1] == 0
+    assert triton_merge.merge_route(8, 16, 256, cpu_dev)[1] == 0
 
 
 def test_merge_vec_refuses_a_width_that_is_not_a_power_of_two():

@@ -2,11 +2,12 @@
 
 Forward: one program per block of (row, head) pairs of the states' common layout and slice
 of head_dim (``merge_config``: few rows, as in decode, get 1-row programs and head_dim in 4
-slices). Two kernels with the same steps: ``_merge_vec`` on 1-row, 1-warp programs over a
-quarter of head_dim (decode up to batch 8 on the H200; ``VEC_STATES``, ``vec_states``): 32
-states at a time side by side, a weight per lane, every product w * out in one tile op, only
-the two sums walking the states; ``_merge_fwd`` otherwise (training, larger batches): the
-walk unrolled, up to ``MAX_UNROLL`` states at a time, so their loads overlap.
+slices). Two kernels with the same steps (``merge_route`` picks): ``_merge_vec`` on 1-row,
+1-warp programs, over a quarter of head_dim while rows < SMs (decode up to batch 8 on the
+H200; ``VEC_STATES``, ``vec_states``) and over all of it up to ``VEC_ROWS_MAX`` rows (larger
+decode batches): 32 states at a time side by side, a weight per lane, every product w * out
+in one tile op, only the two sums walking the states; ``_merge_fwd`` otherwise (training):
+the walk unrolled, up to ``MAX_UNROLL`` states at a time, so their loads overlap.
 Both go through the N states in ascending order with the formula of kernels/cpu/merge.py,
 step for step:
 
@@ -395,6 +396,26 @@ EAGER_LOADS = False
 # -> 3.62. At batch 64 (2-row walk programs) the vec blocking was slower (C=1024 6.34 against
 # 5.13), so batch 64 keeps the walk.
 VEC_STATES = 32
+# Past one program per SM (decode batches beyond ~8 on the H200) up to VEC_ROWS_MAX rows,
+# _merge_vec on 1-row, 1-warp programs over all of head_dim (merge_route) instead of the walk's
+# multi-row programs. Measured on the H200 (results/h200/session10/variants_partial.log, page
+# 16, batch 64 / 8k, merge alone, walk -> vec over all of head_dim, bitwise equal): C=512
+# 7.53 -> 5.09 us, C=1024 4.81 -> 4.25 (over a quarter of head_dim, as for fewer rows: 7.73
+# and 6.22). Training's merges (far more rows) keep the walk.
+VEC_ROWS_MAX = 4096
+
+
+def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple[int, int, int, int], int]:
+    """(config, states side by side or 0 for the walk) of a merge with no explicit config:
+    merge_config's blocking, on _merge_vec where vec_states allows (fewer rows than SMs); else,
+    up to VEC_ROWS_MAX rows and head_dim 128, _merge_vec on 1-row programs over all of head_dim
+    (the blocking measured); else the walk.
+    No choice changes a bit (see merge_config)."""
+    cfg = merge_config(rows, n, d, device)
+    vec = vec_states(cfg[0], C.pow2(d) // cfg[1])
+    if vec or not VEC_STATES or rows > VEC_ROWS_MAX or C.pow2(d) > 128:
+        return cfg, vec
+    return (1, 1, 0, C.pow2(n) if MAX_2D and n <= MAX_2D else 0), VEC_STATES
 
 
 def _pdl() -> dict:
@@ -448,6 +469,8 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     assert n * rows < 2**31, "state row index n * rows must fit int32"  # element offsets are int64
     if state_lens is not None:
         state_lens = C.aligned(state_lens.reshape(n, n_lead))
+    if config is None and vec is None:
+        config, vec = merge_route(rows, n, d, out_parts.device)
     block, split, unroll, *rest = config or merge_config(rows, n, d, out_parts.device)
     max2d = rest[0] if rest else 0
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
