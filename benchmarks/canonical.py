@@ -46,10 +46,6 @@ from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
 from rlk_ops.ops import _validate  # noqa: E402
 
-# decode: C values also timed with the merge fused into the pair kernel and without
-# (canonical_{C}_fused_us / _unfused_us, fa4 canonical.FUSED_MERGE "always" / "never")
-FUSED_COMPARE = (512, 1024)
-
 BF16 = torch.bfloat16
 TARGET_DECODE_VS_FI = 1.15      # canonical decode / FlashInfer auto, batch 1 and 8
 TARGET_TRAIN_VS_SINGLE = 1.15   # canonical fwd+bwd / single-pass fwd+bwd, B=4 S=8k
@@ -529,18 +525,6 @@ class Bench(Report):
         return (f"results/h200/kernels.json (benchmarks/kernels.py at {data.get('commit', '?')[:10]}, same machine "
                 f"kind, earlier run; page 16, CUDA-graph replay of the FlashInfer wrapper's run())"), table
 
-    @staticmethod
-    def _fused(setting, fn):
-        """fn() with fa4 canonical.FUSED_MERGE = setting (restored after)."""
-        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-        before = fa4_canonical.FUSED_MERGE
-        fa4_canonical.FUSED_MERGE = setting
-        try:
-            return fn()
-        finally:
-            fa4_canonical.FUSED_MERGE = before
-
     def decode(self):
         sh = self.sh
         fa4 = self.fa4_single()
@@ -556,10 +540,6 @@ class Bench(Report):
             for c in sh.decode_chunks:
                 fns[f"canonical_{c}_us"] = lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl,
                                                                                split_kv=f"canonical:{c}")
-            for c in (c for c in FUSED_COMPARE if c in sh.decode_chunks):  # merge fused into the pairs and not
-                for name, setting in (("fused", "always"), ("unfused", "never")):
-                    fns[f"canonical_{c}_{name}_us"] = lambda c=c, setting=setting: self._fused(
-                        setting, lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}"))
             if fi_table is None:
                 fns["flashinfer_auto_us"] = self._fi_run(q, kc, vc, pt, sl)
             row.update({name: round(us, 2) for name, us in self.graph_us_many(fns).items()})

@@ -285,7 +285,7 @@ def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
     assert (block, split) == (1, 4) and triton_merge.vec_states(block, 128 // split) == 32
     block, split, _, _ = triton_merge.merge_config(4096, 16, 128, cpu_dev)
     assert block > 1 and triton_merge.vec_states(block, 128 // split) == 0
-    assert triton_merge.vec_states(1, 128) == 0   # a 1-row program over all of head_dim: 4 warps
+    assert triton_merge.vec_states(1, 128) == 0   # over all of head_dim: merge_route decides, not vec_states
     assert triton_merge.vec_config(40, 128) == (1, 4, 0, 64)
     assert triton_merge.vec_config(300, 128) == (1, 4, 0, 0)   # past MAX_2D: the looped max
     # merge_route (no explicit config): past one program per SM up to VEC_ROWS_MAX rows, _merge_vec
@@ -666,18 +666,15 @@ def test_cuda_provenance_names_fa4_and_triton(packed):
 
 @pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (graph capture)")
 @pytest.mark.cuda
-@pytest.mark.parametrize("pdl,fused", [(False, "never"), (True, "never"), (False, "always")])
-def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, fused, monkeypatch):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypatch):
     """The decode route makes no host sync: it captures into a CUDA graph (value checks off:
     with them on, capture raises ValueChecksInCapture) and replays bitwise, with or without
-    programmatic dependent launch for its two Triton launches (merge.PDL), and with the merge
-    fused into the pair kernel (fa4 canonical.FUSED_MERGE; its counters replayed too)."""
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    programmatic dependent launch for its two Triton launches (merge.PDL)."""
     from rlk_ops.kernels.triton import merge as triton_merge
     from rlk_ops.ops import _validate
 
     monkeypatch.setattr(triton_merge, "PDL", pdl)
-    monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", fused)
     q, k, v, cu, train = packed
     chunk = CHUNKS[0]
     k_cache, v_cache, table = _cache(k, v, cu, 16, seed=6)
@@ -699,8 +696,7 @@ def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, fused, mo
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = rlk_ops.paged_attention(qd, k_cache, v_cache, table, seq_lens, split_kv=f"canonical:{chunk}")
-        for _ in range(2):  # a second replay starts from the counters the first one left
-            graph.replay()
+        graph.replay()
         torch.cuda.synchronize()
     assert _validate.VALUE_CHECKS == checks  # restored
     assert bitwise_equal(captured[0], eager[0]) and bitwise_equal(captured[1], eager[1])
@@ -722,8 +718,7 @@ def test_cpu_reference_merge_is_the_cpu_default():
 def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeypatch):
     """fa4 canonical.DECODE_PAIRS: the Triton pair kernel ("triton") and the pair layout + FA4
     call ("fa4") give the same decode rows, and both the training rows (sequences at different
-    positions, one repeated, a padded table); the Triton pair kernel with the merge fused in
-    (FUSED_MERGE "always"; "never" for the others) too."""
+    positions, one repeated, a padded table)."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
     q, k, v, cu, train = packed
@@ -735,34 +730,11 @@ def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeyp
     qd = q[rows][:, None]
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     got = {}
-    for name, route, fused in (("fa4", "fa4", "never"), ("triton", "triton", "never"), ("fused", "triton", "always")):
+    for route in ("fa4", "triton"):
         monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", route)
-        monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", fused)
-        for _ in range(2):  # the fused merge's counters are left at zero for the next step
-            got[name] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
-                                                split_kv=f"canonical:{chunk}")
-    for name in ("triton", "fused"):
-        assert bitwise_equal(got["fa4"][0], got[name][0]) and bitwise_equal(got["fa4"][1], got[name][1]), name
-    o, l = got["fused"]
+        got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
+                                             split_kv=f"canonical:{chunk}")
+    assert bitwise_equal(got["fa4"][0], got["triton"][0]) and bitwise_equal(got["fa4"][1], got["triton"][1])
+    o, l = got["triton"]
     for i, r in enumerate(rows):
         assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i
-
-
-def test_fused_merge_rule_and_bad_setting(monkeypatch):
-    """fa4 canonical.fuse_merge: only with the Triton merge op as the merge backend, up to
-    pair_decode.MERGE_VEC_MAX chunks, "waves" only beyond one program per SM (CPU: 4); a bad
-    FUSED_MERGE is named."""
-    pytest.importorskip("triton")
-    from rlk_ops.kernels import triton as triton_backend
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-    from rlk_ops.kernels.triton import pair_decode as pd
-
-    cpu, tm = torch.device("cpu"), triton_backend.merge_attn_states
-    for setting, expect in (("never", (False, False)), ("always", (True, True)), ("waves", (False, True))):
-        monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", setting)
-        assert (fa4_canonical.fuse_merge(4, 8, tm, cpu), fa4_canonical.fuse_merge(5, 8, tm, cpu)) == expect
-        assert not fa4_canonical.fuse_merge(5, 8, lambda *a: a, cpu)
-        assert not fa4_canonical.fuse_merge(5, pd.MERGE_VEC_MAX + 1, tm, cpu)
-    monkeypatch.setattr(fa4_canonical, "FUSED_MERGE", "sometimes")
-    with pytest.raises(ValueError, match="FUSED_MERGE must be 'never', 'always' or 'waves', got 'sometimes'"):
-        fa4_canonical.fuse_merge(5, 8, tm, cpu)

@@ -78,14 +78,6 @@ STREAMS = 4
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
 DECODE_PAIRS = "triton"
-# The decode merge fused into the pair kernel (pair_decode merge=True, merge_kernel="vec",
-# sequence-major programs): the last program of each (sequence, KV head) to finish, counted by
-# an atomic counter, merges that sequence's chunk states with the merge op's steps, so no merge
-# launch follows the pairs and, with sequence-major programs, a sequence is merged while later
-# ones stream. Which program merges changes no bit (the same states, the same steps; equal to
-# the merge op on the H200: tests/test_triton_pair_decode.py). "never", "always", or "waves":
-# where the pairs take more than one wave (programs > SMs), the unfused route below one.
-FUSED_MERGE = "never"
 
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
@@ -112,13 +104,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
-        programs = n * bsz * k_cache.shape[2]
-        launch = triton_pairs.decode_launch(programs, q.device)
-        if fuse_merge(programs, n, merge, q.device):
-            merged = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                              layout="keys", merge=True, merge_kernel="vec", seq_major=True,
-                                              **launch)
-            return merged[4:]
+        launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
     else:
@@ -126,23 +112,3 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
                                                                       chunk_size)
         out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
     return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz))
-
-
-def fuse_merge(programs: int, n_chunks: int, merge, device: torch.device) -> bool:
-    """Whether a routed decode step merges inside the pair kernel (``FUSED_MERGE``): only with
-    the Triton merge op as the merge backend (the fused steps are its steps; another backend is
-    honoured with its own launch) and up to ``pair_decode.MERGE_VEC_MAX`` chunks."""
-    from rlk_ops.kernels import triton as triton_backend
-    from rlk_ops.kernels.triton import _common as tc
-    from rlk_ops.kernels.triton import pair_decode as triton_pairs
-
-    if FUSED_MERGE not in ("never", "always", "waves"):
-        raise ValueError(f"fa4 canonical.FUSED_MERGE must be 'never', 'always' or 'waves', got {FUSED_MERGE!r}")
-    if FUSED_MERGE == "never" or merge is not triton_backend.merge_attn_states:
-        return False
-    if n_chunks > triton_pairs.MERGE_VEC_MAX:
-        return False
-    if FUSED_MERGE == "always":
-        return True
-    sms = tc.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
-    return programs > sms

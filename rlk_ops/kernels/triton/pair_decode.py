@@ -39,7 +39,17 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   version (one dependent L2 load after another) was slower than the merge launch (1 x 8k:
   22.0 against 18.3 us for kernel + merge), so it is not used; the unrolled walk (every lse in
   one load, the state loads independent of each other) was slower too (variants_run1.json:
-  1 x 8k C=1024 20.8 against 18.1 us).
+  1 x 8k C=1024 20.8 against 18.1 us). ``merge_kernel="vec"`` (``_merge_last_vec``, session 10:
+  merge.py's ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice;
+  offline 168 registers, no spill, 13 layout conversions against the walk's 44) with or without
+  ``seq_major`` (sequence-major programs: a sequence's merge runs while later ones stream) is
+  equal to the merge op on the H200 and no faster than the merge launch in any cell
+  (results/h200/session10/canonical_decode.json, fused / unfused in one run, C = 1024: 1 x 8k
+  19.3 / 18.1 us, 1 x 32k 29.2 / 24.0, 8 x 8k 40.8 / 40.9, 8 x 32k 138.8 / 133.8, 64 x 8k
+  257.4 / 255.5, 64 x 32k 992.5 / 963.5). Not measured, our reading: every program's acq_rel
+  counter update (its stores drained, then an L2 round trip) keeps its SM slot busy, and over
+  the waves of batch 64 that costs as much as the merge launch. The pairs alone in
+  sequence-major order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
