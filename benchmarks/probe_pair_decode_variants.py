@@ -13,10 +13,11 @@ programs per (pair, KV head), each scoring the block itself (keys_ds{slices}); t
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
 "split" and "phased" (pair_decode's docstring).
-VARIANTS=a,b picks some (none: only the routed kernel and the merges); FUSED=0 skips the fused
-merge (keys_fused*: its walk and vec steps, chunk- and sequence-major programs); keys_seq: the
-routed kernel with sequence-major programs; FA4_ROUTE=1 adds the op on the FA4 route (pair layout, FA4's pair call, merge) with and
-without the layout launch prefetching every pair's pages into L2 (merge.decode_pairs prefetch=).
+VARIANTS=a,b picks some (none: only the routed kernel and the merges); keys_seq: the routed
+kernel with sequence-major programs. FUSED=0 skips the fused merge (keys_fused*: its walk and
+vec steps, chunk- and sequence-major programs). FA4_ROUTE=1 adds the op on the FA4 route (pair
+layout, FA4's pair call, merge) with and without the layout launch prefetching every pair's
+pages into L2 (merge.decode_pairs prefetch=).
 (results/h200/pair_decode/variants_run1.json is from commit 3338e45, when the routed kernel
 never took heads_first: its "routed" is today's keys_pairs_first.)
 Usage: [PAGES=16] [CASES=1x8192,...] [CHUNKS=1024] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] [VEC_WIDTH=32]
@@ -170,6 +171,7 @@ def main():
                         row[name + "_us"] = round(b.graph_us(lambda fused=fused: pairs(fused)), 2)
                 print(row, flush=True)
                 res.append(row)
+                write_rows(out, res)   # after every row: a time limit keeps the rows done so far
     write_rows(out, res)
 
 
