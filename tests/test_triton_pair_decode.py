@@ -174,6 +174,29 @@ def test_interpreter_sequence_major_order_changes_no_state():
         assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
+def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
+    """A decode step's compile-time constants are the same whatever its number of chunks (a
+    sequence growing past a chunk boundary must not compile the kernel again); only the fused
+    vec merge specialises on it (its states side by side)."""
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append({k: v for k, v in kw.items() if k.isupper()})
+
+    monkeypatch.setattr(pd, "_pair_decode_keys", Recorder())
+    q, kc, vc, _, sl = _inputs([5], 16, seed=5, device="cpu")
+    for width in (8, 24, 72):   # 1, 3 and 9 chunks of 128 keys (pages of 16)
+        table = torch.zeros((1, width), dtype=torch.int32)
+        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, heads_first=True)
+        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, merge=True, merge_kernel="vec")
+    plain, fused = seen[0::2], seen[1::2]
+    assert all(c == plain[0] for c in plain)
+    assert len({(c["NMAX"], c["LOG_NP"], c["DSL"]) for c in fused}) == 3
+
+
 def test_bad_arguments_are_named():
     """Checked before any launch (wherever triton imports): the argument, what it must be and
     what it was."""

@@ -755,13 +755,14 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         if vec and n > MERGE_VEC_MAX:
             raise ValueError(f"pair_decode merge_kernel='vec' takes up to {MERGE_VEC_MAX} chunks per sequence, got "
                              f"{n} (page_table width {width} x page {page} / chunk_size {chunk_size}); use 'walk'")
-        gp = triton.next_power_of_2(hq // hkv)
         np_ = triton.next_power_of_2(n)
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
                  "FUSE": (2 if vec else 1) if merge else 0, "LIBDEVICE": int(not C.INTERPRET),
                  "NMAX": np_ if vec or (merge and n <= MERGE_UNROLL) else 0,
-                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead), "SEQ_MAJOR": int(seq_major), "GP": gp,
-                 "LOG_NP": np_.bit_length() - 1, "DSL": max(min(d, VEC_TILE // (gp * np_)), 1)}
+                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead), "SEQ_MAJOR": int(seq_major)}
+        if vec:  # only then: any other launch keeps one compile whatever the chunk count
+            gp = triton.next_power_of_2(hq // hkv)
+            extra.update(GP=gp, LOG_NP=np_.bit_length() - 1, DSL=max(min(d, VEC_TILE // (gp * np_)), 1))
         if slices not in (1, 2, 4, 8) or d % slices or d // slices < 16:
             raise ValueError(f"pair_decode slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got {slices} "
                              f"for head_dim {d}")
