@@ -34,12 +34,12 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   1 = one block ahead by hand, 2 = every block's token rows preloaded (no load feeds an
   address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
   their scores are masked; V stays masked so garbage there cannot reach O).
-  ``merge=True`` folds the merge in: the last program of each (sequence, KV head) walks the
-  chunk states with the merge op's steps (``_merge_last``): equal bits on the H200; the first
-  version (one dependent L2 load after another) was slower than the merge launch (1 x 8k:
-  22.0 against 18.3 us for kernel + merge), so it is not used; the unrolled walk (every lse in
-  one load, the state loads independent of each other) was slower too (variants_run1.json:
-  1 x 8k C=1024 20.8 against 18.1 us). ``merge_kernel="vec"`` (``_merge_last_vec``, session 10:
+  ``merge=True`` folds the merge in (not routed): the last program of each (sequence, KV head)
+  merges the chunk states with the merge op's steps. ``merge_kernel="walk"`` (``_merge_last``):
+  equal bits on the H200; the first version (one dependent L2 load after another) was slower
+  than the merge launch (1 x 8k: 22.0 against 18.3 us for kernel + merge); the unrolled walk
+  (every lse in one load, the state loads independent of each other) was slower too
+  (variants_run1.json: 1 x 8k C=1024 20.8 against 18.1 us). ``merge_kernel="vec"`` (``_merge_last_vec``, session 10:
   merge.py's ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice;
   offline 168 registers, no spill, 13 layout conversions against the walk's 44) with or without
   ``seq_major`` (sequence-major programs: a sequence's merge runs while later ones stream) is
