@@ -151,6 +151,14 @@ def _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS: tl.con
 
 
 @triton.jit
+def _max_lse(lse2, AXIS: tl.constexpr):
+    """The max of a tile of lse over AXIS (exact in any order); NaN propagates, as amax."""
+    m = tl.max(lse2, axis=AXIS)
+    nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=AXIS) > 0
+    return tl.where(nan, _INF - _INF, m)
+
+
+@triton.jit
 def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
                 acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr, CACHE: tl.constexpr, EAGER: tl.constexpr = 0):
     """State n's step. EAGER: its out rows are loaded whether or not it is present (a skipped
@@ -184,9 +192,7 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
         ns = tl.arange(0, MAX2D)
         mn = rmask[:, None] & (ns < N)[None, :]
         lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
-        m = tl.max(lse2, axis=1)                                        # max is exact in any order
-        nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
-        m = tl.where(nan, _INF - _INF, m)                               # NaN propagates, as amax
+        m = _max_lse(lse2, 1)
     else:
         m = tl.full([BLOCK], _NEG_INF, tl.float32)
         for n in range(N):
@@ -251,9 +257,7 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
         ns = tl.arange(0, MAX2D)
         mn = rmask[:, None] & (ns < N)[None, :]
         lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
-        m = tl.max(lse2, axis=1)
-        nan = tl.max(tl.where(lse2 != lse2, 1, 0), axis=1) > 0
-        m = tl.where(nan, _INF - _INF, m)
+        m = _max_lse(lse2, 1)
     else:
         m = tl.full([BLOCK], _NEG_INF, tl.float32)
         for n in range(N):

@@ -107,8 +107,8 @@ import triton.language as tl
 
 from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
-from rlk_ops.kernels.triton.merge import (_exp as _mexp, _log as _mlog, _log_constants, _merge_step, _pick,
-                                          _state_lse)
+from rlk_ops.kernels.triton.merge import (_exp as _mexp, _log as _mlog, _log_constants, _max_lse, _merge_step,
+                                          _pick, _state_lse)
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
@@ -310,9 +310,7 @@ def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, 
             ns = tl.arange(0, NMAX)
             l2 = tl.load(lse + ns[:, None] * rows + r[None, :], mask=(ns[:, None] < n_chunks) & hmask[None, :],
                          other=_NEG_INF, cache_modifier=".cg")              # [NMAX, heads]
-            mx = tl.max(l2, axis=0)                                          # a max is exact in any order
-            nan = tl.max(tl.where(l2 != l2, 1, 0), axis=0) > 0
-            mx = tl.where(nan, _INF - _INF, mx)                              # NaN propagates, as amax
+            mx = _max_lse(l2, 0)
             m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
             w2 = _mexp(l2 - m_safe[None, :], LIBDEVICE)                      # elementwise: same bits
             for n in tl.static_range(NMAX):  # states past n_chunks have lse -inf: not present
@@ -364,9 +362,7 @@ def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n
         ks = tl.arange(0, NP)
         live = hmask[:, None] & (ks < n_chunks)[None, :]
         l2 = tl.load(lse + ks[None, :] * rows + r[:, None], mask=live, other=_NEG_INF, cache_modifier=".cg")
-        mx = tl.max(l2, axis=1)                              # a max is exact in any order
-        nan = tl.max(tl.where(l2 != l2, 1, 0), axis=1) > 0
-        mx = tl.where(nan, _INF - _INF, mx)                  # NaN propagates, as amax
+        mx = _max_lse(l2, 1)
         m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
         w = _mexp(l2 - m_safe[:, None], LIBDEVICE)           # [GP, NP]: one exp per element
         present = tl.where(l2 != _NEG_INF, 1, 0)             # an empty pair's lse is -inf: skipped
