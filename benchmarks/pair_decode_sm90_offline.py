@@ -87,9 +87,7 @@ def main():
     ap.add_argument("--split", type=int, default=None, help="keys: key groups of QK^T (default: warps)")
     ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
     ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
-    ap.add_argument("--nmax", type=int, default=8, help="keys, merge: unrolled state walk up to this many (0: loop)"
-                    "; vec: the states side by side (a power of two)")
-    ap.add_argument("--merge-kernel", choices=("walk", "vec"), default="vec", help="keys, merge: the fused merge's steps")
+    ap.add_argument("--nmax", type=int, default=8, help="keys, merge: the states side by side (a power of two)")
     ap.add_argument("--seq-major", action="store_true", help="keys: programs in sequence-major order")
     ap.add_argument("--off64", action="store_true", help="tile: int64 cache offsets")
     ap.add_argument("--page", type=int, default=16, help="tile: page size (compile time)")
@@ -106,7 +104,7 @@ def main():
     if args.layout == "keys":
         sig.update(FUSED)
         consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
-                      FUSE=(2 if args.merge_kernel == "vec" else 1) if args.merge else 0, LIBDEVICE=1, NMAX=args.nmax,
+                      FUSE=int(args.merge), LIBDEVICE=1, NMAX=args.nmax,
                       SEQ_MAJOR=int(args.seq_major), GP=triton.next_power_of_2(CONSTS["G"]),
                       LOG_NP=max(args.nmax, 1).bit_length() - 1,
                       DSL=max(min(CONSTS["D"], pd.VEC_TILE // (triton.next_power_of_2(CONSTS["G"]) * max(args.nmax, 1))), 1))

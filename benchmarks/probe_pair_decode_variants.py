@@ -14,8 +14,8 @@ with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
 "split" and "phased" (pair_decode's docstring).
 VARIANTS=a,b picks some (none: only the routed kernel and the merges); keys_seq: the routed
-kernel with sequence-major programs. FUSED=0 skips the fused merge (keys_fused*: its walk and
-vec steps, chunk- and sequence-major programs). FA4_ROUTE=1 adds the op on the FA4 route (pair
+kernel with sequence-major programs. FUSED=0 skips the fused merge (keys_fused_vec*: chunk- and
+sequence-major programs). FA4_ROUTE=1 adds the op on the FA4 route (pair
 layout, FA4's pair call, merge) with and without the layout launch prefetching every pair's
 pages into L2 (merge.decode_pairs prefetch=).
 (results/h200/pair_decode/variants_run1.json is from commit 3338e45, when the routed kernel
@@ -57,10 +57,9 @@ for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
-# the fused merge (pair_decode merge=True) on the routed launch: the walk's steps (keys_fused,
-# as timed before session 10), the vec steps, and the vec steps with sequence-major programs
-FUSED_VARIANTS = {"keys_fused": {"merge_kernel": "walk"}, "keys_fused_vec": {"merge_kernel": "vec"},
-                  "keys_fused_vec_seq": {"merge_kernel": "vec", "seq_major": True}}
+# the fused merge (pair_decode merge=True) on the routed launch, chunk- and sequence-major
+# programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
+FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True}}
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 

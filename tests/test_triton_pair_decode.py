@@ -141,22 +141,19 @@ def _merged_both_ways(q, kc, vc, table, sl, scale, chunk, **kw):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("kernel,unroll,seq_major", [("walk", True, False), ("walk", False, False),
-                                                     ("vec", True, False), ("vec", True, True)])
-def test_interpreter_fused_merge_equals_the_merge_op(kernel, unroll, seq_major, monkeypatch):
+@pytest.mark.parametrize("seq_major", [False, True])
+def test_interpreter_fused_merge_equals_the_merge_op(seq_major, monkeypatch):
     """merge=True: the last program of each (sequence, KV head) merges the chunk states with
-    the merge op's steps, unrolled or walked, or side by side (vec, head_dim in several
-    slices here: VEC_TILE shrunk), programs in chunk- or sequence-major order; twice in a row
-    (the counters are left at zero for the next launch)."""
+    the merge op's steps, states side by side (head_dim in several slices here: VEC_TILE
+    shrunk), programs in chunk- or sequence-major order; twice in a row (the counters are left
+    at zero for the next launch)."""
     from rlk_ops.kernels.triton import pair_decode as pd
 
-    if not unroll:
-        monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
     monkeypatch.setattr(pd, "VEC_TILE", 1024)   # 5 chunks: NP 8, DSL 32 (4 slices of head_dim)
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=4, device="cpu")
     for _ in range(2):
         (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=2,
-                                                               merge_kernel=kernel, seq_major=seq_major)
+                                                               seq_major=seq_major)
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
 
 
@@ -177,7 +174,7 @@ def test_interpreter_sequence_major_order_changes_no_state():
 def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
     """A decode step's compile-time constants are the same whatever its number of chunks (a
     sequence growing past a chunk boundary must not compile the kernel again); only the fused
-    vec merge specialises on it (its states side by side)."""
+    merge specialises on it (its states side by side)."""
     from rlk_ops.kernels.triton import pair_decode as pd
 
     seen = []
@@ -191,7 +188,7 @@ def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
     for width in (8, 24, 72):   # 1, 3 and 9 chunks of 128 keys (pages of 16)
         table = torch.zeros((1, width), dtype=torch.int32)
         pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, heads_first=True)
-        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, merge=True, merge_kernel="vec")
+        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, merge=True)
     plain, fused = seen[0::2], seen[1::2]
     assert all(c == plain[0] for c in plain)
     assert len({(c["NMAX"], c["LOG_NP"], c["DSL"]) for c in fused}) == 3
@@ -217,12 +214,10 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge_kernel must be 'vec' or 'walk', got 'tree'"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, merge_kernel="tree")
     with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
     wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
-    with pytest.raises(ValueError, match="merge_kernel='vec' takes up to 128 chunks per sequence, got 129"):
+    with pytest.raises(ValueError, match="merge=True takes up to 128 chunks per sequence, got 129"):
         pair_decode(q, kc, vc, wide, sl, 1.0, 128, layout="keys", merge=True)
     with pytest.raises(ValueError, match="l2_prefetch=True needs prefetch 2 or 3, got 1"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=1, l2_prefetch=True)
@@ -303,27 +298,20 @@ def test_cuda_run_to_run_and_batch_invariant(layout):
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("config", [(4, 2), (8, 2)])
-@pytest.mark.parametrize("kernel,unroll,seq_major,chunk", [
-    ("walk", True, False, 1024), ("walk", False, False, 1024), ("vec", True, False, 1024), ("vec", True, True, 1024),
-    ("vec", True, True, 256), ("vec", True, False, 128)])
-def test_cuda_fused_merge_equals_the_merge_op(ps, config, kernel, unroll, seq_major, chunk, monkeypatch):
+@pytest.mark.parametrize("seq_major,chunk", [(False, 1024), (True, 1024), (True, 256), (False, 128)])
+def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
     """merge=True on the GPU: merged out and lse equal the merge op over the same states, for
     every sequence (empty pairs included), launch after launch (counters reset), and equal
-    the route the op uses today (pair layout + FA4's pair call + the merge op); the walk
-    (unrolled or looped) and the vec steps (C = 256 and 128: 32 and 64 states, head_dim in
-    4 and 8 slices), chunk- or sequence-major programs."""
+    the FA4 route (pair layout + FA4's pair call + the merge op); C = 1024, 256 and 128 (9, 33
+    and 65-66 states: head_dim in 1, 4 and 8 slices), chunk- or sequence-major programs."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
-    from rlk_ops.kernels.triton import pair_decode as pd
     from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
 
-    if not unroll:
-        monkeypatch.setattr(pd, "MERGE_UNROLL", 0)
     lens = [1, 127, 1024, 1025, 3000, 8192]
     q, kc, vc, table, sl = _inputs(lens, ps, seed=ps + config[0], device="cuda")
     for _ in range(3):
         (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, chunk, config=config,
-                                                               merge_kernel=kernel, seq_major=seq_major,
-                                                               heads_first=seq_major)
+                                                               seq_major=seq_major, heads_first=seq_major)
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
     qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, chunk)
     o, l = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)

@@ -35,21 +35,20 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
   their scores are masked; V stays masked so garbage there cannot reach O).
   ``merge=True`` folds the merge in (not routed): the last program of each (sequence, KV head)
-  merges the chunk states with the merge op's steps. ``merge_kernel="walk"`` (``_merge_last``):
-  equal bits on the H200; the first version (one dependent L2 load after another) was slower
-  than the merge launch (1 x 8k: 22.0 against 18.3 us for kernel + merge); the unrolled walk
-  (every lse in one load, the state loads independent of each other) was slower too
-  (variants_run1.json: 1 x 8k C=1024 20.8 against 18.1 us). ``merge_kernel="vec"`` (``_merge_last_vec``, session 10:
-  merge.py's ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice;
-  offline 168 registers, no spill, 13 layout conversions against the walk's 44) with or without
-  ``seq_major`` (sequence-major programs: a sequence's merge runs while later ones stream) is
-  equal to the merge op on the H200 and no faster than the merge launch in any cell
-  (results/h200/session10/canonical_decode.json, fused / unfused in one run, C = 1024: 1 x 8k
-  19.3 / 18.1 us, 1 x 32k 29.2 / 24.0, 8 x 8k 40.8 / 40.9, 8 x 32k 138.8 / 133.8, 64 x 8k
-  257.4 / 255.5, 64 x 32k 992.5 / 963.5). Not measured, our reading: every program's acq_rel
-  counter update (its stores drained, then an L2 round trip) keeps its SM slot busy, and over
-  the waves of batch 64 that costs as much as the merge launch. The pairs alone in
-  sequence-major order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
+  merges the chunk states with the merge op's steps (``_merge_last_vec``: merge.py's
+  ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice; offline
+  168 registers, no spill). Equal bits to the merge op on the H200, but no faster than the
+  merge launch in any cell, with or without ``seq_major`` (sequence-major programs: a
+  sequence's merge runs while later ones stream) (results/h200/session10/canonical_decode.json,
+  fused / unfused in one run, C = 1024: 1 x 8k 19.3 / 18.1 us, 1 x 32k 29.2 / 24.0, 8 x 8k
+  40.8 / 40.9, 8 x 32k 138.8 / 133.8, 64 x 8k 257.4 / 255.5, 64 x 32k 992.5 / 963.5). Not
+  measured, our reading: every program's acq_rel counter update (its stores drained, then an
+  L2 round trip) keeps its SM slot busy, and over the waves of batch 64 that costs as much as
+  the merge launch. Its first versions walked the states (one dependent L2 load after another:
+  1 x 8k 22.0 against 18.3 us for kernel + merge; unrolled, variants_run1.json: 20.8 against
+  18.1; session 10's probe, fused walk / vec, C = 1024: 1 x 8k 21.0 / 19.8, 64 x 8k 264.9 /
+  263.1), removed in session 10 (code at commit 1528e6d). The pairs alone in sequence-major
+  order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -107,8 +106,7 @@ import triton.language as tl
 
 from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
-from rlk_ops.kernels.triton.merge import (_exp as _mexp, _log as _mlog, _log_constants, _max_lse, _merge_step,
-                                          _pick, _state_lse)
+from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants, _max_lse, _pick
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
 ROWS = 16        # the query tile: mma.sync height; G = Hq / Hkv query heads fill it
@@ -286,71 +284,22 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 
 
 @triton.jit
-def _merge_last(out, lse, count, merged_out, merged_lse, log_c, b, head, hmask, dd, bsz, n_chunks,
-                HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NMAX: tl.constexpr):
-    """rlk::merge_attn_states of sequence b's chunk states for the query heads ``head``, by the
-    program that finishes last: each program counts itself in ``count`` after its state is
-    written (a CTA barrier, then one acq_rel atomic); the one that sees n_chunks - 1 resets the
-    counter for the next launch and merges with the merge kernel's operations
-    (kernels/triton/merge.py: the same max, exp, sums in ascending chunk order, division and log,
-    no FMA contraction), reading the states from L2 (.cg). An empty pair's lse is -inf, which
-    the merge skips exactly as it skips a zero state length. NMAX > 0 (a power of two >=
-    n_chunks): every state's lse in one load and the state walk unrolled, so the loads overlap
-    (the first version walked them one dependent load at a time: slower than a merge launch)."""
-    tl.debug_barrier()
-    done = tl.atomic_add(count, 1, sem="acq_rel")
-    if done == n_chunks - 1:
-        tl.store(count, 0)
-        rows = bsz * HQ                                     # merge rows: (sequence, query head)
-        r = b.to(tl.int64) * HQ + head
-        m2 = hmask[:, None]
-        total = tl.zeros(head.shape, tl.float32)
-        acc = tl.zeros([head.shape[0], D], tl.float32)
-        if NMAX > 0:
-            ns = tl.arange(0, NMAX)
-            l2 = tl.load(lse + ns[:, None] * rows + r[None, :], mask=(ns[:, None] < n_chunks) & hmask[None, :],
-                         other=_NEG_INF, cache_modifier=".cg")              # [NMAX, heads]
-            mx = _max_lse(l2, 0)
-            m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
-            w2 = _mexp(l2 - m_safe[None, :], LIBDEVICE)                      # elementwise: same bits
-            for n in tl.static_range(NMAX):  # states past n_chunks have lse -inf: not present
-                pick = ns[:, None] == n                                      # row n, exactly (+ zeros)
-                ln = tl.sum(tl.where(pick, l2, 0.0), axis=0)
-                w = tl.sum(tl.where(pick, w2, 0.0), axis=0)
-                present = ln != _NEG_INF
-                total = tl.where(present, total + w, total)
-                o = tl.load(out + (n * rows + r)[:, None] * D + dd[None, :], mask=m2 & present[:, None],
-                            other=0.0, cache_modifier=".cg")
-                acc = tl.where(present[:, None], acc + w[:, None] * o.to(tl.float32), acc)
-        else:  # the merge kernel's walk (state rows r of the [N, B*HQ] stack; no lengths: empty is -inf)
-            mx = tl.full(head.shape, _NEG_INF, tl.float32)
-            for n in range(n_chunks):
-                ln = _state_lse(lse, lse, n, rows, r, r, 0, hmask, False, ".cg")
-                mx = tl.where(ln > mx, ln, mx)
-                mx = tl.where(ln != ln, ln, mx)
-            m_safe = tl.where(mx == _NEG_INF, 0.0, mx)
-            for n in range(n_chunks):
-                total, acc = _merge_step(out, lse, lse, n, rows, r, r, r, 0, hmask, dd, m2, D, m_safe, total, acc,
-                                         False, LIBDEVICE, ".cg")
-        res = tl.math.div_rn(acc, tl.zeros_like(acc) + total[:, None])
-        res = tl.where(total[:, None] == 0.0, 0.0, res)
-        tl.store(merged_out + r[:, None] * D + dd[None, :], res.to(merged_out.dtype.element_ty), mask=m2)
-        tl.store(merged_lse + r, mx + _mlog(total, log_c), mask=hmask)
-
-
-@triton.jit
 def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G: tl.constexpr,
                     GP: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NP: tl.constexpr,
                     LOG_NP: tl.constexpr, DSL: tl.constexpr):
-    """``_merge_last`` with merge.py's ``_merge_vec`` steps: the program that finishes last
-    (same counter protocol) loads every state's lse of its G query heads in one [GP, NP] load
-    (NP a power of two >= n_chunks; GP = G rounded up to a power of two), takes the max and the
-    weights w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's
-    out rows in one [GP, DSL, NP] load, forms every w * out at once and walks only the two sums
-    over the states in ascending order (L + w, acc + w * out, each a where() on "present"):
-    the merge op's operations and order, so its bits. No reduction crosses the state axis
-    except the max (exact in any order), which is what made the unrolled walk slow (a
-    cross-thread sum and layout conversion per state)."""
+    """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, by
+    the program that finishes last, with merge.py's ``_merge_vec`` steps. Each program counts
+    itself in ``count`` after its state is written (a CTA barrier, then one acq_rel atomic);
+    the one that sees n_chunks - 1 resets the counter for the next launch, loads every state's
+    lse in one [GP, NP] load from L2 (.cg; NP a power of two >= n_chunks, GP = G rounded up to
+    a power of two; an empty pair's lse is -inf, skipped), takes the max and the weights
+    w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's out rows
+    in one [GP, DSL, NP] load, forms every w * out at once and walks only the two sums over the
+    states in ascending order (L + w, acc + w * out, each a where() on "present"): the merge
+    op's operations and order (no FMA contraction, div_rn, its exp and log), so its bits. No
+    reduction crosses the state axis except the max (exact in any order): the walk that did
+    (session 6-9, removed in session 10) paid a cross-thread sum and layout conversion per
+    state."""
     tl.debug_barrier()
     done = tl.atomic_add(count, 1, sem="acq_rel")
     if done == n_chunks - 1:
@@ -546,10 +495,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
-    if FUSE == 1:  # the last program of (sequence, KV head) to finish merges its chunks' states
-        _merge_last(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, head, cmask, dd, bsz,
-                    n_chunks, HQ, D, LIBDEVICE, NMAX)
-    if FUSE == 2:  # the same with _merge_vec's steps (states side by side)
+    if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
 
@@ -647,9 +593,8 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the
 # MMA's M axis (16 rows), "keys" puts the keys there and the queries on N (8 or 16).
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
-MERGE_UNROLL = 32           # merge=True: the state walk unrolled (one load of every lse) up to this many chunks
-VEC_TILE = 4096             # merge_kernel="vec": elements of one [GP, DSL, NP] state tile (head_dim in DSL slices)
-MERGE_VEC_MAX = 128         # merge_kernel="vec": chunks per sequence at most (DSL >= 8 at G = 4)
+VEC_TILE = 4096             # merge=True: elements of one [GP, DSL, NP] state tile (head_dim in DSL slices)
+MERGE_VEC_MAX = 128         # merge=True: chunks per sequence at most (DSL >= 8 at G = 4)
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
@@ -701,7 +646,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, merge_kernel: str = "vec", seq_major: bool = False):
+                slices: int = 1, seq_major: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -710,9 +655,9 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     them: every reduction order above is fixed by the code, not the launch);
     ``l2_prefetch`` / ``ahead``: the "keys" kernel's L2PF / AHEAD (same bits); ``slices``: its
     DS, the head dim of V and O over that many programs per (pair, KV head) (same bits);
-    ``merge_kernel``: the fused merge's steps, "vec" (``_merge_last_vec``, up to
-    MERGE_VEC_MAX chunks) or "walk" (``_merge_last``); ``seq_major``: programs in
-    sequence-major order ("keys"; the states' layout is unchanged, same bits)."""
+    ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
+    ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
+    same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -745,20 +690,16 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             raise ValueError(f"pair_decode l2_prefetch=True needs prefetch 2 or 3, got {prefetch}")
         if ahead and prefetch == 1:
             raise ValueError("pair_decode ahead=True needs prefetch 0, 2 or 3, got 1")
-        if merge_kernel not in ("vec", "walk"):
-            raise ValueError(f"pair_decode merge_kernel must be 'vec' or 'walk', got {merge_kernel!r}")
-        vec = merge and merge_kernel == "vec"
-        if vec and n > MERGE_VEC_MAX:
-            raise ValueError(f"pair_decode merge_kernel='vec' takes up to {MERGE_VEC_MAX} chunks per sequence, got "
-                             f"{n} (page_table width {width} x page {page} / chunk_size {chunk_size}); use 'walk'")
-        np_ = triton.next_power_of_2(n)
+        if merge and n > MERGE_VEC_MAX:
+            raise ValueError(f"pair_decode merge=True takes up to {MERGE_VEC_MAX} chunks per sequence, got {n} "
+                             f"(page_table width {width} x page {page} / chunk_size {chunk_size})")
         extra = {"PF": prefetch, "NBC": triton.next_power_of_2(blocks), "ABL": ablate, "SPLIT": split,
-                 "FUSE": (2 if vec else 1) if merge else 0, "LIBDEVICE": int(not C.INTERPRET),
-                 "NMAX": np_ if vec or (merge and n <= MERGE_UNROLL) else 0,
-                 "L2PF": int(l2_prefetch), "AHEAD": int(ahead), "SEQ_MAJOR": int(seq_major)}
-        if vec:  # only then: any other launch keeps one compile whatever the chunk count
+                 "FUSE": int(merge), "LIBDEVICE": int(not C.INTERPRET), "L2PF": int(l2_prefetch),
+                 "AHEAD": int(ahead), "SEQ_MAJOR": int(seq_major)}
+        if merge:  # only then: any other launch keeps one compile whatever the chunk count
+            np_ = triton.next_power_of_2(n)
             gp = triton.next_power_of_2(hq // hkv)
-            extra.update(GP=gp, LOG_NP=np_.bit_length() - 1, DSL=max(min(d, VEC_TILE // (gp * np_)), 1))
+            extra.update(NMAX=np_, GP=gp, LOG_NP=np_.bit_length() - 1, DSL=max(min(d, VEC_TILE // (gp * np_)), 1))
         if slices not in (1, 2, 4, 8) or d % slices or d // slices < 16:
             raise ValueError(f"pair_decode slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got {slices} "
                              f"for head_dim {d}")
