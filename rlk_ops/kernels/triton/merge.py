@@ -159,6 +159,26 @@ def _max_lse(lse2, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
+                MAX2D: tl.constexpr):
+    """M, the max of the rows' non-skipped lse over the N states (exact in any order; NaN
+    propagates, as amax). MAX2D > 0: every state's lse in one [BLOCK, MAX2D] load and one max,
+    no chain of N loads; else a loop over the states."""
+    if MAX2D > 0:
+        ns = tl.arange(0, MAX2D)
+        mn = rmask[:, None] & (ns < N)[None, :]
+        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
+        m = _max_lse(lse2, 1)
+    else:
+        m = tl.full([BLOCK], _NEG_INF, tl.float32)
+        for n in range(N):
+            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, "")
+            m = tl.where(lse > m, lse, m)
+            m = tl.where(lse != lse, lse, m)
+    return m
+
+
+@triton.jit
 def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2, D: tl.constexpr, m_safe, total,
                 acc, HAS_LENS: tl.constexpr, LIBDEVICE: tl.constexpr, CACHE: tl.constexpr, EAGER: tl.constexpr = 0):
     """State n's step. EAGER: its out rows are loaded whether or not it is present (a skipped
@@ -188,17 +208,7 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     m2 = rmask[:, None] & (d < D)[None, :]
     if PDL:  # launched before the previous kernel finished: wait for it (and its writes) here
         tl.extra.cuda.gdc_wait()
-    if MAX2D > 0:  # every state's lse in one [BLOCK, MAX2D] load, one max: no chain of N loads
-        ns = tl.arange(0, MAX2D)
-        mn = rmask[:, None] & (ns < N)[None, :]
-        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
-        m = _max_lse(lse2, 1)
-    else:
-        m = tl.full([BLOCK], _NEG_INF, tl.float32)
-        for n in range(N):
-            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, "")
-            m = tl.where(lse > m, lse, m)
-            m = tl.where(lse != lse, lse, m)                            # NaN propagates, as amax
+    m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -253,17 +263,7 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     dmask = d < D
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if MAX2D > 0:
-        ns = tl.arange(0, MAX2D)
-        mn = rmask[:, None] & (ns < N)[None, :]
-        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
-        m = _max_lse(lse2, 1)
-    else:
-        m = tl.full([BLOCK], _NEG_INF, tl.float32)
-        for n in range(N):
-            lse = _state_lse(l_ptr, lens_ptr, n, R, off, lead, n_lead, rmask, HAS_LENS, "")
-            m = tl.where(lse > m, lse, m)
-            m = tl.where(lse != lse, lse, m)
+    m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     ks = tl.arange(0, NP)
     total = tl.zeros([BLOCK, BLOCK_D], tl.float32)
