@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 import rlk_ops  # noqa: E402
 from _report import Report, arguments, device_and_shapes, graph_time_us, graph_times_us, rewrite_markdown  # noqa: E402  (benchmarks/_report.py)
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
+from rlk_ops.kernels.dispatch import kernel_for  # noqa: E402
 from rlk_ops.kernels.cpu import merge as cpu_merge  # noqa: E402
 from rlk_ops.meta import provenance  # noqa: E402
 from rlk_ops.ops import _validate  # noqa: E402
@@ -604,6 +605,20 @@ class Bench(Report):
                 q, k, v, True, self.scale, None, None, c, attend_into=gathering)
             fns[f"canonical:{c} 4 streams/fwd"] = lambda c=c: canonical.attention_fwd(
                 q, k, v, True, self.scale, None, None, c, attend_into=fa4_canonical.attend_into, streams=4)
+        # the merge alone on one forward's state buffers (its share of the forward)
+        merge = kernel_for("merge_attn_states", q.device)
+        seqs = tuple((i * s, s, i * s, s) for i in range(bsz))
+        for c in sh.train_chunks:
+            held = []
+
+            def keep(o, l):
+                held.append((o, l))
+                return merge(o, l)
+
+            canonical.run(canonical.cached_plan(seqs, c, True, str(q.device)), q.reshape(bsz * s, sh.hq, sh.d),
+                          k.reshape(bsz * s, sh.hkv, sh.d), v.reshape(bsz * s, sh.hkv, sh.d), self.scale,
+                          fa4_canonical.attend_into, keep)
+            fns[f"canonical:{c} merge alone/fwd"] = lambda st=held[0]: merge(*st)
         self.res["train_streams"] = fa4_canonical.STREAMS
         peak = {}
         for name, fn in fns.items():
@@ -631,7 +646,8 @@ class Bench(Report):
             r = {"policy": policy, "fwd_us": t[f"{policy}/fwd"], "fwd_bwd_us": t[f"{policy}/fwd_bwd"],
                  "peak_GiB_fwd_bwd": peak.get(f"{policy}/fwd_bwd"), "plan_build_ms": plan_ms.get(policy),
                  "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd"),
-                 "fwd_us_4_streams": t.get(f"{policy} 4 streams/fwd")}
+                 "fwd_us_4_streams": t.get(f"{policy} 4 streams/fwd"),
+                 "merge_alone_us": t.get(f"{policy} merge alone/fwd")}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
@@ -712,13 +728,15 @@ def markdown(r: dict) -> str:
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
-                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, 4 side streams |",
-                  "|---" * 9 + "|"]
+                  "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, 4 side streams "
+                  "| merge alone |", "|---" * 10 + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
-                  f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_4_streams') or '-'} |" for x in tr]
+                  f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_4_streams') or '-'} | "
+                  f"{x.get('merge_alone_us') or '-'} |" for x in tr]
         lines += ["", "The gathering executor is the one before the in-place one (each full piece's queries "
-                  "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells)."]
+                  "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells). "
+                  "Merge alone: the merge op on one forward's state buffers (its share of the forward)."]
         if r["training"].get("plan"):
             lines += ["", f"Plan: {r['training']['plan']}."]
         lines.append("")
@@ -820,12 +838,20 @@ def main():
     ap.add_argument("--commit", default=None)
     ap.add_argument("--decode-page", type=int, default=None,
                     help="page size of the decode and decode_profile sections (default 16)")
+    ap.add_argument("--chunks", default=None,
+                    help="C values of the decode, training and accuracy sections, comma-separated multiples of "
+                         "128 (default 256,512,1024,2048)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
     dev, sh = device_and_shapes(args, "benchmarks/canonical.py", install_dry_run, DRY, Shapes)
     if args.decode_page:
         sh = replace(sh, decode_page=args.decode_page)
+    if args.chunks:
+        cs = tuple(int(c) for c in args.chunks.split(","))
+        if any(c <= 0 or c % 128 for c in cs):
+            sys.exit(f"--chunks must be positive multiples of 128, got {args.chunks}")
+        sh = replace(sh, decode_chunks=cs, train_chunks=cs, acc_chunks=cs)
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
     b.res["commit"] = args.commit

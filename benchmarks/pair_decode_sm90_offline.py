@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--l2", action="store_true", help="keys: every K/V line prefetched into L2 up front")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
+    ap.add_argument("--pdl", action="store_true", help="keys: let the next launch start early (PDL)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
@@ -111,7 +112,8 @@ def main():
     if args.layout == "tile":
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
-        consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices)
+        consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices,
+                      PDL=int(args.pdl))
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)

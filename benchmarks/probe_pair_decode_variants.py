@@ -2,7 +2,8 @@
 launch config the op picks), each in one run: bits of every pair (torch.equal against the
 routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair_decode.py),
 CUDA-graph time of the pairs and of the op (pairs + the merge op; also with the merge's
-_merge_vec kernel, routed_op_vec_*), and the fused merge.
+_merge_vec kernel, routed_op_vec_*, and with programmatic dependent launch from the pair kernel
+to the merge, merge.PDL, routed_op_pdl_*), and the fused merge.
 Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and without;
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
@@ -135,6 +136,15 @@ def main():
                 op_vec = merged(routed, vec=VEC_WIDTH)
                 row["routed_op_vec_equal"] = cb.beq(op_vec[0], ref_op[0]) and cb.beq(op_vec[1], ref_op[1])
                 row["routed_op_vec_us"] = round(b.graph_us(lambda: merged(routed, vec=VEC_WIDTH)), 2)
+                tm.PDL = True   # the merge launched with PDL, the pair kernel letting it start early
+                try:
+                    got = merged(routed)
+                    row["routed_op_pdl_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
+                    row["routed_op_pdl_us"] = round(b.graph_us(lambda: merged(routed)), 2)
+                except Exception as e:  # noqa: BLE001 - recorded
+                    row["routed_op_pdl"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                finally:
+                    tm.PDL = False
                 for name, kw in VARIANTS.items():
                     kw = {**launch, **kw}
                     try:

@@ -194,6 +194,28 @@ def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
     assert len({(c["NMAX"], c["LOG_NP"], c["DSL"]) for c in fused}) == 3
 
 
+def test_pdl_follows_the_merge_switch(monkeypatch):
+    """The pair kernel lets the merge launch early (PDL) exactly when merge.PDL launches the merge
+    that way (or ``pdl=`` says so); off, its compile-time constants are those of before."""
+    from rlk_ops.kernels.triton import _common
+    from rlk_ops.kernels.triton import merge as tm
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append({k: v for k, v in kw.items() if k.isupper()})
+
+    monkeypatch.setattr(pd, "_pair_decode_keys", Recorder())
+    monkeypatch.setattr(_common, "INTERPRET", False)   # on the interpreter PDL is never passed
+    q, kc, vc, table, sl = _inputs([5], 16, seed=5, device="cpu")
+    for switch, pdl in ((False, None), (True, None), (True, False), (False, True)):
+        monkeypatch.setattr(tm, "PDL", switch)
+        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, pdl=pdl)
+    assert [c.get("PDL", 0) for c in seen] == [0, 1, 0, 1]
+
+
 def test_bad_arguments_are_named():
     """Checked before any launch (wherever triton imports): the argument, what it must be and
     what it was."""
@@ -204,18 +226,20 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices and seq_major need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
     wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
     with pytest.raises(ValueError, match="merge=True takes up to 128 chunks per sequence, got 129"):
         pair_decode(q, kc, vc, wide, sl, 1.0, 128, layout="keys", merge=True)

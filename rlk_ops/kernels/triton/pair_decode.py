@@ -106,6 +106,7 @@ import triton.language as tl
 
 from rlk_ops.kernels.cpu.canonical import pair_count
 from rlk_ops.kernels.triton import _common as C
+from rlk_ops.kernels.triton import merge as merge_mod
 from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _log_constants, _max_lse, _pick
 
 BLOCK_N = 128    # FA4's key block on SM90 for head_dim 128 (its tile_n)
@@ -423,7 +424,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       SPLIT: tl.constexpr = 0, FUSE: tl.constexpr = 0, LIBDEVICE: tl.constexpr = 1,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
-                      GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128):
+                      GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
+                      PDL: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -435,7 +437,12 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     operations on every block). DS: the head dim of V and O split over DS programs (a slice
     each, ``dv``); each one scores the whole block itself (the same scores, max, exponentials
     and sums in every slice) and keeps only its columns of O, each the same tensor-core chain
-    as in the whole tile."""
+    as in the whole tile. PDL: the next launch (the merge, launched with programmatic dependent
+    launch) may start once every program has started; it waits for this kernel's end and writes
+    in-kernel (griddepcontrol.wait), so its programs take the SM slots that free up in the last
+    wave instead of launching after it."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
     cols = tl.arange(0, M)
     cmask = cols < G
@@ -646,7 +653,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -657,7 +664,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     DS, the head dim of V and O over that many programs per (pair, KV head) (same bits);
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
-    same bits)."""
+    same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -706,8 +714,10 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
         extra["DS"] = slices
-    elif merge or l2_prefetch or ahead or slices != 1 or seq_major:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices and seq_major need layout='keys'")
+        if (merge_mod.PDL if pdl is None else pdl) and not C.INTERPRET:  # else one compile either way
+            extra["PDL"] = 1
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
