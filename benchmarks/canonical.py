@@ -833,6 +833,13 @@ def install_dry_run():
                         merge_attn_states="triton", merge_attn_states_bwd="triton").__enter__()
 
 
+def chunk_list(flag: str, text: str) -> tuple:
+    cs = tuple(int(c) for c in text.split(","))
+    if any(c <= 0 or c % 128 for c in cs):
+        sys.exit(f"{flag} must be positive multiples of 128, got {text}")
+    return cs
+
+
 def main():
     ap = arguments(__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None)
@@ -841,6 +848,8 @@ def main():
     ap.add_argument("--chunks", default=None,
                     help="C values of the decode, training and accuracy sections, comma-separated multiples of "
                          "128 (default 256,512,1024,2048)")
+    ap.add_argument("--bitwise-chunks", default=None,
+                    help="C values of the bitwise sections, comma-separated multiples of 128 (default 256,1024,2048)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
@@ -848,10 +857,10 @@ def main():
     if args.decode_page:
         sh = replace(sh, decode_page=args.decode_page)
     if args.chunks:
-        cs = tuple(int(c) for c in args.chunks.split(","))
-        if any(c <= 0 or c % 128 for c in cs):
-            sys.exit(f"--chunks must be positive multiples of 128, got {args.chunks}")
+        cs = chunk_list("--chunks", args.chunks)
         sh = replace(sh, decode_chunks=cs, train_chunks=cs, acc_chunks=cs)
+    if args.bitwise_chunks:
+        sh = replace(sh, chunks=chunk_list("--bitwise-chunks", args.bitwise_chunks))
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
     b.res["commit"] = args.commit
