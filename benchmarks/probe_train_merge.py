@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
 from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
 
-
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.fa4 import canonical as fa4_canonical  # noqa: E402
 from rlk_ops.kernels.triton import _common as C  # noqa: E402
