@@ -306,9 +306,9 @@ def test_merge_vec_refuses_a_width_that_is_not_a_power_of_two():
         triton_merge.merge_attn_states(*parts, vec=12)
 
 
-def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
-    """The measured rule (triton merge.MAX_2D): 1-row programs (decode) take the 2D max over
-    up to MAX_2D states; multi-row programs and more states walk the lse chain."""
+def test_merge_config_uses_the_2d_max_up_to_max_2d_states():
+    """The measured rule (triton merge.MAX_2D): 1-row (decode) and multi-row (training) programs
+    take the 2D max over up to MAX_2D states; more states walk the lse chain."""
     pytest.importorskip("triton")
     from rlk_ops.kernels.triton import merge as triton_merge
 
@@ -316,8 +316,9 @@ def test_merge_config_uses_the_2d_max_only_for_one_row_programs():
     block, _, unroll, max2d = triton_merge.merge_config(4, 8, 128, cpu_dev)
     assert (block, unroll, max2d) == (1, 8, 8)
     assert triton_merge.merge_config(4, 300, 128, cpu_dev)[2:] == (triton_merge.MAX_UNROLL, 0)  # groups
-    block, _, _, max2d = triton_merge.merge_config(4096, 8, 128, cpu_dev)
-    assert block > 1 and max2d == 0
+    block, _, _, max2d = triton_merge.merge_config(4096, 13, 128, cpu_dev)
+    assert block > 1 and max2d == 16
+    assert triton_merge.merge_config(4096, 300, 128, cpu_dev)[3] == 0
 
 
 def test_decode_pairs_prefetch_refuses_caches_it_cannot_prefetch():

@@ -371,8 +371,11 @@ MAX_UNROLL = 32
 # turns it off). Measured on the H200 (results/h200/canonical.json decode profile,
 # merge_2d_max_us): decode merges 3.1 -> 2.4 us at batch 1 / 8k, C=1024 and 6.0 -> 3.9 us
 # at 1 / 32k, bitwise equal at every profiled shape; tests/test_canonical_cuda.py checks
-# its configurations against the CPU reference. Only for 1-row programs (decode up to
-# batch ~16): with the 2-row programs of batch 64 it was 0.1-0.3 us slower.
+# its configurations against the CPU reference. Multi-row programs take it too since session
+# 11: training's merges (16-row programs, B=4, S=8k, merge alone on a forward's states,
+# results/h200/session11/train_merge.json, bitwise equal) 552.8 -> 478.6 us at C=640, 499.9 ->
+# 423.5 at C=768, 361.0 -> 342.2 at C=1024. (With the 2-row programs batch-64 decode took
+# before merge_route, it was 0.1-0.3 us slower; those merges now run on _merge_vec.)
 MAX_2D = 256
 # Programmatic dependent launch for the two Triton launches of canonical:C decode (pair
 # layout, merge): each is launched while the kernel before it is still finishing and waits
@@ -433,14 +436,14 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
     (decode: B*Hq of them) get 1-row programs and head_dim split in 4, so a batch-1 merge
     runs on 64 SMs instead of one; an unrolled walk lets the loads of N states (up to
     MAX_UNROLL at a time) be in flight together instead of one after another; the 2D max (up
-    to MAX_2D states, 1-row programs; off when MAX_2D is 0) reads every state's lse in one
-    load instead of a chain of N."""
+    to MAX_2D states; off when MAX_2D is 0) reads every state's lse in one load instead of a
+    chain of N."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     block = BLOCK_R
     while block > 1 and triton.cdiv(rows, block) < 2 * sms:
         block //= 2
     split = 4 if triton.cdiv(rows, block) < sms and d % 4 == 0 and C.pow2(d) == d else 1
-    max2d = C.pow2(n) if MAX_2D and n <= MAX_2D and block == 1 else 0
+    max2d = C.pow2(n) if MAX_2D and n <= MAX_2D else 0
     return block, split, min(n, MAX_UNROLL), max2d
 
 
