@@ -380,9 +380,14 @@ MAX_2D = 256
 # Programmatic dependent launch for the two Triton launches of canonical:C decode (pair
 # layout, merge): each is launched while the kernel before it is still finishing and waits
 # in-kernel (griddepcontrol.wait) before its first load, so its launch latency overlaps the
-# previous kernel's tail. No bit changes (the same program runs on the same data). Off:
-# measured on the H200 (decode profile, total_pdl_us) bitwise equal but no faster beyond
-# noise; tests/test_canonical_cuda.py checks its bits under CUDA-graph capture.
+# previous kernel's tail. No bit changes (the same program runs on the same data). On the
+# Triton pair route the pair kernel also lets the merge launch once all its programs have
+# started (pair_decode ``pdl``, gdc_launch_dependents), so merge programs take the SM slots
+# its last wave frees. Off: measured on the H200 bitwise equal but no faster beyond noise
+# (decode profile, total_pdl_us; session 11 with the pair kernel's trigger,
+# results/h200/session11/variants_pdl_c.json, C = 512..1024: 0.4-0.7 us faster at 1 x 8k,
+# noise at batch 8 and 64 x 8k, 2-3 us slower at 64 x 32k); tests/test_canonical_cuda.py
+# checks its bits under CUDA-graph capture.
 PDL = False
 # Eager state loads: each state's out rows are loaded without waiting for its lse (a skipped
 # state's rows are read, in bounds, and never selected: same bits). Off: measured on the H200
