@@ -152,6 +152,28 @@ def test_paged_decode_and_chunked_prefill_equal_training(qkv, train, chunk, page
         assert bitwise_equal(o, out[:, start:stop]) and bitwise_equal(l, lse[:, :, start:stop]), (start, stop)
 
 
+@pytest.mark.parametrize("page_size", [16, 3])
+def test_a_chunk_size_that_is_not_a_power_of_two(page_size):
+    """C = 384 (3 key blocks; the H200 runs measured C = 640 and 768, see README): decode rows on
+    and off its chunk boundaries and chunked-prefill rows equal the training rows bitwise, with
+    3 chunks per 900-token sequence (page 16 divides C: the pair layout; page 3: the general plan)."""
+    s, chunk = 900, 384
+    q, k, v = _qkv(seed=7, s=s)
+    policy = f"canonical:{chunk}"
+    out, lse = rlk_ops.attention(q, k, v, split_kv=policy)
+    k_cache, v_cache, page_table = _fill_cache(k, v, page_size, seed=8)
+    for p in (0, 383, 384, 385, 767, 768, s - 1):
+        seq_lens = torch.full((B,), p + 1, dtype=torch.int32)
+        o, l = rlk_ops.paged_attention(q[:, p:p + 1], k_cache, v_cache, page_table, seq_lens, split_kv=policy)
+        assert bitwise_equal(o[:, 0], out[:, p]) and bitwise_equal(l[:, :, 0], lse[:, :, p]), p
+    for start, stop in ((0, 400), (380, 770), (768, s)):
+        seq_lens = torch.full((B,), stop, dtype=torch.int32)
+        o, l = rlk_ops.paged_attention(q[:, start:stop], k_cache, v_cache, page_table, seq_lens, split_kv=policy)
+        assert bitwise_equal(o, out[:, start:stop]) and bitwise_equal(l, lse[:, :, start:stop]), (start, stop)
+    single = rlk_ops.attention(q, k, v)[0]
+    assert bitwise_equal(out[:, :chunk], single[:, :chunk]) and not bitwise_equal(out[:, chunk:], single[:, chunk:])
+
+
 @pytest.mark.parametrize("chunk", [128, 256])
 def test_mixed_decode_batch_equals_alone_and_training(qkv, train, chunk):
     """Sequences with 1, 2 and 3 chunks in one decode batch: a row's padding states are skipped."""
