@@ -8,11 +8,17 @@ raw kernel's, as its report says).
 A section that raises is recorded in ``res["errors"]`` with its traceback, the others
 still run, and the report is saved after every section, so a fault late in a GPU session
 loses nothing measured before it.
+Every report carries ``source_digest``: a sha256 over the package's and the benchmarks' Python
+sources as they ran, so a result names its code even where the machine's git metadata is stale
+(session 11: the device's ``git rev-parse HEAD`` printed the session's first commit). Check a
+commit against it with ``python3 benchmarks/_report.py digest`` in a checkout of that commit.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,6 +26,21 @@ import traceback
 from dataclasses import asdict
 
 import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(root: str = ROOT) -> str:
+    """sha256 of rlk_ops/**/*.py and benchmarks/*.py (relative paths and contents, sorted)."""
+    files = [os.path.join(d, f) for top in ("rlk_ops", "benchmarks") for d, _, fs in os.walk(os.path.join(root, top))
+             if "__pycache__" not in d for f in fs if f.endswith(".py")]
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _calls_for(fn, target_ms: float, max_calls: int) -> int:
@@ -117,7 +138,8 @@ class Report:
         self.gen = torch.Generator(device=dev).manual_seed(0)
         self.res = {"script": script, "dry_run": dry, "command": " ".join(sys.argv),
                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": asdict(shapes), "bitwise": [],
-                    "errors": {}, "section_seconds": {}}
+                    "errors": {}, "section_seconds": {},
+                    "source_digest": source_digest()}
 
     def rand(self, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device=self.dev, generator=self.gen).to(dtype)
@@ -206,3 +228,10 @@ def device_and_shapes(args, script: str, install_dry_run, dry_shapes, gpu_shapes
     if not torch.cuda.is_available():
         sys.exit(f"{script} needs a CUDA GPU (--dry-run checks the script on a CPU)")
     return "cuda", gpu_shapes()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["digest"]:
+        print(source_digest())
+    else:
+        sys.exit("usage: python3 benchmarks/_report.py digest")

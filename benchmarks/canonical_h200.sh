@@ -13,6 +13,8 @@
 #   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
 #           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
 # Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|3|probe
+# COMMIT: write the local hash into the device command; the device's git metadata can be stale
+# (session 11), and every report also records source_digest (benchmarks/_report.py).
 # Writes into $OUT: steps.txt canonical_tests.txt canonical_bitwise.json/md (part 1);
 # canonical_speed.json/md canonical_p128.json/md (part 2); demo_cuda.json
 # demo_cuda_canonical1024.json cuda_tests.txt attention.json attention.md (part 3);
