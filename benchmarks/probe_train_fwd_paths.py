@@ -3,8 +3,10 @@ training table times the forward through torch.ops.rlk.attention_fwd ("fwd") and
 and side streams, kernels/cpu/canonical.attention_fwd called directly ("fwd, 4 side streams"); in
 session 11 the op path was 90-440 us slower at C=640 and varied run to run while the direct one
 did not. Here, interleaved (eager, CUDA-synchronized, median of REPS): the op, the op with value
-checks off, the fa4 backend function (no op wrapper), the direct call, and the host time each takes
-to return (no sync: the launch overhead the GPU may wait on). Same bits expected everywhere (checked).
+checks off, the fa4 backend function (no op wrapper), the direct call, the direct call with FA4's
+kernel calls replayed from a recording (fa4 canonical.PREPARED_CALLS, kernels/fa4/prepared.py),
+and the host time each takes to return (no sync: the launch overhead the GPU may wait on). Same
+bits expected everywhere (checked).
 Usage: [CHUNKS=640,1024] [REPS=10] python3 benchmarks/probe_train_fwd_paths.py OUT.json
 """
 from __future__ import annotations
@@ -50,7 +52,17 @@ def main():
                "backend_fn": lambda: fa4_kernels.attention_fwd(q, k, v, 1, b.scale, None, None, 0, 0, pol),
                "direct": lambda: canonical.attention_fwd(q, k, v, True, b.scale, None, None, c,
                                                          attend_into=fa4_canonical.attend_into,
-                                                         streams=fa4_canonical.STREAMS)}
+                                                         streams=fa4_canonical.STREAMS),
+               "direct_prepared": lambda: canonical.attention_fwd(q, k, v, True, b.scale, None, None, c,
+                                                                  attend_into=prepared_attend,
+                                                                  streams=fa4_canonical.STREAMS)}
+        def prepared_attend(*args):
+            fa4_canonical.PREPARED_CALLS = True
+            try:
+                fa4_canonical.attend_into(*args)
+            finally:
+                fa4_canonical.PREPARED_CALLS = False
+
         ref = op()
         row = {"C": c, "streams": fa4_canonical.STREAMS}
         for name, fn in fns.items():

@@ -47,7 +47,24 @@ from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
 
 
 def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
-    """One plan call: FA4 single pass over the call's pieces, written into ``out``/``lse``."""
+    """One plan call: FA4 single pass over the call's pieces, written into ``out``/``lse``
+    (through kernels/fa4/prepared.py when PREPARED_CALLS)."""
+    if PREPARED_CALLS:
+        from rlk_ops.kernels.fa4 import prepared
+        with torch.no_grad():
+            prepared.run(loader.load().module, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale,
+                         lambda: _fa4_call(q, k, v, call, scale, out, lse))
+        return
+    _fa4_call(q, k, v, call, scale, out, lse)
+
+
+# Training's FA4 calls replayed from a recording (kernels/fa4/prepared.py: the same compiled
+# kernel on the same argument values, without FA4's ~125 us of Python per call). Off: built in
+# session 11 after the host-bound forward was measured, not yet measured itself.
+PREPARED_CALLS = False
+
+
+def _fa4_call(q, k, v, call: canonical.Call, scale, out, lse):
     with torch.no_grad():
         loader.load().module._flash_attn_fwd(
             q, k, v, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,

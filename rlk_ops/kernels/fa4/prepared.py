@@ -1,0 +1,172 @@
+"""FA4 calls prepared once per plan call: canonical:C training's partials without FA4's per-call
+Python (opt-in, ``fa4 canonical.PREPARED_CALLS``; not yet measured on the H200).
+
+Why: the training forward makes one FA4 call per state slot (13 at C = 640, S = 8k), and on the
+H200 the host took 2.3 ms to issue a forward whose GPU time is 3.2 ms
+(results/h200/session11/train_fwd_paths.json): ~125 us of Python per call inside FA4's
+``_flash_attn_fwd`` (argument checks, tile and scheduler choices, the compile key), ~60 us for
+our plan, buffers and streams. When the host runs slower than that the GPU waits, which is why
+canonical:640's training ratio moved between 1.15 and 1.24 across runs.
+
+How: the first call of a (plan call, input layout) runs FA4 as usual while its JIT cache
+(``_flash_attn_fwd.compile_cache``) is swapped for a proxy that records the one compiled-kernel
+call it makes: the compiled function and its arguments. Later calls with the same key call that
+function directly with the arguments rebuilt on the new tensors: an argument that aliases one of
+q, k, v, out, lse (same storage) becomes the same view (size, stride, offset from the tensor's
+own) of the new one; every other argument is reused as recorded (the plan's index tensors, which
+a cached plan keeps, and what FA4 derived from them, e.g. its per-piece tile counts, plus
+scalars). So the same compiled kernel runs on the same argument values as FA4 would pass: no
+bit can change, which tests/test_canonical_cuda.py checks with torch.equal on the GPU.
+The kernel takes its CUDA stream from the caller's current stream (FA4 compiles it with
+``use_tvm_ffi_env_stream``), so the side streams of kernels/cpu/canonical.run still apply.
+
+Refused with ``PreparedCallError`` (raised after FA4's own call has written out/lse; nothing
+cached): a call that made no or several compiled-kernel calls, passed an input tensor inside a
+nested argument, or did not pass every input in place (a copy would be replayed stale). The key holds every input's shape, stride, dtype, device and 16-byte
+alignment, which inputs share a storage and at what offsets, the scale and the plan call itself
+(kept alive by the cache entry, so its id cannot be reused).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+INPUTS = ("q", "k", "v", "out", "lse")
+MAX_ENTRIES = 512
+
+
+class PreparedCallError(RuntimeError):
+    pass
+
+
+class _Recorder:
+    """Stands in for FA4's ``compile_cache`` during one call: lookups and inserts go through;
+    each compiled function it hands out records its arguments when called."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __contains__(self, key):
+        return key in self.real
+
+    def __getitem__(self, key):
+        fn = self.real[key]
+
+        def call(*args):
+            self.calls.append((fn, args))
+            return fn(*args)
+
+        return call
+
+    def __setitem__(self, key, value):
+        self.real[key] = value
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _alias(t: torch.Tensor, live: dict) -> tuple | None:
+    """(input name, size, stride, offset from the input's own storage offset) when ``t`` is a
+    view of one of the live inputs: the input it is exactly (same start, size and stride), else
+    the first input of its storage."""
+    ptr = t.untyped_storage().data_ptr()
+    same = [n for n, x in live.items() if x.untyped_storage().data_ptr() == ptr]
+    if not same:
+        return None
+    exact = [n for n in same if live[n].data_ptr() == t.data_ptr() and live[n].shape == t.shape
+             and live[n].stride() == t.stride()]
+    name = (exact or same)[0]
+    return name, tuple(t.shape), tuple(t.stride()), t.storage_offset() - live[name].storage_offset()
+
+
+def _nested_tensors(a) -> list:
+    if isinstance(a, torch.Tensor):
+        return [a]
+    if isinstance(a, (tuple, list)):
+        return [t for x in a for t in _nested_tensors(x)]
+    return []
+
+
+class Prepared:
+    def __init__(self, fn: Callable, args: tuple, live: dict, owner):
+        self.fn, self.owner = fn, owner   # owner: the plan call, kept alive with the entry
+        self.slots = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self.slots.append(("view", _alias(a, live)) if _alias(a, live) else ("keep", a))
+            else:
+                if any(_alias(t, live) for t in _nested_tensors(a)):
+                    raise PreparedCallError("FA4 passed an input tensor inside a nested argument")
+                self.slots.append(("keep", a))
+        read = {live[x[1][0]].untyped_storage().data_ptr() for x in self.slots if x[0] == "view"}
+        copied = [n for n, t in live.items() if t.untyped_storage().data_ptr() not in read]
+        if copied:   # an input FA4 copied (say, made contiguous) would be replayed stale
+            raise PreparedCallError(f"FA4's kernel call does not read {copied} in place")
+
+    def __call__(self, live: dict):
+        args = []
+        for kind, x in self.slots:
+            if kind == "keep":
+                args.append(x)
+            else:
+                name, size, stride, rel = x
+                base = live[name]
+                args.append(base.as_strided(size, stride, base.storage_offset() + rel))
+        return self.fn(*args)
+
+
+_CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.data_ptr() % 16
+
+
+def _sharing(live: dict) -> tuple:
+    """Which inputs share a storage (first input of each storage) and their offsets within it:
+    an argument aliasing one input is rebuilt on that input alone, so the pattern must match."""
+    first, out = {}, []
+    for n in INPUTS:
+        t = live[n]
+        ptr = t.untyped_storage().data_ptr()
+        owner = first.setdefault(ptr, n)
+        out.append((owner, t.storage_offset() - live[owner].storage_offset()))
+    return tuple(out)
+
+
+def key(call, live: dict, scale: float) -> tuple:
+    return (id(call), float(scale), _sharing(live), *(_layout(live[n]) for n in INPUTS))
+
+
+def run(module, call, live: dict, scale: float, normal: Callable[[], object]) -> None:
+    """One plan call: replay its prepared FA4 kernel call, or run ``normal()`` (FA4 as usual)
+    while recording it and keep it for the next time."""
+    k = key(call, live, scale)
+    prep = _CACHE.get(k)
+    if prep is not None:
+        _CACHE.move_to_end(k)
+        prep(live)
+        return
+    fwd = module._flash_attn_fwd
+    real = getattr(fwd, "compile_cache", None)
+    if real is None:
+        raise PreparedCallError("this FA4 has no _flash_attn_fwd.compile_cache to record from")
+    rec = _Recorder(real)
+    fwd.compile_cache = rec
+    try:
+        normal()
+    finally:
+        fwd.compile_cache = real
+    if len(rec.calls) != 1:
+        raise PreparedCallError(f"FA4 made {len(rec.calls)} compiled-kernel calls for one plan call; "
+                                "a prepared call needs exactly 1")
+    fn, args = rec.calls[0]
+    _CACHE[k] = Prepared(fn, args, live, call)
+    while len(_CACHE) > MAX_ENTRIES:
+        _CACHE.popitem(last=False)
+
+
+def clear() -> None:
+    _CACHE.clear()

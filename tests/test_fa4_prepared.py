@@ -1,0 +1,142 @@
+"""kernels/fa4/prepared.py on a stand-in FA4 (CPU): the recording, the replay on new tensors and
+the refusals. The stand-in has FA4's shape where it matters: ``_flash_attn_fwd`` does its
+Python work, then looks its compiled kernel up in ``_flash_attn_fwd.compile_cache`` and calls it
+with positional arguments (out as a ``detach()`` view, an internal tensor derived from the
+plan's index tensors, the scale). The H200 check (same bits as FA4's own calls) is in
+tests/test_canonical_cuda.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from rlk_ops.kernels.fa4 import prepared
+from conftest import bitwise_equal
+
+
+def _kernel(q, k, v, out, lse, scale, cu_q, cu_k, seqused_q, seqused_k, derived):
+    """The 'compiled kernel': piece j's rows attend its keys (non-causal), written in place."""
+    assert bool((derived == seqused_q * 2).all())
+    for a, n, b, m in zip(cu_q.tolist(), seqused_q.tolist(), cu_k.tolist(), seqused_k.tolist()):
+        s = torch.einsum("qhd,khd->hqk", q[a:a + n].float(), k[b:b + m].float()) * scale
+        lse[:, a:a + n] = torch.logsumexp(s, -1)
+        out[a:a + n] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[b:b + m].float()).to(out.dtype)
+
+
+def fake_fa4(kernel_calls=1, copy_q=False):
+    mod = types.SimpleNamespace(prelude=0)
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, out, lse):
+        mod.prelude += 1
+        key = (q.dtype, q.shape[-1])
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = _kernel
+        derived = seqused_q * 2     # FA4-internal, from the plan's tensors alone
+        qq = q.clone() if copy_q else q
+        for _ in range(kernel_calls):
+            _flash_attn_fwd.compile_cache[key](qq, k, v, out.detach(), lse, softmax_scale, cu_seqlens_q,
+                                              cu_seqlens_k, seqused_q, seqused_k, derived)
+
+    _flash_attn_fwd.compile_cache = {}
+    mod._flash_attn_fwd = _flash_attn_fwd
+    return mod
+
+
+class Call:   # a plan call: the index tensors a cached plan keeps
+    def __init__(self, cu_q, cu_k, used_q, used_k):
+        self.cu_seqlens_q, self.cu_seqlens_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+        self.seqused_q, self.seqused_k = torch.tensor(used_q, dtype=torch.int32), torch.tensor(used_k, dtype=torch.int32)
+
+
+def _inputs(seed, t=40, tk=48, h=2, d=8, slots=3):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, h, d, generator=g).to(torch.bfloat16) for n in (t, tk, tk))
+    out_parts = torch.full((slots, t, h, d), 7.0, dtype=torch.bfloat16)
+    lse_parts = torch.full((slots, h, t), float("-inf"))
+    return q, k, v, out_parts, lse_parts
+
+
+def _run(mod, call, q, k, v, out, lse, scale=0.3):
+    def normal():
+        mod._flash_attn_fwd(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k, scale,
+                            out, lse)
+    prepared.run(mod, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, normal)
+
+
+@pytest.fixture(autouse=True)
+def _clear():
+    prepared.clear()
+    yield
+    prepared.clear()
+
+
+def test_replay_on_new_tensors_equals_the_normal_call():
+    """Recorded once (FA4's Python runs once), then replayed on other q/k/v and another slot of
+    other state buffers: each result equals FA4's own call on those tensors bitwise; rows no
+    piece covers keep their values."""
+    mod, ref_mod = fake_fa4(), fake_fa4()
+    call = Call([0, 25], [0, 20], [10, 15], [20, 28])
+    for seed, slot in ((1, 0), (2, 2), (3, 1)):
+        q, k, v, out_parts, lse_parts = _inputs(seed)
+        ref_o, ref_l = out_parts.clone(), lse_parts.clone()
+        _run(mod, call, q, k, v, out_parts[slot], lse_parts[slot])
+        ref_mod._flash_attn_fwd(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k, 0.3,
+                                ref_o[slot], ref_l[slot])   # FA4's own call, not through prepared
+        assert bitwise_equal(out_parts, ref_o) and bitwise_equal(lse_parts, ref_l)
+        assert bool((out_parts[slot, 10:25] == 7.0).all()) and bool((out_parts[slot - 1] == 7.0).all())
+    assert mod.prelude == 1 and ref_mod.prelude == 3   # every call after the first was a replay
+
+
+def test_replays_skip_fa4s_python():
+    mod = fake_fa4()
+    call = Call([0], [0], [40], [48])
+    q, k, v, out_parts, lse_parts = _inputs(4)
+    for _ in range(5):
+        _run(mod, call, q, k, v, out_parts[0], lse_parts[0])
+    assert mod.prelude == 1
+
+
+def test_a_new_layout_or_plan_call_or_scale_records_again():
+    mod = fake_fa4()
+    call, other = Call([0], [0], [40], [48]), Call([0], [0], [40], [48])
+    q, k, v, out_parts, lse_parts = _inputs(5)
+    _run(mod, call, q, k, v, out_parts[0], lse_parts[0])
+    _run(mod, other, q, k, v, out_parts[0], lse_parts[0])                 # another plan call
+    _run(mod, call, q, k, v, out_parts[0], lse_parts[0], scale=0.5)       # another scale
+    q2, k2, v2, out2, lse2 = _inputs(5, t=41)
+    _run(mod, call, q2, k2, v2, out2[0], lse2[0])                         # another shape
+    kv = torch.stack([k, v])                                              # k and v in one storage
+    _run(mod, call, q, kv[0], kv[1], out_parts[0], lse_parts[0])
+    assert mod.prelude == 5
+    _run(mod, call, q, kv[0], kv[1], out_parts[1], lse_parts[1])          # same sharing: a replay
+    assert mod.prelude == 5
+
+
+@pytest.mark.parametrize("fake,match", [(dict(kernel_calls=2), "2 compiled-kernel calls"),
+                                        (dict(kernel_calls=0), "0 compiled-kernel calls"),
+                                        (dict(copy_q=True), r"does not read \['q'\] in place")])
+def test_refusals_are_named_and_cache_nothing(fake, match):
+    mod = fake_fa4(**fake)
+    call = Call([0], [0], [40], [48])
+    q, k, v, out_parts, lse_parts = _inputs(6)
+    with pytest.raises(prepared.PreparedCallError, match=match):
+        _run(mod, call, q, k, v, out_parts[0], lse_parts[0])
+    assert not prepared._CACHE
+    assert isinstance(mod._flash_attn_fwd.compile_cache, dict)   # the real cache is back
+
+
+def test_an_fa4_without_a_compile_cache_is_refused():
+    mod = types.SimpleNamespace(_flash_attn_fwd=lambda *a, **kw: None)
+    q, k, v, out_parts, lse_parts = _inputs(7)
+    with pytest.raises(prepared.PreparedCallError, match="no _flash_attn_fwd.compile_cache"):
+        _run(mod, Call([0], [0], [40], [48]), q, k, v, out_parts[0], lse_parts[0])
+
+
+def test_the_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(prepared, "MAX_ENTRIES", 3)
+    mod = fake_fa4()
+    q, k, v, out_parts, lse_parts = _inputs(8)
+    for _ in range(5):
+        _run(mod, Call([0], [0], [40], [48]), q, k, v, out_parts[0], lse_parts[0])
+    assert len(prepared._CACHE) == 3
