@@ -22,9 +22,10 @@ The kernel takes its CUDA stream from the caller's current stream (FA4 compiles 
 
 Refused with ``PreparedCallError`` (raised after FA4's own call has written out/lse; nothing
 cached): a call that made no or several compiled-kernel calls, passed an input tensor inside a
-nested argument, or did not pass every input in place (a copy would be replayed stale). The key holds every input's shape, stride, dtype, device and 16-byte
-alignment, which inputs share a storage and at what offsets, the scale and the plan call itself
-(kept alive by the cache entry, so its id cannot be reused).
+nested argument, or did not pass every input in place (a copy would be replayed stale). The key
+holds every input's shape, stride, dtype, device and 16-byte alignment, which inputs share a
+storage and at what offsets, the scale and the plan call itself (kept alive by the cache entry,
+so its id cannot be reused). Entries hold no input tensor: only how to view the next ones.
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class Prepared:
         self.slots = []
         for a in args:
             if isinstance(a, torch.Tensor):
-                self.slots.append(("view", _alias(a, live)) if _alias(a, live) else ("keep", a))
+                view = _alias(a, live)
+                self.slots.append(("view", view) if view else ("keep", a))
             else:
                 if any(_alias(t, live) for t in _nested_tensors(a)):
                     raise PreparedCallError("FA4 passed an input tensor inside a nested argument")
