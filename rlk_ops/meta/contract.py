@@ -15,9 +15,12 @@
                    ``canonical`` alone is ``canonical:DEFAULT_CANONICAL_CHUNK``.
 
 DEFAULT_CANONICAL_CHUNK = 1024, from the H200 measurements (results/h200/canonical.md,
-Qwen3-8B TP=2 shard): the smallest C whose training forward+backward stays within 1.15x
-of single pass at B=4, S=8k (512: ~1.2x), and the best decode C at batch 1 / 32k; 2048
+Qwen3-8B TP=2 shard): the smallest power of two whose training forward+backward stays within
+1.15x of single pass at B=4, S=8k (512: ~1.2x), and the best decode C at batch 1 / 32k; 2048
 trains a little cheaper and decodes batch 8 a little faster, but batch 1 / 8k-32k slower.
+Session 11 (results/h200/session11/): 768 also trains within 1.15x and is closer on the two
+decode cells every C still misses, 640 meets every batch 1 and 8 decode cell but not training;
+the default changes when one C meets every target in one run (README, canonical:C on the H200).
 """
 from __future__ import annotations
 
