@@ -2,11 +2,12 @@
 training at B=4, S=8192 (Qwen3-8B TP=2 shard) writes N = ceil(S / C) state slots of [T, Hq, D]
 bf16 (a row in chunk i holds states 0..i-1 and the diagonal one in the last slot, the others
 lse = -inf), then merges them; benchmarks/canonical.py's ``merge alone`` column times that
-merge on the route's blocking (the unrolled walk, 16 rows per program). Here: the walk with
-other rows per program, the 2D max and eager state loads, and ``_merge_vec`` (states side by
-side) on a few blockings; every result torch.equal to the routed merge's (no blocking changes a
-bit: kernels/triton/merge.py), CUDA-graph median us, and the bytes the merge must move (the
-present states' out rows and the merged out) over that time.
+merge on the route's blocking (the unrolled walk, 16 rows per program, 2D max since session 11,
+when it was the fastest here). Here: the walk with other rows per program, head_dim halves,
+groups, the 2D max and eager state loads, and ``_merge_vec`` (states side by side) on a few
+blockings; every result torch.equal to the routed merge's (no blocking changes a bit:
+kernels/triton/merge.py), CUDA-graph median us, and the bytes the merge must move (the present
+states' out rows and the merged out) over that time.
 Usage: [CHUNKS=640,768] python3 benchmarks/probe_train_merge.py OUT.json
 ONLY=name,..: those blockings only. (DEVICE=cpu TRITON_INTERPRET=1 CHUNKS=128
 ONLY=walk_b16_m0_e0,vec_b1_s1: a smoke run of the plumbing, not a measurement.)
@@ -38,6 +39,13 @@ def blockings(n: int) -> dict:
         for max2d in (0, np2):
             for eager in (0, 1):
                 out[f"walk_b{block}_m{max2d}_e{eager}"] = ((block, 1, min(n, tm.MAX_UNROLL), max2d, eager), 0)
+    # the 2D-max walk on 16 rows (the route since session 11) with head_dim in halves, smaller
+    # unrolled groups, and on 64 rows (offline sm90: ~2 shared-memory layout conversions, each a
+    # CTA barrier, per state in every blocking; the walk looks instruction-bound at ~2.2 TB/s)
+    out["walk_b16_s2_m16"] = ((16, 2, min(n, tm.MAX_UNROLL), np2, 0), 0)
+    for unroll in (2, 4):
+        out[f"walk_b16_u{unroll}_m16"] = ((16, 1, unroll, np2, 0), 0)
+    out["walk_b64_m16"] = ((64, 1, min(n, tm.MAX_UNROLL), np2, 0), 0)
     for block, split in ((1, 1), (1, 2), (2, 1), (4, 1)):
         out[f"vec_b{block}_s{split}"] = ((block, split, 0, np2), np2)
     return {k: x for k, x in out.items() if not ONLY or k in ONLY}
