@@ -648,14 +648,13 @@ class Bench(Report):
                 peak[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         t = self.eager_us(fns)
         # host cost of a plan (what a forward pays when its shape is new: canonical.cached_plan misses)
-        seqs = [(i * s, s, i * s, s) for i in range(bsz)]
         plan_ms = {}
         for c in sh.train_chunks:
             ts = []
             for _ in range(3):
                 self.sync()
                 t0 = time.perf_counter()
-                canonical.plan(seqs, c, True, self.dev)
+                canonical.plan(list(seqs), c, True, self.dev)
                 self.sync()
                 ts.append((time.perf_counter() - t0) * 1e3)
             plan_ms[f"canonical:{c}"] = round(statistics.median(ts), 2)
