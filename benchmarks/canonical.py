@@ -608,11 +608,8 @@ class Bench(Report):
         # forward+backward with FA4's kernel calls replayed from a recording (PREPARED_CALLS)
         def prepared_calls(fn):
             def run():
-                fa4_canonical.PREPARED_CALLS = True
-                try:
+                with fa4_canonical.prepared_calls():
                     return fn()
-                finally:
-                    fa4_canonical.PREPARED_CALLS = False
             return run
 
         for c in sh.train_chunks if not self.dry else ():   # the dry run's stand-in FA4 has no JIT cache

@@ -57,11 +57,8 @@ def main():
                                                                   attend_into=prepared_attend,
                                                                   streams=fa4_canonical.STREAMS)}
         def prepared_attend(*args):
-            fa4_canonical.PREPARED_CALLS = True
-            try:
+            with fa4_canonical.prepared_calls():
                 fa4_canonical.attend_into(*args)
-            finally:
-                fa4_canonical.PREPARED_CALLS = False
 
         ref = op()
         row = {"C": c, "streams": fa4_canonical.STREAMS}

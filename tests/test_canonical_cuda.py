@@ -450,7 +450,7 @@ def _cache(k, v, cu, page_size, seed):
 
 @pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (FA4's JIT cache)")
 @pytest.mark.cuda
-def test_cuda_prepared_fa4_calls_give_the_same_bits(packed, monkeypatch):
+def test_cuda_prepared_fa4_calls_give_the_same_bits(packed):
     """fa4 canonical.PREPARED_CALLS (kernels/fa4/prepared.py): the training forward with FA4's
     kernel calls recorded, then replayed, equals the forward through FA4's own calls, also on
     new inputs of the same layout (the replay reads the new tensors)."""
@@ -463,15 +463,15 @@ def test_cuda_prepared_fa4_calls_give_the_same_bits(packed, monkeypatch):
     q2, k2, v2 = (t * -0.5 for t in (q, k, v))
     fresh = {c: rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw) for c in CHUNKS}
     prepared.clear()
-    monkeypatch.setattr(fa4_canonical, "PREPARED_CALLS", True)
     try:
-        for c in CHUNKS:
-            for _ in range(2):   # recorded, then replayed
-                got = rlk_ops.attention(q, k, v, split_kv=f"canonical:{c}", **kw)
-                assert bitwise_equal(got[0], train[c][0]) and bitwise_equal(got[1], train[c][1]), c
-            got = rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw)
-            assert bitwise_equal(got[0], fresh[c][0]) and bitwise_equal(got[1], fresh[c][1]), c
-        assert prepared._CACHE
+        with fa4_canonical.prepared_calls():
+            for c in CHUNKS:
+                for _ in range(2):   # recorded, then replayed
+                    got = rlk_ops.attention(q, k, v, split_kv=f"canonical:{c}", **kw)
+                    assert bitwise_equal(got[0], train[c][0]) and bitwise_equal(got[1], train[c][1]), c
+                got = rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw)
+                assert bitwise_equal(got[0], fresh[c][0]) and bitwise_equal(got[1], fresh[c][1]), c
+        assert prepared._CACHE and not fa4_canonical.PREPARED_CALLS
     finally:
         prepared.clear()
 

@@ -140,3 +140,14 @@ def test_the_cache_is_bounded(monkeypatch):
     for _ in range(5):
         _run(mod, Call([0], [0], [40], [48]), q, k, v, out_parts[0], lse_parts[0])
     assert len(prepared._CACHE) == 3
+
+
+def test_the_switch_is_restored():
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    assert fa4_canonical.PREPARED_CALLS is False
+    with pytest.raises(KeyError):
+        with fa4_canonical.prepared_calls():
+            assert fa4_canonical.PREPARED_CALLS is True
+            raise KeyError("inside")
+    assert fa4_canonical.PREPARED_CALLS is False

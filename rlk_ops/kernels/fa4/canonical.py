@@ -38,6 +38,8 @@ kernels/cpu/attention.py, checked there against the chain rule through the merge
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlk_ops.kernels.cpu import canonical
@@ -62,6 +64,17 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
 # kernel on the same argument values, without FA4's ~125 us of Python per call). Off: built in
 # session 11 after the host-bound forward was measured, not yet measured itself.
 PREPARED_CALLS = False
+
+
+@contextlib.contextmanager
+def prepared_calls(enabled: bool = True):
+    """PREPARED_CALLS inside the block (benchmarks; process-wide, restored on exit)."""
+    global PREPARED_CALLS
+    old, PREPARED_CALLS = PREPARED_CALLS, bool(enabled)
+    try:
+        yield
+    finally:
+        PREPARED_CALLS = old
 
 
 def _fa4_call(q, k, v, call: canonical.Call, scale, out, lse):
