@@ -4,7 +4,7 @@ bf16 (a row in chunk i holds states 0..i-1 and the diagonal one in the last slot
 lse = -inf), then merges them; benchmarks/canonical.py's ``merge alone`` column times that
 merge on the route's blocking (the unrolled walk, 16 rows per program, 2D max since session 11,
 when it was the fastest here). Here: the walk with other rows per program, head_dim halves,
-groups, the 2D max and eager state loads, and ``_merge_vec`` (states side by side) on a few
+groups, the 2D max, eager state loads and skipping the states no row of a program holds, and ``_merge_vec`` (states side by side) on a few
 blockings; every result torch.equal to the routed merge's (no blocking changes a bit:
 kernels/triton/merge.py), CUDA-graph median us, and the bytes the merge must move (the present
 states' out rows and the merged out) over that time.
@@ -46,6 +46,10 @@ def blockings(n: int) -> dict:
     for unroll in (2, 4):
         out[f"walk_b16_u{unroll}_m16"] = ((16, 1, unroll, np2, 0), 0)
     out["walk_b64_m16"] = ((64, 1, min(n, tm.MAX_UNROLL), np2, 0), 0)
+    # the walk leaving out the states no row of a program holds (training's rows in chunk i hold
+    # states 0..i-1 and the last: about half the slots are skipped in every row)
+    for unroll in (2, 4, min(n, tm.MAX_UNROLL)):
+        out[f"walk_b16_m16_skip_u{unroll}"] = ((16, 1, unroll, np2, 0, 1), 0)
     for block, split in ((1, 1), (1, 2), (2, 1), (4, 1)):
         out[f"vec_b{block}_s{split}"] = ((block, split, 0, np2), np2)
     return {k: x for k, x in out.items() if not ONLY or k in ONLY}

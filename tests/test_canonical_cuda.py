@@ -245,6 +245,39 @@ def test_cuda_merge_config_changes_no_bit(config, dtype):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("config", [(16, 1, 3, 8, False, True), (4, 1, 2, 8, True, True), (1, 4, 7, 8, False, True),
+                                    (4, 2, 1, 8, False, True)])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_cuda_merge_skipping_absent_states_changes_no_bit(config, dtype):
+    """The walk that leaves out the states no row of a program holds (config[5], _merge_fwd
+    SKIP), on training's pattern (rows in chunk i hold states 0..i-1 and the last; here chunks of
+    9 rows, 7 states) plus the empty states and row of _with_empty: the CPU reference's bits, in
+    groups of 1, 2, 3 and 7 states."""
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    n, rows, h = 7, 45, 3
+    out_parts, lse_parts = _with_empty(*_states(n, rows, h, 128, dtype, seed=21))
+    chunk = torch.arange(rows, device=DEV) // 9                       # rows' chunk: 0..4
+    for st in range(n - 1):
+        lse_parts[st][:, chunk <= st] = -math.inf                    # states i..N-2 of chunk-i rows
+    got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config, vec=0)
+    ref = _cpu_merge(out_parts, lse_parts)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+def test_merge_skip_needs_the_2d_max_and_an_unrolled_walk():
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    parts = torch.zeros(3, 2, 1, 4, 8), torch.zeros(3, 2, 4, 1)
+    with pytest.raises(ValueError, match=r"needs the 2D max and an unrolled walk .*got \(4, 1, 3, 0, False, True\)"):
+        triton_merge.merge_attn_states(*parts, config=(4, 1, 3, 0, False, True), vec=0)
+    with pytest.raises(ValueError, match=r"needs the 2D max and an unrolled walk .*got \(4, 1, 0, 4, False, True\)"):
+        triton_merge.merge_attn_states(*parts, config=(4, 1, 0, 4, False, True), vec=0)
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("block,split,vec,two_d_max,dtype", [
     (1, 4, 32, True, BF16), (1, 4, 32, False, BF16), (1, 1, 32, True, torch.float32), (1, 1, 32, True, BF16),
     (1, 1, 32, False, BF16), (2, 2, 8, False, BF16),

@@ -159,16 +159,31 @@ def _max_lse(lse2, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr, MAX2D: tl.constexpr):
+    """Every state's lse of the rows, [BLOCK, MAX2D] in one load (-inf past N and where skipped)."""
+    ns = tl.arange(0, MAX2D)
+    mn = rmask[:, None] & (ns < N)[None, :]
+    return _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
+
+
+@triton.jit
+def _live_below_last(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr, MAX2D: tl.constexpr):
+    """1 + the last state below N - 1 that any of the rows holds (0 if none): the states from
+    there to N - 2 are skipped in every row, so a walk may leave them out (same bits). Training's
+    plans (kernels/cpu/canonical.plan) give a row in chunk i states 0..i-1 and N - 1 only."""
+    lse2 = _lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D)
+    ns = tl.arange(0, MAX2D)[None, :]
+    return tl.max(tl.max(tl.where((lse2 != _NEG_INF) & (ns < N - 1), ns + 1, 0), axis=1), axis=0)
+
+
+@triton.jit
 def _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                 MAX2D: tl.constexpr):
     """M, the max of the rows' non-skipped lse over the N states (exact in any order; NaN
     propagates, as amax). MAX2D > 0: every state's lse in one [BLOCK, MAX2D] load and one max,
     no chain of N loads; else a loop over the states."""
     if MAX2D > 0:
-        ns = tl.arange(0, MAX2D)
-        mn = rmask[:, None] & (ns < N)[None, :]
-        lse2 = _state_lse(l_ptr, lens_ptr, ns[None, :], R, off[:, None], lead[:, None], n_lead, mn, HAS_LENS, "")
-        m = _max_lse(lse2, 1)
+        m = _max_lse(_lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D), 1)
     else:
         m = tl.full([BLOCK], _NEG_INF, tl.float32)
         for n in range(N):
@@ -197,7 +212,10 @@ def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr, PDL: tl.constexpr,
-               EAGER: tl.constexpr = 0):
+               EAGER: tl.constexpr = 0, SKIP: tl.constexpr = 0):
+    """SKIP (MAX2D > 0, UNROLL > 0): the walk goes over the states below ``_live_below_last``'s
+    bound, in groups of UNROLL, then state N - 1; the states it leaves out are skipped in every
+    row of the program, so the same states are merged in the same order."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
     rmask = r < R
     h = r % H
@@ -212,7 +230,17 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if UNROLL > 0:  # groups of UNROLL states, each unrolled so its loads are in flight together (one
+    if SKIP:
+        hi = _live_below_last(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D)
+        for g in range(0, tl.cdiv(hi, UNROLL)):
+            for i in tl.static_range(UNROLL):
+                n = g * UNROLL + i
+                live = rmask & (r * 0 + n < hi)
+                total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, live, d, m2, D, m_safe,
+                                         total, acc, HAS_LENS, LIBDEVICE, "", EAGER)
+        total, acc = _merge_step(o_ptr, l_ptr, lens_ptr, N - 1, R, r, off, lead, n_lead, rmask, d, m2, D, m_safe,
+                                 total, acc, HAS_LENS, LIBDEVICE, "", EAGER)
+    elif UNROLL > 0:  # groups of UNROLL states, each unrolled so its loads are in flight together (one
         for g in range(0, tl.cdiv(N, UNROLL)):  # group when N <= MAX_UNROLL); past N: lse -inf, skipped
             for i in tl.static_range(UNROLL):
                 n = g * UNROLL + i
@@ -467,10 +495,12 @@ def vec_states(block: int, block_d: int) -> int:
 
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None):
-    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads]]) instead of
-    ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests). ``vec``: states side by side in
-    ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead of ``vec_states``'s;
-    ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config`` (not unroll/eager)."""
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip]]]) instead
+    of ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests); skip: the walk leaves out the
+    states no row of a program holds (``_merge_fwd`` SKIP; not routed, to be measured). ``vec``:
+    states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
+    of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
+    (not unroll/eager/skip)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -486,6 +516,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     block, split, unroll, *rest = config or merge_config(rows, n, d, out_parts.device)
     max2d = rest[0] if rest else 0
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
+    skip = rest[2] if len(rest) > 2 else 0
     block_d = C.pow2(d) // split
     launch = _pdl()
     vec = vec_states(block, block_d) if vec is None else vec
@@ -499,11 +530,14 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
             NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch),
             num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
         return out, lse
+    if skip and not (max2d and unroll):
+        raise ValueError(f"merge_attn_states config: skipping absent states needs the 2D max and an unrolled walk "
+                         f"(config[3] > 0 and config[2] > 0), got {config}")
     _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
         D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-        UNROLL=unroll, MAX2D=max2d, PDL=bool(launch), EAGER=int(eager),
+        UNROLL=unroll, MAX2D=max2d, PDL=bool(launch), EAGER=int(eager), **({"SKIP": 1} if skip else {}),
         num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
     return out, lse
 
