@@ -167,11 +167,11 @@ def _lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS: tl.cons
 
 
 @triton.jit
-def _live_below_last(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS: tl.constexpr, MAX2D: tl.constexpr):
-    """1 + the last state below N - 1 that any of the rows holds (0 if none): the states from
-    there to N - 2 are skipped in every row, so a walk may leave them out (same bits). Training's
-    plans (kernels/cpu/canonical.plan) give a row in chunk i states 0..i-1 and N - 1 only."""
-    lse2 = _lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D)
+def _live_below_last(lse2, N, MAX2D: tl.constexpr):
+    """1 + the last state below N - 1 that any row of the ``_lse_tile`` holds (0 if none): the
+    states from there to N - 2 are skipped in every row, so a walk may leave them out (same
+    bits). Training's plans (kernels/cpu/canonical.plan) give a row in chunk i states 0..i-1 and
+    N - 1 only."""
     ns = tl.arange(0, MAX2D)[None, :]
     return tl.max(tl.max(tl.where((lse2 != _NEG_INF) & (ns < N - 1), ns + 1, 0), axis=1), axis=0)
 
@@ -226,12 +226,16 @@ def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     m2 = rmask[:, None] & (d < D)[None, :]
     if PDL:  # launched before the previous kernel finished: wait for it (and its writes) here
         tl.extra.cuda.gdc_wait()
-    m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
+    if SKIP:  # one lse tile for the max and for the walk's bound
+        lse2 = _lse_tile(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D)
+        m = _max_lse(lse2, 1)
+        hi = _live_below_last(lse2, N, MAX2D)
+    else:
+        m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
     total = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     if SKIP:
-        hi = _live_below_last(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, HAS_LENS, MAX2D)
         for g in range(0, tl.cdiv(hi, UNROLL)):
             for i in tl.static_range(UNROLL):
                 n = g * UNROLL + i
@@ -445,6 +449,12 @@ VEC_STATES = 32
 VEC_ROWS_MAX = 4096
 
 
+def _max2d(n: int) -> int:
+    """The 2D max's width for n states (MAX_2D): their count rounded up to a power of two, or 0
+    (the looped max) past MAX_2D or when MAX_2D is 0."""
+    return C.pow2(n) if MAX_2D and n <= MAX_2D else 0
+
+
 def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple[int, int, int, int], int]:
     """(config, states side by side or 0 for the walk) of a merge with no explicit config:
     merge_config's blocking, on _merge_vec where vec_states allows (fewer rows than SMs); else,
@@ -455,7 +465,7 @@ def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple[int, int, int,
     vec = vec_states(cfg[0], C.pow2(d) // cfg[1])
     if vec or not VEC_STATES or rows > VEC_ROWS_MAX or C.pow2(d) > 128:
         return cfg, vec
-    return (1, 1, 0, C.pow2(n) if MAX_2D and n <= MAX_2D else 0), VEC_STATES
+    return (1, 1, 0, _max2d(n)), VEC_STATES
 
 
 def _pdl() -> dict:
@@ -476,8 +486,7 @@ def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]
     while block > 1 and triton.cdiv(rows, block) < 2 * sms:
         block //= 2
     split = 4 if triton.cdiv(rows, block) < sms and d % 4 == 0 and C.pow2(d) == d else 1
-    max2d = C.pow2(n) if MAX_2D and n <= MAX_2D else 0
-    return block, split, min(n, MAX_UNROLL), max2d
+    return block, split, min(n, MAX_UNROLL), _max2d(n)
 
 
 def vec_config(n: int, d: int) -> tuple[int, int, int, int]:
@@ -485,7 +494,7 @@ def vec_config(n: int, d: int) -> tuple[int, int, int, int]:
     in which Triton 3.6 keeps the weights one state per lane: offline sm90 compiles, one exp per
     lane; with more rows or warps per program it recomputes every weight in every thread) and
     the 2D max up to MAX_2D states."""
-    return 1, 4 if d % 4 == 0 and C.pow2(d) == d else 1, 0, C.pow2(n) if MAX_2D and n <= MAX_2D else 0
+    return 1, 4 if d % 4 == 0 and C.pow2(d) == d else 1, 0, _max2d(n)
 
 
 def vec_states(block: int, block_d: int) -> int:
