@@ -622,18 +622,8 @@ class Bench(Report):
             fns[f"canonical:{c} prepared calls/fwd_bwd"] = fn
         # the merge alone on one forward's state buffers (its share of the forward)
         merge = kernel_for("merge_attn_states", q.device)
-        seqs = tuple((i * s, s, i * s, s) for i in range(bsz))
         for c in sh.train_chunks:
-            held = []
-
-            def keep(o, l):
-                held.append((o, l))
-                return merge(o, l)
-
-            canonical.run(canonical.cached_plan(seqs, c, True, str(q.device)), q.reshape(bsz * s, sh.hq, sh.d),
-                          k.reshape(bsz * s, sh.hkv, sh.d), v.reshape(bsz * s, sh.hkv, sh.d), self.scale,
-                          fa4_canonical.attend_into, keep)
-            fns[f"canonical:{c} merge alone/fwd"] = lambda st=held[0]: merge(*st)
+            fns[f"canonical:{c} merge alone/fwd"] = lambda st=self.forward_states(q, k, v, c): merge(*st)
         self.res["train_streams"] = fa4_canonical.STREAMS
         peak = {}
         for name, fn in fns.items():
@@ -645,6 +635,7 @@ class Bench(Report):
                 peak[name] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         t = self.eager_us(fns)
         # host cost of a plan (what a forward pays when its shape is new: canonical.cached_plan misses)
+        seqs = _dense_seqs(bsz, s)
         plan_ms = {}
         for c in sh.train_chunks:
             ts = []
@@ -673,6 +664,24 @@ class Bench(Report):
                                 "timing": "eager, CUDA-synchronized wall clock, interleaved repetitions, median",
                                 "plan": "cached per shape (canonical.cached_plan); plan_build_ms is the host cost "
                                         "of a shape not seen before, paid once"}
+
+    def forward_states(self, q, k, v, chunk: int) -> tuple:
+        """The state buffers (out_parts, lse_parts) one canonical:chunk training forward of dense
+        causal q/k/v [B, S, H, D] hands its merge (FA4 partials, kernels/cpu/canonical.run)."""
+        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+        (bsz, s, hq, d), hkv = q.shape, k.shape[2]
+        merge = kernel_for("merge_attn_states", q.device)
+        held = []
+
+        def keep(o, l):
+            held.append((o, l))
+            return merge(o, l)
+
+        canonical.run(canonical.cached_plan(_dense_seqs(bsz, s), chunk, True, str(q.device)),
+                      q.reshape(bsz * s, hq, d), k.reshape(bsz * s, hkv, d), v.reshape(bsz * s, hkv, d), self.scale,
+                      fa4_canonical.attend_into, keep)
+        return held[0]
 
     def verdict(self):
         sh = self.sh
@@ -851,6 +860,11 @@ def install_dry_run():
     triton_backend.check_available = lambda op: None
     rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4", paged_attention="fa4",
                         merge_attn_states="triton", merge_attn_states_bwd="triton").__enter__()
+
+
+def _dense_seqs(bsz: int, s: int) -> tuple:
+    """A dense batch as packed sequences (q_start, q_len, k_start, k_len), canonical.plan's input."""
+    return tuple((i * s, s, i * s, s) for i in range(bsz))
 
 
 def _prepared_cell(x: dict) -> str:

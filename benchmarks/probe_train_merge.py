@@ -21,8 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
 from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
 
-from rlk_ops.kernels.cpu import canonical  # noqa: E402
-from rlk_ops.kernels.fa4 import canonical as fa4_canonical  # noqa: E402
 from rlk_ops.kernels.triton import _common as C  # noqa: E402
 from rlk_ops.kernels.triton import merge as tm  # noqa: E402
 
@@ -63,19 +61,9 @@ def main():
     b = cb.Bench(DEVICE, sh, None, False)
     bsz, s = sh.train
     q, k, v = b.rand(bsz, s, sh.hq, sh.d), b.rand(bsz, s, sh.hkv, sh.d), b.rand(bsz, s, sh.hkv, sh.d)
-    seqs = tuple((i * s, s, i * s, s) for i in range(bsz))
     rows = []
     for c in CHUNKS:
-        held = []
-
-        def keep(o, l):
-            held.append((o, l))
-            return tm.merge_attn_states(o, l)
-
-        canonical.run(canonical.cached_plan(seqs, c, True, str(q.device)), q.reshape(bsz * s, sh.hq, sh.d),
-                      k.reshape(bsz * s, sh.hkv, sh.d), v.reshape(bsz * s, sh.hkv, sh.d), b.scale,
-                      fa4_canonical.attend_into, keep)
-        o, l = held[0]
+        o, l = b.forward_states(q, k, v, c)
         n, t, hq, d = o.shape
         present = int((l != float("-inf")).sum())
         moved = present * d * o.element_size() + t * hq * d * o.element_size()
