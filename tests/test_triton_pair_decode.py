@@ -171,6 +171,26 @@ def test_interpreter_sequence_major_order_changes_no_state():
         assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+@pytest.mark.parametrize("prefetch,pages_ahead,slices,seq_major", [(3, True, 1, False), (3, False, 1, False),
+                                                                   (2, True, 2, True), (0, True, 1, False)])
+def test_interpreter_persistent_programs_change_no_state(prefetch, pages_ahead, slices, seq_major, monkeypatch):
+    """persistent=1 on the interpreter's 4 "SMs": 4 programs walk 30 or more items each (empty
+    pairs, pairs ending mid-block and on a chunk boundary), the next item's page-table entries
+    loaded ahead or not: every out, lse and pair length equals the one-program-per-item
+    launch's. (Entries past a sequence's pages never reach a score or O here even if read; that
+    none is read is test_cuda_persistent_programs_read_no_entry_past_a_pair's.)"""
+    from rlk_ops.kernels.triton import _common
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    monkeypatch.setattr(_common, "num_sms", lambda index: 4)
+    q, kc, vc, table, sl = _inputs([300, 129, 1, 520, 0, 256], 16, seed=6, device="cpu")
+    kw = dict(layout="keys", prefetch=prefetch, slices=slices, seq_major=seq_major, heads_first=True)
+    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, **kw)
+    got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, persistent=1, pages_ahead=pages_ahead, **kw)
+    assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
+
+
 def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
     """A decode step's compile-time constants are the same whatever its number of chunks (a
     sequence growing past a chunk boundary must not compile the kernel again); only the fused
@@ -226,19 +246,19 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
     wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
     with pytest.raises(ValueError, match="merge=True takes up to 128 chunks per sequence, got 129"):
@@ -255,6 +275,15 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", config=(8, 2))
     with pytest.raises(ValueError, match="init_fma=False needs layout 'rows' or 'keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", init_fma=False)
+    with pytest.raises(ValueError, match="pdl and persistent need layout='keys'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", persistent=3)
+    with pytest.raises(ValueError, match=r"persistent=3 needs .* heads_first=True and merge=False \(got "
+                                         r"heads_first=False, merge=False\)"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=3)
+    with pytest.raises(ValueError, match=r"persistent=-1 needs a positive count"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=-1, heads_first=True)
+    with pytest.raises(ValueError, match=r"persistent=2 needs .*merge=True\)"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=2, heads_first=True, merge=True)
 
 
 # ------------------------------------------------------------------------ GPU
@@ -282,7 +311,9 @@ def _fa4_ready():
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
     ("keys", 3, (4, 1, 128), True, {}), ("keys", 3, (8, 3), False, {"slices": 4}),
-    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True})],
+    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True}),
+    ("keys", 3, (4, 2), True, {"persistent": 3}), ("keys", 2, (4, 2), True, {"persistent": 1, "slices": 2}),
+    ("keys", 3, (8, 3), True, {"persistent": 2, "pages_ahead": False})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention
@@ -300,6 +331,27 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     full = plens > 0
     assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
     assert bool((lse[~full] == -math.inf).all()) and bool((out[~full] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_cuda_persistent_programs_read_no_entry_past_a_pair(prefetch):
+    """The page-table entries past each sequence point ~1.6 GB past the cache: persistent
+    programs, which load the next item's entries before its length is known, must zero them
+    before use (a read there faults), and give the one-program-per-item launch's bits."""
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    lens = [8192, 300, 2049, 1, 0, 1024]
+    q, kc, vc, table, sl = _inputs(lens, 16, seed=7, device="cuda")
+    far = 2 ** 31 // (16 * HKV * D) - 1
+    for b, n in enumerate(lens):
+        table[b, -(-n // 16):] = far
+    kw = dict(layout="keys", prefetch=prefetch, heads_first=True, config=(4, 2))
+    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, **kw)
+    got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, persistent=1, **kw)
+    torch.cuda.synchronize()
+    assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
 @pytest.mark.cuda

@@ -180,24 +180,10 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
-          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
-    """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
-    count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
-    heads (and their slices; they read the same cache rows at about the same time) instead of
-    a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
-    chunks on consecutive pair slots, so its states are done early and, with the fused merge,
-    merged while later sequences stream) instead of chunk-major; the pair index (where the
+def _slot(slot, bsz, n_chunks, SEQ_MAJOR: tl.constexpr):
+    """A pair slot's (pair, chunk, sequence): SEQ_MAJOR, slots in sequence-major order (a
+    sequence's chunks on consecutive slots) instead of chunk-major; the pair index (where the
     state is stored) stays chunk-major, c * bsz + b."""
-    if HEADS_FIRST:
-        pid = tl.program_id(0)
-        ds = pid % DS
-        slot = pid // DS // HKV
-        h = pid // DS % HKV
-    else:
-        slot = tl.program_id(0)
-        h = tl.program_id(1)
-        ds = tl.program_id(2) if DS > 1 else 0
     if SEQ_MAJOR:
         b = slot // n_chunks
         c = slot % n_chunks
@@ -206,6 +192,33 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         pair = slot
         c = pair // bsz
         b = pair % bsz
+    return pair, c, b
+
+
+@triton.jit
+def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
+          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1, item=None):
+    """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
+    count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
+    heads (and their slices; they read the same cache rows at about the same time) instead of
+    a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
+    chunks on consecutive pair slots, so its states are done early and, with the fused merge,
+    merged while later sequences stream) instead of chunk-major (``_slot``). ``item``: the
+    work item of a persistent program (numbered as the 1-D grid) instead of its program id."""
+    if item is not None:
+        ds = item % DS
+        slot = item // DS // HKV
+        h = item // DS % HKV
+    elif HEADS_FIRST:
+        pid = tl.program_id(0)
+        ds = pid % DS
+        slot = pid // DS // HKV
+        h = pid // DS % HKV
+    else:
+        slot = tl.program_id(0)
+        h = tl.program_id(1)
+        ds = tl.program_id(2) if DS > 1 else 0
+    pair, c, b = _slot(slot, bsz, n_chunks, SEQ_MAJOR)
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
@@ -425,7 +438,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0, PERSIST: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -440,10 +453,68 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     as in the whole tile. PDL: the next launch (the merge, launched with programmatic dependent
     launch) may start once every program has started; it waits for this kernel's end and writes
     in-kernel (griddepcontrol.wait), so its programs take the SM slots that free up in the last
-    wave instead of launching after it."""
+    wave instead of launching after it. PERSIST: persistent programs (a grid of fewer programs
+    than items, numbered as the 1-D grid; each takes items pid, pid + programs, ...), so a slot
+    runs the next item without a new program's start; 2: also the next item's page-table
+    entries loaded while this one is walked (PF >= 2). Every item computes what
+    its own program would (same bits)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
+    if PERSIST == 0:
+        _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
+                   n_chunks, counts, merged_out, merged_lse, log_c, None, None, G, HQ, HKV, D, M, BN, EMU, SUMS,
+                   INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS, SEQ_MAJOR, GP,
+                   LOG_NP, DSL)
+    else:
+        n_items = n_chunks * bsz * HKV * DS
+        step = tl.num_programs(0)
+        if PERSIST == 1:
+            for item in range(tl.program_id(0), n_items, step):
+                _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
+                           n_chunks, counts, merged_out, merged_lse, log_c, item, None, G, HQ, HKV, D, M, BN, EMU,
+                           SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
+                           SEQ_MAJOR, GP, LOG_NP, DSL)
+        else:
+            pages = _item_pages(table, tl.program_id(0), n_items, bsz, width, chunk, page, n_chunks, HKV, DS,
+                                SEQ_MAJOR, BN, NBC)
+            for item in range(tl.program_id(0), n_items, step):
+                cur = pages
+                pages = _item_pages(table, item + step, n_items, bsz, width, chunk, page, n_chunks, HKV, DS,
+                                    SEQ_MAJOR, BN, NBC)
+                _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
+                           n_chunks, counts, merged_out, merged_lse, log_c, item, cur, G, HQ, HKV, D, M, BN, EMU,
+                           SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
+                           SEQ_MAJOR, GP, LOG_NP, DSL)
+
+
+@triton.jit
+def _item_pages(table, item, n_items, bsz, width, chunk, page, n_chunks, HKV: tl.constexpr,
+                DS: tl.constexpr, SEQ_MAJOR: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr):
+    """A persistent program's next item's page-table entries [NBC, BN] (one per key of its
+    chunk; 0 past the chunk, the table row or the last item), loaded without waiting for the
+    sequence length: ``_keys_item`` zeroes the entries past the pair when it uses them."""
+    _, c, b = _slot(item // DS // HKV, bsz, n_chunks, SEQ_MAJOR)
+    at = tl.arange(0, NBC)[:, None] * BN + tl.arange(0, BN)[None, :]
+    pos = c * chunk + at
+    keys = tl.where(item < n_items, chunk, 0)                   # no item past the last: nothing read
+    return tl.load(table + b.to(tl.int64) * width + pos // page, mask=(at < keys) & (pos < width * page), other=0)
+
+
+@triton.jit
+def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
+               n_chunks, counts, merged_out, merged_lse, log_c, item, pages,
+               G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+               BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
+               NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
+               LIBDEVICE: tl.constexpr, NMAX: tl.constexpr, HEADS_FIRST: tl.constexpr, L2PF: tl.constexpr,
+               AHEAD: tl.constexpr, DS: tl.constexpr, SEQ_MAJOR: tl.constexpr, GP: tl.constexpr,
+               LOG_NP: tl.constexpr, DSL: tl.constexpr):
+    """One work item of ``_pair_decode_keys``: a (pair, KV head, head-dim slice); ``item`` None:
+    this program's own (its grid position), else the persistent program's item; ``pages``: the
+    item's page-table entries read ahead (PF >= 2, entries past the chunk or the table 0) or
+    None (read here)."""
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks,
+                                      item)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
@@ -463,7 +534,10 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
     if PF >= 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
         at = blk[:, None] * BN + kk[None, :]
-        pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
+        if pages is None:
+            pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
+        else:  # loaded one item ahead (persistent programs): the entries past the pair are 0 here
+            pg_all = tl.where(at < n_keys, pages, 0)
         tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
         if L2PF:  # both 128-byte lines of every K and V row (keys past the pair: page 0's rows)
             lines = (tok_all * (HKV * D) + h * D)[:, :, None] + (tl.arange(0, 2) * (D // 2))[None, None, :]
@@ -653,7 +727,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, persistent: int = 0,
+                pages_ahead: bool = True):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -665,7 +740,10 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
     same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
-    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
+    ``persistent``: "keys" with heads_first only, that many programs per SM (0: a program per
+    item), each walking items pid, pid + programs, ... (same bits), ``pages_ahead`` the next
+    item's page-table entries loaded during the current one (prefetch 2 or 3)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -716,8 +794,14 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["DS"] = slices
         if (merge_mod.PDL if pdl is None else pdl) and not C.INTERPRET:  # else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
+        if persistent:
+            if persistent < 0 or not heads_first or merge:
+                raise ValueError(f"pair_decode persistent={persistent} needs a positive count of programs per SM, "
+                                 f"heads_first=True and merge=False (got heads_first={heads_first}, merge={merge})")
+            extra["PERSIST"] = 2 if pages_ahead and prefetch >= 2 else 1
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or persistent:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need "
+                         "layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
@@ -733,8 +817,12 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
+    grid = (n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)
+    if persistent:
+        sms = C.num_sms(0 if dev.index is None else dev.index) if dev.type == "cuda" else 4
+        grid = (min(grid[0], persistent * sms),)
     if bsz:
-        kernel[(n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)](
+        kernel[grid](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
