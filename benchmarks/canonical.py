@@ -605,21 +605,16 @@ class Bench(Report):
                 q, k, v, True, self.scale, None, None, c, attend_into=gathering)
             fns[f"canonical:{c} 4 streams/fwd"] = lambda c=c: canonical.attention_fwd(
                 q, k, v, True, self.scale, None, None, c, attend_into=fa4_canonical.attend_into, streams=4)
-        # forward+backward with FA4's kernel calls replayed from a recording (PREPARED_CALLS)
-        def prepared_calls(fn):
+        # forward+backward through FA4's own calls (its Python every call): the route replays
+        # them from a recording (fa4 canonical.PREPARED_CALLS, on since session 12)
+        def own_calls(fn):
             def run():
-                with fa4_canonical.prepared_calls():
+                with fa4_canonical.prepared_calls(False):
                     return fn()
             return run
 
-        for c in sh.train_chunks if not self.dry else ():   # the dry run's stand-in FA4 has no JIT cache
-            fn = prepared_calls(fns[f"canonical:{c}/fwd_bwd"])
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - recorded; the column stays empty, the rest is measured
-                self.res.setdefault("prepared_calls_errors", {})[c] = f"{type(e).__name__}: {str(e)[:300]}"
-                continue
-            fns[f"canonical:{c} prepared calls/fwd_bwd"] = fn
+        for c in sh.train_chunks:
+            fns[f"canonical:{c} own calls/fwd_bwd"] = own_calls(fns[f"canonical:{c}/fwd_bwd"])
         # the merge alone on one forward's state buffers (its share of the forward)
         merge = kernel_for("merge_attn_states", q.device)
         for c in sh.train_chunks:
@@ -653,11 +648,11 @@ class Bench(Report):
                  "fwd_us_gathering_executor": t.get(f"{policy} gathering executor/fwd"),
                  "fwd_us_4_streams": t.get(f"{policy} 4 streams/fwd"),
                  "merge_alone_us": t.get(f"{policy} merge alone/fwd"),
-                 "fwd_bwd_us_prepared_calls": t.get(f"{policy} prepared calls/fwd_bwd")}
+                 "fwd_bwd_us_own_calls": t.get(f"{policy} own calls/fwd_bwd")}
             r["fwd_over_single"] = round(r["fwd_us"] / t["disabled/fwd"], 3)
             r["fwd_bwd_over_single"] = round(r["fwd_bwd_us"] / t["disabled/fwd_bwd"], 3)
-            if r["fwd_bwd_us_prepared_calls"]:
-                r["fwd_bwd_prepared_calls_over_single"] = round(r["fwd_bwd_us_prepared_calls"] / t["disabled/fwd_bwd"], 3)
+            if r["fwd_bwd_us_own_calls"]:
+                r["fwd_bwd_own_calls_over_single"] = round(r["fwd_bwd_us_own_calls"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
             print("   ", r, flush=True)
         self.res["training"] = {"B": bsz, "S": s, "rows": rows,
@@ -755,17 +750,18 @@ def markdown(r: dict) -> str:
                   f"(us, {r['training']['timing']})", "",
                   f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single (target <= {TARGET_TRAIN_VS_SINGLE}) "
                   "| peak GiB | plan build ms (new shape) | fwd, gathering executor | fwd, 4 side streams "
-                  "| merge alone | fwd+bwd, prepared FA4 calls (/ single) |", "|---" * 11 + "|"]
+                  "| merge alone | fwd+bwd, FA4's own calls (/ single) |", "|---" * 11 + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | {x['peak_GiB_fwd_bwd']} | {x.get('plan_build_ms', '-')} | "
                   f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_4_streams') or '-'} | "
                   f"{x.get('merge_alone_us') or '-'} | "
-                  f"{_prepared_cell(x)} |" for x in tr]
+                  f"{_own_calls_cell(x)} |" for x in tr]
         lines += ["", "The gathering executor is the one before the in-place one (each full piece's queries "
                   "copied out, every partial scattered into its slot); same bits (in_place_vs_gathering cells). "
                   "Merge alone: the merge op on one forward's state buffers (its share of the forward). "
-                  "Prepared FA4 calls: fa4 canonical.PREPARED_CALLS (kernels/fa4/prepared.py), FA4's kernel "
-                  "calls replayed from a recording without its per-call Python."]
+                  "The policies' fwd and fwd+bwd replay FA4's kernel calls from a recording (fa4 "
+                  "canonical.PREPARED_CALLS, kernels/fa4/prepared.py); FA4's own calls: with its per-call Python "
+                  "(prepared_calls(False)), same bits."]
         if r["training"].get("plan"):
             lines += ["", f"Plan: {r['training']['plan']}."]
         lines.append("")
@@ -867,9 +863,9 @@ def _dense_seqs(bsz: int, s: int) -> tuple:
     return tuple((i * s, s, i * s, s) for i in range(bsz))
 
 
-def _prepared_cell(x: dict) -> str:
-    us = x.get("fwd_bwd_us_prepared_calls")
-    return f"{us:.0f} ({x.get('fwd_bwd_prepared_calls_over_single')})" if us else "-"
+def _own_calls_cell(x: dict) -> str:
+    us = x.get("fwd_bwd_us_own_calls")
+    return f"{us:.0f} ({x.get('fwd_bwd_own_calls_over_single')})" if us else "-"
 
 
 def chunk_list(flag: str, text: str) -> tuple:

@@ -91,6 +91,31 @@ def test_fa4_canonical_forward_routes_to_single_pass_partials(fake):
     assert full["out"]._base is slots and slots.shape == (2, 300, 4, 16)
 
 
+def test_fa4_canonical_forward_replays_prepared_calls(fake):
+    """PREPARED_CALLS (the default): the second forward of a plan replays the recorded kernel
+    calls (no FA4 Python runs: the stand-in logs none) with the same bits; prepared_calls(False)
+    runs FA4's Python again."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.fa4 import prepared
+
+    q, k, v = _cpu_qkv(seed=4)
+    cu = torch.tensor([0, 170, 300], dtype=torch.int32)
+    prepared.clear()
+    try:
+        with rlk_ops.use_backend(attention_fwd="fa4"):
+            first = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
+            n = len(fake.calls)
+            again = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
+            assert n == 2 and len(fake.calls) == n
+            with fa4_canonical.prepared_calls(False):
+                own = rlk_ops.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv="canonical:128")
+            assert len(fake.calls) == 2 * n
+    finally:
+        prepared.clear()
+    for got in (again, own):
+        assert bitwise_equal(got[0], first[0]) and bitwise_equal(got[1], first[1])
+
+
 def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
     q, k, v = _cpu_qkv(seed=2)
     page_size, lens = 16, [300, 40]
@@ -265,6 +290,26 @@ def test_cuda_merge_skipping_absent_states_changes_no_bit(config, dtype):
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
 
 
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_cuda_routed_training_merge_skips_absent_states_with_the_same_bits(dtype):
+    """Past VEC_ROWS_MAX rows merge_route takes the skipping walk (training's merges): on
+    training's pattern, chunks of 300 rows, the CPU reference's bits."""
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    n, rows, h = 7, 1500, 3
+    out_parts, lse_parts = _with_empty(*_states(n, rows, h, 128, dtype, seed=22))
+    assert rows * h > triton_merge.VEC_ROWS_MAX
+    assert triton_merge.merge_route(rows * h, n, 128, out_parts.device)[0][5:] == (1,)
+    chunk = torch.arange(rows, device=DEV) // 300
+    for st in range(n - 1):
+        lse_parts[st][:, chunk <= st] = -math.inf
+    got = triton_merge.merge_attn_states(out_parts, lse_parts)
+    ref = _cpu_merge(out_parts, lse_parts)
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
 def test_merge_skip_needs_the_2d_max_and_an_unrolled_walk():
     pytest.importorskip("triton")
     from rlk_ops.kernels.triton import merge as triton_merge
@@ -309,7 +354,8 @@ def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
     quarter of head_dim (fewer rows than SMs: up to batch 8 on the H200) take _merge_vec, 32
     states a group; with a config that gives multi-row programs vec_states keeps the walk (the
     quarter-head_dim vec blocking was slower at batch 64); merge_route gives larger decode
-    batches _merge_vec over all of head_dim, training the walk."""
+    batches _merge_vec over all of head_dim, training the walk that skips absent states
+    (SKIP_UNROLL)."""
     pytest.importorskip("triton")
     from rlk_ops.kernels.triton import merge as triton_merge
 
@@ -326,8 +372,10 @@ def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
     assert triton_merge.merge_route(2, 16, 128, cpu_dev) == ((1, 4, 16, 16), 32)   # unroll unused by vec
     assert triton_merge.merge_route(8, 16, 128, cpu_dev) == ((1, 1, 0, 16), 32)
     assert triton_merge.merge_route(4096, 300, 128, cpu_dev) == ((1, 1, 0, 0), 32)
-    assert triton_merge.merge_route(4097, 16, 128, cpu_dev)[1] == 0
-    assert triton_merge.merge_route(8, 16, 256, cpu_dev)[1] == 0
+    assert triton_merge.merge_route(4097, 16, 128, cpu_dev) == ((16, 1, 2, 16, False, 1), 0)   # skipping walk
+    assert triton_merge.merge_route(4097, 300, 128, cpu_dev) == ((16, 1, 32, 0), 0)   # no 2D max: no skipping
+    cfg, vec = triton_merge.merge_route(8, 16, 256, cpu_dev)
+    assert vec == 0 and len(cfg) == 4   # the walk, not skipping (few rows)
 
 
 def test_merge_vec_refuses_a_width_that_is_not_a_power_of_two():
@@ -484,27 +532,29 @@ def _cache(k, v, cu, page_size, seed):
 @pytest.mark.skipif(not HAS_CUDA or DRY, reason="needs a CUDA GPU (FA4's JIT cache)")
 @pytest.mark.cuda
 def test_cuda_prepared_fa4_calls_give_the_same_bits(packed):
-    """fa4 canonical.PREPARED_CALLS (kernels/fa4/prepared.py): the training forward with FA4's
-    kernel calls recorded, then replayed, equals the forward through FA4's own calls, also on
-    new inputs of the same layout (the replay reads the new tensors)."""
+    """fa4 canonical.PREPARED_CALLS (kernels/fa4/prepared.py, the default): the training
+    forward with FA4's kernel calls recorded, then replayed, equals the forward through FA4's
+    own calls, also on new inputs of the same layout (the replay reads the new tensors)."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.fa4 import prepared
 
-    q, k, v, cu, train = packed
+    q, k, v, cu, _ = packed
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
     kw = dict(cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=max(LENS), max_seqlen_k=max(LENS))
     q2, k2, v2 = (t * -0.5 for t in (q, k, v))
-    fresh = {c: rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw) for c in CHUNKS}
+    with fa4_canonical.prepared_calls(False):
+        own = {c: rlk_ops.attention(q, k, v, split_kv=f"canonical:{c}", **kw) for c in CHUNKS}
+        fresh = {c: rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw) for c in CHUNKS}
     prepared.clear()
     try:
-        with fa4_canonical.prepared_calls():
-            for c in CHUNKS:
-                for _ in range(2):   # recorded, then replayed
-                    got = rlk_ops.attention(q, k, v, split_kv=f"canonical:{c}", **kw)
-                    assert bitwise_equal(got[0], train[c][0]) and bitwise_equal(got[1], train[c][1]), c
-                got = rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw)
-                assert bitwise_equal(got[0], fresh[c][0]) and bitwise_equal(got[1], fresh[c][1]), c
-        assert prepared._CACHE and not fa4_canonical.PREPARED_CALLS
+        assert fa4_canonical.PREPARED_CALLS
+        for c in CHUNKS:
+            for _ in range(2):   # recorded, then replayed
+                got = rlk_ops.attention(q, k, v, split_kv=f"canonical:{c}", **kw)
+                assert bitwise_equal(got[0], own[c][0]) and bitwise_equal(got[1], own[c][1]), c
+            got = rlk_ops.attention(q2, k2, v2, split_kv=f"canonical:{c}", **kw)
+            assert bitwise_equal(got[0], fresh[c][0]) and bitwise_equal(got[1], fresh[c][1]), c
+        assert prepared._CACHE
     finally:
         prepared.clear()
 

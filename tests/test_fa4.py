@@ -82,12 +82,23 @@ def make_fake_fa4(drop=()):
         assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and kw["return_lse"]
         lens_q, lens_k = kw["seqused_q"].tolist(), kw["seqused_k"].tolist()
         assert max(lens_q) <= kw["max_seqlen_q"] and max(lens_k) <= kw["max_seqlen_k"]
-        for a, n, b, m in zip(kw["cu_seqlens_q"].tolist(), lens_q, kw["cu_seqlens_k"].tolist(), lens_k):
-            o, l = cpu_attn.attention_fwd(q[a:a + n], k[b:b + m], v[b:b + m], int(kw["causal"]), kw["softmax_scale"],
+        # FA4's JIT shape (kernels/fa4/prepared.py records and replays it): the Python work
+        # above, then one compiled kernel looked up and called with positional arguments
+        key = (q.dtype, q.shape[-1], bool(kw["causal"]))
+        if key not in _flash_attn_fwd.compile_cache:
+            _flash_attn_fwd.compile_cache[key] = _pieces_kernel
+        _flash_attn_fwd.compile_cache[key](q, k, v, out, lse, kw["softmax_scale"], int(kw["causal"]),
+                                           kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_q"], kw["seqused_k"])
+        return out, lse, None, None, None
+
+    def _pieces_kernel(q, k, v, out, lse, scale, causal, cu_q, cu_k, used_q, used_k):
+        for a, n, b, m in zip(cu_q.tolist(), used_q.tolist(), cu_k.tolist(), used_k.tolist()):
+            o, l = cpu_attn.attention_fwd(q[a:a + n], k[b:b + m], v[b:b + m], causal, scale,
                                           torch.tensor([0, n], dtype=torch.int32),
                                           torch.tensor([0, m], dtype=torch.int32), n, m)
             out[a:a + n], lse[:, a:a + n] = o, l
-        return out, lse, None, None, None
+
+    _flash_attn_fwd.compile_cache = {}
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, **kw):
         mod.calls.append(("_flash_attn_bwd", (q, k, v, out, dout, lse), kw))

@@ -145,9 +145,9 @@ def test_the_cache_is_bounded(monkeypatch):
 def test_the_switch_is_restored():
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
-    assert fa4_canonical.PREPARED_CALLS is False
+    assert fa4_canonical.PREPARED_CALLS is True   # the default since session 12
     with pytest.raises(KeyError):
-        with fa4_canonical.prepared_calls():
-            assert fa4_canonical.PREPARED_CALLS is True
+        with fa4_canonical.prepared_calls(False):
+            assert fa4_canonical.PREPARED_CALLS is False
             raise KeyError("inside")
-    assert fa4_canonical.PREPARED_CALLS is False
+    assert fa4_canonical.PREPARED_CALLS is True

@@ -191,6 +191,21 @@ def test_interpreter_persistent_programs_change_no_state(prefetch, pages_ahead, 
     assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
+def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
+    """The measured rule (pair_decode.decode_launch, SLICES_ONE_WAVE): 8 warps and 2 head-dim
+    slices while twice the programs fit one per SM, 8 warps up to one wave, then 4 warps with
+    one pair's heads adjacent; SLICES_ONE_WAVE = 1 turns the slices off."""
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    cpu = torch.device("cpu")   # 4 "SMs" off CUDA
+    assert pd.decode_launch(2, cpu) == {"config": (8, 3), "heads_first": False, "slices": 2}
+    assert pd.decode_launch(3, cpu) == {"config": (8, 3), "heads_first": False, "slices": 1}
+    assert pd.decode_launch(4, cpu)["slices"] == 1
+    assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1}
+    monkeypatch.setattr(pd, "SLICES_ONE_WAVE", 1)
+    assert pd.decode_launch(2, cpu)["slices"] == 1
+
+
 def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
     """A decode step's compile-time constants are the same whatever its number of chunks (a
     sequence growing past a chunk boundary must not compile the kernel again); only the fused

@@ -61,9 +61,13 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
 
 
 # Training's FA4 calls replayed from a recording (kernels/fa4/prepared.py: the same compiled
-# kernel on the same argument values, without FA4's ~125 us of Python per call). Off: built in
-# session 11 after the host-bound forward was measured, not yet measured itself.
-PREPARED_CALLS = False
+# kernel on the same argument values, without FA4's ~125 us of Python per call). Measured on the
+# H200 (results/h200/session12/train_fwd_paths.json, B=4, S=8k, forward, direct call): the host
+# time to issue it 2614 -> 1966 us at C=640, 2551 -> 1822 at C=768, 1228 -> 843 at C=1024, GPU
+# time unchanged (3145 / 2924 / 2664 us), so the host now stays ahead of the GPU; out and lse
+# torch.equal to FA4's own calls (there and tests/test_canonical_cuda.py). A call it cannot
+# replay raises PreparedCallError; False (or ``prepared_calls(False)``) calls FA4 every time.
+PREPARED_CALLS = True
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """FA4 calls prepared once per plan call: canonical:C training's partials without FA4's per-call
-Python (opt-in, ``fa4 canonical.PREPARED_CALLS``; not yet measured on the H200).
+Python (``fa4 canonical.PREPARED_CALLS``, on since session 12: measured there).
 
 Why: the training forward makes one FA4 call per state slot (13 at C = 640, S = 8k), and on the
 H200 the host took 2.3 ms to issue a forward whose GPU time is 3.2 ms
@@ -24,8 +24,8 @@ Refused with ``PreparedCallError`` (raised after FA4's own call has written out/
 cached): a call that made no or several compiled-kernel calls, passed an input tensor inside a
 nested argument, or did not pass every input in place (a copy would be replayed stale). The key
 holds every input's shape, stride, dtype, device and 16-byte alignment, which inputs share a
-storage and at what offsets, the scale and the plan call itself (kept alive by the cache entry,
-so its id cannot be reused). Entries hold no input tensor: only how to view the next ones.
+storage and at what offsets, the scale, the plan call itself and FA4's module (both kept alive by
+the cache entry, so their ids cannot be reused; a reloaded FA4 records anew). Entries hold no input tensor: only how to view the next ones.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _nested_tensors(a) -> list:
 
 class Prepared:
     def __init__(self, fn: Callable, args: tuple, live: dict, owner):
-        self.fn, self.owner = fn, owner   # owner: the plan call, kept alive with the entry
+        self.fn, self.owner = fn, owner   # owner: the plan call and FA4's module, kept alive with the entry
         self.slots = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -138,14 +138,14 @@ def _sharing(live: dict) -> tuple:
     return tuple(out)
 
 
-def key(call, live: dict, scale: float) -> tuple:
-    return (id(call), float(scale), _sharing(live), *(_layout(live[n]) for n in INPUTS))
+def key(module, call, live: dict, scale: float) -> tuple:
+    return (id(module), id(call), float(scale), _sharing(live), *(_layout(live[n]) for n in INPUTS))
 
 
 def run(module, call, live: dict, scale: float, normal: Callable[[], object]) -> None:
     """One plan call: replay its prepared FA4 kernel call, or run ``normal()`` (FA4 as usual)
     while recording it and keep it for the next time."""
-    k = key(call, live, scale)
+    k = key(module, call, live, scale)
     prep = _CACHE.get(k)
     if prep is not None:
         _CACHE.move_to_end(k)
@@ -165,7 +165,7 @@ def run(module, call, live: dict, scale: float, normal: Callable[[], object]) ->
         raise PreparedCallError(f"FA4 made {len(rec.calls)} compiled-kernel calls for one plan call; "
                                 "a prepared call needs exactly 1")
     fn, args = rec.calls[0]
-    _CACHE[k] = Prepared(fn, args, live, call)
+    _CACHE[k] = Prepared(fn, args, live, (call, module))
     while len(_CACHE) > MAX_ENTRIES:
         _CACHE.popitem(last=False)
 

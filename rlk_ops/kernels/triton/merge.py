@@ -455,17 +455,34 @@ def _max2d(n: int) -> int:
     return C.pow2(n) if MAX_2D and n <= MAX_2D else 0
 
 
-def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple[int, int, int, int], int]:
+# Past VEC_ROWS_MAX rows (training's merges), the walk leaves out the states no row of a
+# program holds (merge_attn_states config[5], _merge_fwd SKIP), SKIP_UNROLL states a group: a row
+# of training's chunk i holds states 0..i-1 and the last, so about half of the walk was over
+# states every row skips. Measured on the H200 (results/h200/session12/train_merge.json, B=4,
+# S=8k, merge alone on a forward's state buffers, 16-row programs, 2D max, bitwise equal): C=640
+# 479.2 -> 388.6 us, C=768 423.6 -> 348.3, C=1024 343.7 -> 301.2 (groups of 4: 429.6 / 391.9 /
+# 337.1; of all N: slower than no skipping). tests/test_canonical_cuda.py checks its bits. Not
+# measured: a merge that large whose rows hold every state (decode past 256 sequences at 16
+# query heads), which walks groups of 2 instead of all N at once. 0 turns it off.
+SKIP_UNROLL = 2
+
+
+def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple, int]:
     """(config, states side by side or 0 for the walk) of a merge with no explicit config:
     merge_config's blocking, on _merge_vec where vec_states allows (fewer rows than SMs); else,
     up to VEC_ROWS_MAX rows and head_dim 128, _merge_vec on 1-row programs over all of head_dim
-    (the blocking measured); else the walk.
+    (the blocking measured); else the walk, past VEC_ROWS_MAX rows skipping the states no row of
+    a program holds (SKIP_UNROLL; with the 2D max).
     No choice changes a bit (see merge_config)."""
     cfg = merge_config(rows, n, d, device)
     vec = vec_states(cfg[0], C.pow2(d) // cfg[1])
-    if vec or not VEC_STATES or rows > VEC_ROWS_MAX or C.pow2(d) > 128:
+    if vec:
         return cfg, vec
-    return (1, 1, 0, _max2d(n)), VEC_STATES
+    if VEC_STATES and rows <= VEC_ROWS_MAX and C.pow2(d) <= 128:
+        return (1, 1, 0, _max2d(n)), VEC_STATES
+    if SKIP_UNROLL and rows > VEC_ROWS_MAX and cfg[3]:
+        return (cfg[0], cfg[1], min(SKIP_UNROLL, n), cfg[3], EAGER_LOADS, 1), 0
+    return cfg, 0
 
 
 def _pdl() -> dict:

@@ -708,6 +708,15 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
             and chunk_size % page == 0 and chunk_size % BLOCK_N == 0 and preloadable(k_cache, chunk_size))
 
 
+# Head-dim slices while the pair programs are one wave (decode_launch): each (pair, KV head) on
+# SLICES_ONE_WAVE programs, each scoring the whole block and keeping its half of O (same bits).
+# Batch 1 / 8k is latency-bound on a few dozen programs; measured on the H200, page 16, op =
+# pairs + merge, us, routed -> 2 slices (results/h200/session12/variants_b1.json, bitwise equal):
+# C=640 14.8 -> 13.66, C=768 15.54 -> 14.42 (session 9, C=1024: pairs 16.4 -> 15.2; 4 slices
+# 15.6, 8 slices 22.9; past one wave, 8 x 8k, 2 slices were slower: 40.0 -> 51.9). 1 turns it off.
+SLICES_ONE_WAVE = 2
+
+
 def decode_launch(programs: int, device: torch.device) -> dict:
     """``pair_decode`` launch arguments for ``programs`` (pair, KV head) programs, as measured on
     the H200 (no bit depends on them). Up to one program per SM, latency decides: 8 warps with
@@ -716,11 +725,14 @@ def decode_launch(programs: int, device: torch.device) -> dict:
     flight (67 KB of shared memory, three programs per SM; 64 x 8k: 254.5 us against 272.6),
     and one pair's KV heads on adjacent programs, which read the same cache rows together
     (variants_run1.json: 64 x 8k pairs 248.9 against 254.6 us, 8 x 32k 128.5 against 130.3;
-    at batch 1 it was no faster)."""
+    at batch 1 it was no faster). Where even SLICES_ONE_WAVE times the programs fit one per SM,
+    the head dim of V and O is split over that many programs (``slices``; see SLICES_ONE_WAVE)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
-        return {"config": (8, 3), "heads_first": False}
-    return {"config": (4, 2), "heads_first": True}
+        slices = SLICES_ONE_WAVE if SLICES_ONE_WAVE > 1 and programs * SLICES_ONE_WAVE <= sms else 1
+        return {"config": (8, 3), "heads_first": False, "slices": slices}
+    return {"config": (4, 2), "heads_first": True, "slices": 1}
+
 
 
 def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
