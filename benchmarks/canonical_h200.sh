@@ -8,7 +8,7 @@
 #           training and accuracy sections at page 16 -> canonical_speed.json/md; decode profile
 #           and decode at page 128 (FA4's TMA path: page size = its 128-key tile);
 #           (one part until session 7: the interleaved decode timing made it overrun 10 min)
-#   part 3: the CUDA demo single pass and under bare 'canonical' (= 1024), the whole CUDA test
+#   part 3: the CUDA demo single pass and under bare 'canonical' (= 768 since session 12), the whole CUDA test
 #           suite except tests/test_canonical_cuda.py, benchmarks/attention.py (strict FA4);
 #   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
 #           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
@@ -19,7 +19,7 @@
 # (session 11), and every report also records source_digest (benchmarks/_report.py).
 # Writes into $OUT: steps.txt canonical_tests.txt canonical_bitwise.json/md (part 1);
 # canonical_speed.json/md canonical_p128.json/md (part 2); demo_cuda.json
-# demo_cuda_canonical1024.json cuda_tests.txt attention.json attention.md (part 3);
+# demo_cuda_canonical_default.json cuda_tests.txt attention.json attention.md (part 3);
 # probe_tests.txt variants.json (probe)
 set -u -o pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -51,7 +51,7 @@ elif [ "$PART" = probe ]; then
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
 elif [ "$PART" = 3 ]; then
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
-  step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical1024.json | tail -4"
+  step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical_default.json | tail -4"
   step cuda_suite 360 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
   tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
   step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"

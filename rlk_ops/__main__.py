@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--sequences", type=int, default=8)
     p.add_argument("--split-kv", default="disabled",
-                   help="disabled | canonical (= canonical:1024) | canonical:C (training and rollout must share "
+                   help="disabled | canonical (= canonical:768) | canonical:C (training and rollout must share "
                         "the policy; fixed:N and auto are rollout-only lanes that no training forward computes)")
     p.add_argument("--chunk", type=int, default=96, help="prefill chunk size (tokens)")
     p.add_argument("--page-size", type=int, default=16)

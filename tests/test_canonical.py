@@ -83,15 +83,17 @@ def test_bare_canonical_is_the_default_chunk():
     spelling is what the contract and the op calls carry."""
     from rlk_ops.meta.contract import DEFAULT_CANONICAL_CHUNK, AttentionContract, SplitKVPolicy, spell
 
-    assert DEFAULT_CANONICAL_CHUNK == 1024
-    assert SplitKVPolicy.parse("canonical") == SplitKVPolicy("canonical", 1024)
-    assert spell("canonical") == "canonical:1024" and spell("canonical:256") == "canonical:256"
-    assert AttentionContract(split_kv="canonical").split_kv == "canonical:1024"
+    assert DEFAULT_CANONICAL_CHUNK == 768
+    assert SplitKVPolicy.parse("canonical") == SplitKVPolicy("canonical", 768)
+    assert spell("canonical") == "canonical:768" and spell("canonical:256") == "canonical:256"
+    assert AttentionContract(split_kv="canonical").split_kv == "canonical:768"
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 1100, h, 8, generator=g).to(torch.bfloat16) for h in (2, 1, 1))  # 2 chunks
-    got, ref = rlk_ops.attention(q, k, v, split_kv="canonical"), rlk_ops.attention(q, k, v, split_kv="canonical:1024")
+    got, ref = rlk_ops.attention(q, k, v, split_kv="canonical"), rlk_ops.attention(q, k, v, split_kv="canonical:768")
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-    assert not bitwise_equal(got[0], rlk_ops.attention(q, k, v)[0])  # really split: rows past 1024 differ
+    assert not bitwise_equal(got[0], rlk_ops.attention(q, k, v)[0])  # really split: rows past 768 differ
+    other = rlk_ops.attention(q, k, v, split_kv="canonical:1024")
+    assert not bitwise_equal(got[0], other[0])  # and at 768, not 1024
 
 
 def test_gathered_writes_only_the_calls_rows():

@@ -14,13 +14,14 @@
                    order with one fixed fp32 formula, on both sides (train == rollout).
                    ``canonical`` alone is ``canonical:DEFAULT_CANONICAL_CHUNK``.
 
-DEFAULT_CANONICAL_CHUNK = 1024, from the H200 measurements (results/h200/canonical.md,
-Qwen3-8B TP=2 shard): the smallest power of two whose training forward+backward stays within
-1.15x of single pass at B=4, S=8k (512: ~1.2x), and the best decode C at batch 1 / 32k; 2048
-trains a little cheaper and decodes batch 8 a little faster, but batch 1 / 8k-32k slower.
-Session 11 (results/h200/session11/): 768 also trains within 1.15x and is closer on the two
-decode cells every C still misses, 640 meets every batch 1 and 8 decode cell but not training;
-the default changes when one C meets every target in one run (README, canonical:C on the H200).
+DEFAULT_CANONICAL_CHUNK = 768 since session 12: the one C that met every canonical:C speed
+target of issue 8 in one H200 run (results/h200/session12/canonical_speed.md, page 16, Qwen3-8B
+TP=2 shard): decode at batch 1 and 8 within 1.15x of FlashInfer's auto split (worst 1.12x at
+1 x 8k), batch 64 no slower than single-pass FA4 (8k: 257.4 against 257.5 us, a tie rather than
+a margin; 32k 0.98x), training forward+backward 1.09x of single pass at B=4, S=8k. C = 1024
+(the default from session 6 to 11: the smallest power of two training within 1.15x) misses
+1 x 8k (1.35x in the same run); 640 misses training (1.16x) and 64 x 8k (1.01x). At page 128
+C = 768 misses 64 x 8k (1.03x; canonical_p128.md). Any C a multiple of 128 is accepted.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import re
 from dataclasses import asdict, dataclass
 
 _POLICY = re.compile(r"^(disabled|auto|fixed:(\d+)|canonical(?::(\d+))?)$")
-DEFAULT_CANONICAL_CHUNK = 1024
+DEFAULT_CANONICAL_CHUNK = 768
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class SplitKVPolicy:
 
 
 def spell(text) -> str:
-    """``canonical`` -> ``canonical:1024`` (the default written out, so reports and the
+    """``canonical`` -> ``canonical:768`` (the default written out, so reports and the
     binding compare one spelling); anything else unchanged (the op's check validates it).
     A plain string comparison: it runs inside torch.compile'd code."""
     text = str(text)

@@ -73,7 +73,11 @@ and after each block is known up front), so only the O and thread-sum chains wal
 keeps its layout conversions and CTA barriers per block in Triton, and each added launch or
 phase costs more than the parallel scoring saves. A register cap for four programs per SM
 (``config`` (4, 1, 128) or (8, 1, 64)) was slower too (64 x 8k pairs 312 and 453 against 252
-us).
+us), and so were persistent programs (``persistent``: 2 or 3 per SM walking the items in the
+heads_first order, with or without the next item's page-table entries loaded ahead, capped at the
+routed kernel's 168 registers; session12/variants_persist.json: 5-8% slower at 64 x 8k, 8 x 32k
+and 64 x 32k, C = 640..1024). In the latency regime (programs fit one wave) decode_launch splits
+the head dim over 2 programs (SLICES_ONE_WAVE; session12/variants_b1.json).
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
 route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
