@@ -442,7 +442,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0, PERSIST: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0, PERSIST: tl.constexpr = 0, SIGNAL: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -461,14 +461,16 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     than items, numbered as the 1-D grid; each takes items pid, pid + programs, ...), so a slot
     runs the next item without a new program's start; 2: also the next item's page-table
     entries loaded while this one is walked (PF >= 2). Every item computes what
-    its own program would (same bits)."""
+    its own program would (same bits). SIGNAL: each program counts itself in ``counts[b * HKV +
+    h]`` once its state is written (release), for a merge that waits per (sequence, KV head)
+    instead of for the whole launch (decode_early_merge)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if PERSIST == 0:
         _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
                    n_chunks, counts, merged_out, merged_lse, log_c, None, None, G, HQ, HKV, D, M, BN, EMU, SUMS,
                    INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS, SEQ_MAJOR, GP,
-                   LOG_NP, DSL)
+                   LOG_NP, DSL, SIGNAL)
     else:
         n_items = n_chunks * bsz * HKV * DS
         step = tl.num_programs(0)
@@ -477,7 +479,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                 _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
                            n_chunks, counts, merged_out, merged_lse, log_c, item, None, G, HQ, HKV, D, M, BN, EMU,
                            SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
-                           SEQ_MAJOR, GP, LOG_NP, DSL)
+                           SEQ_MAJOR, GP, LOG_NP, DSL, SIGNAL)
         else:
             pages = _item_pages(table, tl.program_id(0), n_items, bsz, width, chunk, page, n_chunks, HKV, DS,
                                 SEQ_MAJOR, BN, NBC)
@@ -488,7 +490,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                 _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
                            n_chunks, counts, merged_out, merged_lse, log_c, item, cur, G, HQ, HKV, D, M, BN, EMU,
                            SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
-                           SEQ_MAJOR, GP, LOG_NP, DSL)
+                           SEQ_MAJOR, GP, LOG_NP, DSL, SIGNAL)
 
 
 @triton.jit
@@ -512,7 +514,7 @@ def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2
                NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
                LIBDEVICE: tl.constexpr, NMAX: tl.constexpr, HEADS_FIRST: tl.constexpr, L2PF: tl.constexpr,
                AHEAD: tl.constexpr, DS: tl.constexpr, SEQ_MAJOR: tl.constexpr, GP: tl.constexpr,
-               LOG_NP: tl.constexpr, DSL: tl.constexpr):
+               LOG_NP: tl.constexpr, DSL: tl.constexpr, SIGNAL: tl.constexpr):
     """One work item of ``_pair_decode_keys``: a (pair, KV head, head-dim slice); ``item`` None:
     this program's own (its grid position), else the persistent program's item; ``pages``: the
     item's page-table entries read ahead (PF >= 2, entries past the chunk or the table 0) or
@@ -580,6 +582,10 @@ def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
+    if SIGNAL:  # this program's state is written: count it for decode_early_merge's merge
+        tl.store(pair_lens + pair, n_keys)   # also here: a merge row waits only on its own KV head's programs
+        tl.debug_barrier()
+        tl.atomic_add(counts + b * HKV + h, 1, sem="release")
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
@@ -744,7 +750,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
                 slices: int = 1, seq_major: bool = False, pdl: bool | None = None, persistent: int = 0,
-                pages_ahead: bool = True):
+                pages_ahead: bool = True, signal: torch.Tensor | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -759,7 +765,9 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
     ``persistent``: "keys" with heads_first only, that many programs per SM (0: a program per
     item), each walking items pid, pid + programs, ... (same bits), ``pages_ahead`` the next
-    item's page-table entries loaded during the current one (prefetch 2 or 3)."""
+    item's page-table entries loaded during the current one (prefetch 2 or 3); ``signal``:
+    int32 counters, one per (sequence, KV head) and zero, that each program increments once its
+    state is written (decode_early_merge only: its merge zeroes them again)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -810,13 +818,18 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["DS"] = slices
         if (merge_mod.PDL if pdl is None else pdl) and not C.INTERPRET:  # else one compile either way
             extra["PDL"] = 1
+        if signal is not None:
+            if merge or signal.dtype != torch.int32 or signal.numel() < bsz * hkv:
+                raise ValueError(f"pair_decode signal= needs merge=False and int32 counters for {bsz * hkv} (sequence, "
+                                 f"KV head) pairs, got merge={merge}, {signal.dtype} x {signal.numel()}")
+            extra["SIGNAL"] = 1
         if persistent:
             if persistent < 0 or not heads_first or merge:
                 raise ValueError(f"pair_decode persistent={persistent} needs a positive count of programs per SM, "
                                  f"heads_first=True and merge=False (got heads_first={heads_first}, merge={merge})")
             extra["PERSIST"] = 2 if pages_ahead and prefetch >= 2 else 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or persistent:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and persistent need "
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or persistent or signal is not None:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need "
                          "layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
@@ -831,7 +844,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
-    fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
+    counts = _counts(dev, bsz * hkv) if merge else signal if signal is not None else pair_lens
+    fused_args = (n, counts, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
     grid = (n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)
     if persistent:
@@ -847,12 +861,37 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     return res + merged if merge else res
 
 
+def decode_early_merge(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
+                       **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """canonical:C decode, the merge overlapping the pair kernel's last programs: the pair
+    kernel ("keys", ``launch`` as decode_launch gives, sequence-major programs) lets the next
+    launch start once all its programs have started (PDL) and counts each (sequence, KV head)'s
+    finished programs (``signal``); the merge (``_merge_vec`` WAIT on 1-row programs over all of
+    head_dim, launched with PDL) waits for each row's own count instead of for the whole launch,
+    so sequences finished early merge in the SM slots the last wave frees. No deadlock: a PDL
+    launch starts only after every pair program has started. A merge row reads only its own KV
+    head's states, and the pair lengths, which every program of the pair therefore stores before
+    it counts itself (not only the KV-head-0 program). Same bits as pairs + merge op
+    (same states, the merge's operations and order; no blocking changes a bit). Returns the
+    merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])``. Not routed (fa4 canonical.EARLY_MERGE_MIN_BATCH)."""
+    bsz, _, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    counts = _counts(q.device, 2 * bsz * hkv)     # arrivals, then the merge programs that read them
+    launch = {**launch, "seq_major": True, "pdl": True}
+    out, lse, pair_lens, n = pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
+                                         layout="keys", signal=counts, **launch)
+    return merge_mod.merge_attn_states(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1),
+                                       state_lens=pair_lens.view(n, bsz), config=(1, 1, 0, merge_mod._max2d(n)),
+                                       vec=merge_mod.VEC_STATES, wait=(counts, n * launch.get("slices", 1), hq // hkv,
+                                                                       hkv))
+
+
 _COUNTS: dict = {}
 
 
 def _counts(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge, one per (sequence, KV head); every launch
-    leaves them zero again. Kept per (device, stream), grown outside graph capture; inside a
+    """Zeroed int32 counters for the fused merge and decode_early_merge, one or two per
+    (sequence, KV head); every launch leaves them zero again. Kept per (device, stream), grown outside graph capture; inside a
     capture with none big enough, a fresh zeroed buffer is captured with the launch."""
     if device.type != "cuda":
         return torch.zeros(size, dtype=torch.int32, device=device)
