@@ -25,7 +25,8 @@ cached): a call that made no or several compiled-kernel calls, passed an input t
 nested argument, or did not pass every input in place (a copy would be replayed stale). The key
 holds every input's shape, stride, dtype, device and 16-byte alignment, which inputs share a
 storage and at what offsets, the scale, the plan call itself and FA4's module (both kept alive by
-the cache entry, so their ids cannot be reused; a reloaded FA4 records anew). Entries hold no input tensor: only how to view the next ones.
+the cache entry, so their ids cannot be reused; a reloaded FA4 records anew). Entries hold no
+input tensor: only how to view the next ones.
 """
 from __future__ import annotations
 

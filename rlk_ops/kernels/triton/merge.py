@@ -73,6 +73,7 @@ _INF = tl.constexpr(float("inf"))
 # No NaN global: Triton (3.6) re-checks a kernel's globals on every launch with ``!=``, and
 # NaN != NaN fails that check ("Global variable ... has changed"). NaN is spelled
 # ``_INF - _INF`` in the kernels instead (a constexpr computed at compile time).
+
 # _merge_vec WAIT: polls of a row's counter before it gives up (~1 us each: seconds, far past any
 # launch) and writes the row's out and lse as NaN instead of waiting forever.
 MAX_POLLS = tl.constexpr(1 << 22)
@@ -336,14 +337,14 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     res = tl.math.div_rn(acc, total)
     res = tl.where(total == 0.0, 0.0, res)
     if WAIT:
-        res = tl.where(seen < w_target, float("nan"), res)
+        res = tl.where(seen < w_target, _INF - _INF, res)
     m2 = rmask[:, None] & dmask[None, :]
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
     row_total = tl.max(total, axis=1)                                    # every column holds the row's L
     first = (r * 0 + tl.program_id(1)) == 0
     merged_lse = m + _log(row_total, c_ptr)
     if WAIT:   # states not all counted after MAX_POLLS polls: the row is NaN (never silently partial)
-        merged_lse = tl.where(seen < w_target, float("nan"), merged_lse)
+        merged_lse = tl.where(seen < w_target, _INF - _INF, merged_lse)
     tl.store(lse_ptr + off, merged_lse, mask=rmask & first)
     if WAIT:
         users = cnt + (R // (H * S)) * w_heads                         # the counters' second half
@@ -551,8 +552,8 @@ def vec_states(block: int, block_d: int) -> int:
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None, wait=None):
     """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip]]]) instead
-    of ``merge_config``'s and ``EAGER_LOADS`` (benchmarks, tests); skip: the walk leaves out the
-    states no row of a program holds (``_merge_fwd`` SKIP; not routed, to be measured). ``vec``:
+    of ``merge_route``'s (benchmarks, tests); skip: the walk leaves out the states no row of a
+    program holds (``_merge_fwd`` SKIP; merge_route takes it past VEC_ROWS_MAX rows). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
     of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
     (not unroll/eager/skip). ``wait``: (counters, target, query heads per counter, counters

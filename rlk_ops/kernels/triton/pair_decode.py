@@ -460,8 +460,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     wave instead of launching after it. PERSIST: persistent programs (a grid of fewer programs
     than items, numbered as the 1-D grid; each takes items pid, pid + programs, ...), so a slot
     runs the next item without a new program's start; 2: also the next item's page-table
-    entries loaded while this one is walked (PF >= 2). Every item computes what
-    its own program would (same bits). SIGNAL: each program counts itself in ``counts[b * HKV +
+    entries loaded while this one is walked (PF >= 2). Every item computes what its own program
+    would (same bits). SIGNAL: each program counts itself in ``counts[b * HKV +
     h]`` once its state is written (release), for a merge that waits per (sequence, KV head)
     instead of for the whole launch (decode_early_merge)."""
     if PDL:
@@ -891,8 +891,9 @@ _COUNTS: dict = {}
 
 def _counts(device: torch.device, size: int) -> torch.Tensor:
     """Zeroed int32 counters for the fused merge and decode_early_merge, one or two per
-    (sequence, KV head); every launch leaves them zero again. Kept per (device, stream), grown outside graph capture; inside a
-    capture with none big enough, a fresh zeroed buffer is captured with the launch."""
+    (sequence, KV head); every launch leaves them zero again. Kept per (device, stream), grown
+    outside graph capture; inside a capture with none big enough, a fresh zeroed buffer is
+    captured with the launch."""
     if device.type != "cuda":
         return torch.zeros(size, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).stream_id)
