@@ -58,15 +58,15 @@ class Shapes:
     hkv: int = 4
     d: int = 128
     lens: tuple = (8192, 3000, 1029)        # packed training sequences of the bitwise matrix
-    chunks: tuple = (256, 1024, 2048)       # C of the bitwise matrix
+    chunks: tuple = (256, 768, 1024, 2048)  # C of the bitwise matrix
     pages: tuple = (16, 128)
     acc_s: int = 8192
-    acc_chunks: tuple = (256, 512, 1024, 2048)
+    acc_chunks: tuple = (512, 640, 768, 1024)
     decode_cases: tuple = ((1, 8192), (1, 32768), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
-    decode_chunks: tuple = (256, 512, 1024, 2048)
+    decode_chunks: tuple = (512, 640, 768, 1024)
     decode_page: int = 16
     train: tuple = (4, 8192)
-    train_chunks: tuple = (256, 512, 1024, 2048)
+    train_chunks: tuple = (512, 640, 768, 1024)
     target_ms: float = 8.0
     reps: int = 5
 
@@ -88,6 +88,7 @@ class Bench(Report):
     def __init__(self, dev, sh: Shapes, out_path, dry):
         super().__init__("benchmarks/canonical.py", dev, sh, out_path, dry)
         self.scale = sh.d ** -0.5
+        self.early_merge = False   # decode: also the merge overlapping the pair kernel (--early-merge)
 
     # ------------------------------------------------------------ helpers
     def cell(self, name, equal, what, **extra):
@@ -541,6 +542,8 @@ class Bench(Report):
             for c in sh.decode_chunks:
                 fns[f"canonical_{c}_us"] = lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl,
                                                                                split_kv=f"canonical:{c}")
+                if self.early_merge:   # the merge overlapping the pair kernel (not routed), same run
+                    fns[f"canonical_{c}_early_merge_us"] = lambda c=c: self._early(q, kc, vc, pt, sl, c)
             if fi_table is None:
                 fns["flashinfer_auto_us"] = self._fi_run(q, kc, vc, pt, sl)
             row.update({name: round(us, 2) for name, us in self.graph_us_many(fns).items()})
@@ -558,12 +561,32 @@ class Bench(Report):
                 row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
                 if fi is not None:
                     row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
+                if self.early_merge:
+                    got = self._early(q, kc, vc, pt, sl, c)
+                    ref = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
+                    row[f"canonical_{c}_early_merge_equal"] = beq(got[0], ref[0]) and beq(got[1], ref[1])
+                    row[f"canonical_{c}_early_merge_over_fa4_strict"] = round(
+                        row[f"canonical_{c}_early_merge_us"] / row["fa4_strict_raw_us"], 3)
+                    if fi is not None:
+                        row[f"canonical_{c}_early_merge_over_fi_auto"] = round(
+                            row[f"canonical_{c}_early_merge_us"] / fi, 3)
             row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
             rows.append(row)
             print("   ", row, flush=True)
         self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off, "
                               "every implementation of a case replayed in turn (graph_times_us)",
                               "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
+
+    def _early(self, q, kc, vc, pt, sl, c):
+        """canonical:c decode through the op with fa4 canonical.EARLY_MERGE_MIN_BATCH = 1 (the
+        switch is read while the op runs, so a CUDA graph captures that route)."""
+        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+        old, fa4_canonical.EARLY_MERGE_MIN_BATCH = fa4_canonical.EARLY_MERGE_MIN_BATCH, 1
+        try:
+            return rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
+        finally:
+            fa4_canonical.EARLY_MERGE_MIN_BATCH = old
 
     def _fi_run(self, q, kc, vc, pt, sl):
         """FlashInfer's auto-split decode of this batch, planned: the call to time (run())."""
@@ -739,6 +762,12 @@ def markdown(r: dict) -> str:
                 cols.append(f"{t:.1f} ({ratio if ratio is not None else '-'}x {tag})")
             lines.append(f"| {x['batch']} x {x['context']} | {x['fa4_strict_raw_us']:.1f} | "
                          f"{'-' if fi is None else f'{fi:.1f}'} | " + " | ".join(cols) + " |")
+        early = [(x, c) for x in dec for c in chunks if f"canonical_{c}_early_merge_us" in x]
+        if early:
+            lines += ["", "Early merge (pair_decode.decode_early_merge: the merge waits per (sequence, KV head) and "
+                      "overlaps the pair kernel's last programs; fa4 canonical.EARLY_MERGE_MIN_BATCH, not routed), "
+                      "same run, us (ratio as above; equal: torch.equal to the routed op): " +
+                      "; ".join(_early_cell(x, c) for x, c in early) + "."]
         gen = [(x, k) for x in dec for k in x if k.endswith("_generic_route_us")]
         if gen:
             lines += ["", "Generic decode route (torch pair layout + lse mask + merge, ~15 launches) at batch 1: " +
@@ -863,6 +892,12 @@ def _dense_seqs(bsz: int, s: int) -> tuple:
     return tuple((i * s, s, i * s, s) for i in range(bsz))
 
 
+def _early_cell(x: dict, c: int) -> str:
+    key = f"canonical_{c}_early_merge"
+    ratio = x.get(f"{key}_over_fi_auto") if x["batch"] in (1, 8) else x.get(f"{key}_over_fa4_strict")
+    return f"{x['batch']}x{x['context']} C{c} {x[key + '_us']:.1f} ({ratio}x, equal {x.get(key + '_equal')})"
+
+
 def _own_calls_cell(x: dict) -> str:
     us = x.get("fwd_bwd_us_own_calls")
     return f"{us:.0f} ({x.get('fwd_bwd_own_calls_over_single')})" if us else "-"
@@ -882,9 +917,13 @@ def main():
                     help="page size of the decode and decode_profile sections (default 16)")
     ap.add_argument("--chunks", default=None,
                     help="C values of the decode, training and accuracy sections, comma-separated multiples of "
-                         "128 (default 256,512,1024,2048)")
+                         "128 (default 512,640,768,1024)")
     ap.add_argument("--bitwise-chunks", default=None,
-                    help="C values of the bitwise sections, comma-separated multiples of 128 (default 256,1024,2048)")
+                    help="C values of the bitwise sections, comma-separated multiples of 128 (default "
+                         "256,768,1024,2048)")
+    ap.add_argument("--early-merge", action="store_true",
+                    help="decode: also time (and check the bits of) each C with the merge overlapping the pair "
+                         "kernel (fa4 canonical.EARLY_MERGE_MIN_BATCH)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
@@ -898,6 +937,7 @@ def main():
         sh = replace(sh, chunks=chunk_list("--bitwise-chunks", args.bitwise_chunks))
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
+    b.early_merge = args.early_merge
     b.res["commit"] = args.commit
     b.res["out_path"] = args.out
     sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),
