@@ -14,8 +14,9 @@ Shapes: Qwen3-8B TP=2 shard, Hq=16, Hkv=4, D=128, bf16, causal.
   chunk boundaries; chunked-prefill rows vs training; run-to-run forward and backward.
 * ``accuracy``: out and lse against float64 math, single pass next to canonical:C.
 * ``decode``: paged decode (page 16, Sq=1, value checks off), CUDA-graph replay medians:
-  FA4 strict single pass and canonical:C for several C, the fused decode route and the
-  generic one; ratios against FlashInfer auto split (measured here when flashinfer is
+  FA4 strict single pass and canonical:C for several C (with --early-merge also each C with
+  the merge overlapping the pair kernel, not routed), the generic route; ratios against
+  FlashInfer auto split (measured here when flashinfer is
   installed, else read from results/h200/kernels.json, named in ``flashinfer_auto_source``).
 * ``training``: forward and forward+backward at B=4, S=8192, single pass vs canonical:C
   (eager, CUDA events, interleaved repetitions; canonical's host-side plan is included).
