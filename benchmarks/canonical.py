@@ -583,11 +583,8 @@ class Bench(Report):
         switch is read while the op runs, so a CUDA graph captures that route)."""
         from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
-        old, fa4_canonical.EARLY_MERGE_MIN_BATCH = fa4_canonical.EARLY_MERGE_MIN_BATCH, 1
-        try:
+        with fa4_canonical.early_merge():
             return rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
-        finally:
-            fa4_canonical.EARLY_MERGE_MIN_BATCH = old
 
     def _fi_run(self, q, kc, vc, pt, sl):
         """FlashInfer's auto-split decode of this batch, planned: the call to time (run())."""

@@ -503,7 +503,7 @@ def test_cuda_early_merge_equals_pairs_and_the_merge_op(ps, bsz, chunk):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-def test_cuda_early_merge_route_gives_the_routed_bits(monkeypatch):
+def test_cuda_early_merge_route_gives_the_routed_bits():
     """fa4 canonical.EARLY_MERGE_MIN_BATCH on: canonical:768 paged decode through the op equals
     the default route's out and lse at batch 1 and 12."""
     import rlk_ops
@@ -513,7 +513,7 @@ def test_cuda_early_merge_route_gives_the_routed_bits(monkeypatch):
         q, kc, vc, table, sl = _inputs(lens, 16, seed=len(lens), device="cuda")
         with rlk_ops.use_backend(paged_attention="fa4"):
             ref = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-            monkeypatch.setattr(fa4_canonical, "EARLY_MERGE_MIN_BATCH", 1)
-            got = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-            monkeypatch.setattr(fa4_canonical, "EARLY_MERGE_MIN_BATCH", 0)
+            with fa4_canonical.early_merge():
+                got = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
         assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+    assert fa4_canonical.EARLY_MERGE_MIN_BATCH == 0

@@ -120,6 +120,17 @@ DECODE_PAIRS = "triton"
 EARLY_MERGE_MIN_BATCH = 0
 
 
+@contextlib.contextmanager
+def early_merge(min_batch: int = 1):
+    """EARLY_MERGE_MIN_BATCH inside the block (benchmarks, tests; process-wide, restored on exit)."""
+    global EARLY_MERGE_MIN_BATCH
+    old, EARLY_MERGE_MIN_BATCH = EARLY_MERGE_MIN_BATCH, int(min_batch)
+    try:
+        yield
+    finally:
+        EARLY_MERGE_MIN_BATCH = old
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
                                    attend_into=attend_into, streams=STREAMS)
