@@ -279,7 +279,7 @@ def _pick(x, k: tl.constexpr, B: tl.constexpr, BD: tl.constexpr, LOG_NP: tl.cons
 
 @triton.jit
 def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead, cnt_ptr, w_target, w_group,
-               w_heads, w_users,
+               w_heads,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                LIBDEVICE: tl.constexpr, NP: tl.constexpr, LOG_NP: tl.constexpr, MAX2D: tl.constexpr,
                PDL: tl.constexpr, WAIT: tl.constexpr = 0):
@@ -295,7 +295,8 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     head // w_group]``, reaches ``w_target`` (the pair kernel's programs of that sequence and
     KV head, each counting itself after its state is written, release), read with acquire; at
     the end count this program in the second half of the counters, and the last of the
-    counter's ``w_users`` programs zeroes both for the next launch."""
+    counter's ``w_group`` programs (one per query head of the KV head) zeroes both for the next
+    launch."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < R
     h = r % H
@@ -349,7 +350,7 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     if WAIT:
         users = cnt + (R // (H * S)) * w_heads                         # the counters' second half
         tl.debug_barrier()
-        if tl.atomic_add(users, 1, sem="acq_rel") == w_users - 1:
+        if tl.atomic_add(users, 1, sem="acq_rel") == w_group - 1:
             tl.store(cnt, 0)
             tl.store(users, 0)
 
@@ -589,7 +590,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
             launch = {"launch_pdl": True}   # launched early; each program waits for its own states
         _merge_vec[(triton.cdiv(rows, block), split)](
             C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
-            _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead, cnt, target, group, heads, group,
+            _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead, cnt, target, group, heads,
             D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
             NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch), WAIT=int(wait is not None),
             num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
