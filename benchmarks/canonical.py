@@ -14,10 +14,8 @@ Shapes: Qwen3-8B TP=2 shard, Hq=16, Hkv=4, D=128, bf16, causal.
   chunk boundaries; chunked-prefill rows vs training; run-to-run forward and backward.
 * ``accuracy``: out and lse against float64 math, single pass next to canonical:C.
 * ``decode``: paged decode (page 16, Sq=1, value checks off), CUDA-graph replay medians:
-  FA4 strict single pass and canonical:C for several C (with --early-merge also each C with
-  the merge overlapping the pair kernel, not routed), the generic route; ratios against
-  FlashInfer auto split (measured here when flashinfer is
-  installed, else read from results/h200/kernels.json, named in ``flashinfer_auto_source``).
+  FA4 strict single pass and canonical:C for several C, the generic route; ratios against
+  FlashInfer auto split (measured here when flashinfer is installed, else read from results/h200/kernels.json, named in ``flashinfer_auto_source``).
 * ``training``: forward and forward+backward at B=4, S=8192, single pass vs canonical:C
   (eager, CUDA events, interleaved repetitions; canonical's host-side plan is included).
 
@@ -89,7 +87,6 @@ class Bench(Report):
     def __init__(self, dev, sh: Shapes, out_path, dry):
         super().__init__("benchmarks/canonical.py", dev, sh, out_path, dry)
         self.scale = sh.d ** -0.5
-        self.early_merge = False   # decode: also the merge overlapping the pair kernel (--early-merge)
 
     # ------------------------------------------------------------ helpers
     def cell(self, name, equal, what, **extra):
@@ -543,8 +540,6 @@ class Bench(Report):
             for c in sh.decode_chunks:
                 fns[f"canonical_{c}_us"] = lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl,
                                                                                split_kv=f"canonical:{c}")
-                if self.early_merge:   # the merge overlapping the pair kernel (not routed), same run
-                    fns[f"canonical_{c}_early_merge_us"] = lambda c=c: self._early(q, kc, vc, pt, sl, c)
             if fi_table is None:
                 fns["flashinfer_auto_us"] = self._fi_run(q, kc, vc, pt, sl)
             row.update({name: round(us, 2) for name, us in self.graph_us_many(fns).items()})
@@ -562,29 +557,12 @@ class Bench(Report):
                 row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
                 if fi is not None:
                     row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
-                if self.early_merge:
-                    got = self._early(q, kc, vc, pt, sl, c)
-                    ref = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
-                    row[f"canonical_{c}_early_merge_equal"] = beq(got[0], ref[0]) and beq(got[1], ref[1])
-                    row[f"canonical_{c}_early_merge_over_fa4_strict"] = round(
-                        row[f"canonical_{c}_early_merge_us"] / row["fa4_strict_raw_us"], 3)
-                    if fi is not None:
-                        row[f"canonical_{c}_early_merge_over_fi_auto"] = round(
-                            row[f"canonical_{c}_early_merge_us"] / fi, 3)
             row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
             rows.append(row)
             print("   ", row, flush=True)
         self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off, "
                               "every implementation of a case replayed in turn (graph_times_us)",
                               "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
-
-    def _early(self, q, kc, vc, pt, sl, c):
-        """canonical:c decode through the op with fa4 canonical.EARLY_MERGE_MIN_BATCH = 1 (the
-        switch is read while the op runs, so a CUDA graph captures that route)."""
-        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-        with fa4_canonical.early_merge():
-            return rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
 
     def _fi_run(self, q, kc, vc, pt, sl):
         """FlashInfer's auto-split decode of this batch, planned: the call to time (run())."""
@@ -760,12 +738,6 @@ def markdown(r: dict) -> str:
                 cols.append(f"{t:.1f} ({ratio if ratio is not None else '-'}x {tag})")
             lines.append(f"| {x['batch']} x {x['context']} | {x['fa4_strict_raw_us']:.1f} | "
                          f"{'-' if fi is None else f'{fi:.1f}'} | " + " | ".join(cols) + " |")
-        early = [(x, c) for x in dec for c in chunks if f"canonical_{c}_early_merge_us" in x]
-        if early:
-            lines += ["", "Early merge (pair_decode.decode_early_merge: the merge waits per (sequence, KV head) and "
-                      "overlaps the pair kernel's last programs; fa4 canonical.EARLY_MERGE_MIN_BATCH, not routed), "
-                      "same run, us (ratio as above; equal: torch.equal to the routed op): " +
-                      "; ".join(_early_cell(x, c) for x, c in early) + "."]
         gen = [(x, k) for x in dec for k in x if k.endswith("_generic_route_us")]
         if gen:
             lines += ["", "Generic decode route (torch pair layout + lse mask + merge, ~15 launches) at batch 1: " +
@@ -890,12 +862,6 @@ def _dense_seqs(bsz: int, s: int) -> tuple:
     return tuple((i * s, s, i * s, s) for i in range(bsz))
 
 
-def _early_cell(x: dict, c: int) -> str:
-    key = f"canonical_{c}_early_merge"
-    ratio = x.get(f"{key}_over_fi_auto") if x["batch"] in (1, 8) else x.get(f"{key}_over_fa4_strict")
-    return f"{x['batch']}x{x['context']} C{c} {x[key + '_us']:.1f} ({ratio}x, equal {x.get(key + '_equal')})"
-
-
 def _own_calls_cell(x: dict) -> str:
     us = x.get("fwd_bwd_us_own_calls")
     return f"{us:.0f} ({x.get('fwd_bwd_own_calls_over_single')})" if us else "-"
@@ -919,9 +885,6 @@ def main():
     ap.add_argument("--bitwise-chunks", default=None,
                     help="C values of the bitwise sections, comma-separated multiples of 128 (default "
                          "256,768,1024,2048)")
-    ap.add_argument("--early-merge", action="store_true",
-                    help="decode: also time (and check the bits of) each C with the merge overlapping the pair "
-                         "kernel (fa4 canonical.EARLY_MERGE_MIN_BATCH)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
@@ -935,7 +898,6 @@ def main():
         sh = replace(sh, chunks=chunk_list("--bitwise-chunks", args.bitwise_chunks))
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
-    b.early_merge = args.early_merge
     b.res["commit"] = args.commit
     b.res["out_path"] = args.out
     sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),

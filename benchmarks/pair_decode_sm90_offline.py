@@ -5,7 +5,7 @@ copies (TTGIR).
 
     python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
                                                   [--prefetch 3] [--split 8] [--merge] [--ahead] [--l2]
-                                                  [--slices 4] [--persist 2] [--signal]
+                                                  [--slices 4] [--pdl]
                                                   [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
@@ -97,8 +97,6 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
     ap.add_argument("--pdl", action="store_true", help="keys: let the next launch start early (PDL)")
-    ap.add_argument("--persist", type=int, default=0, help="keys: persistent programs (1; 2: pages one item ahead)")
-    ap.add_argument("--signal", action="store_true", help="keys: count finished programs (decode_early_merge)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
@@ -115,7 +113,7 @@ def main():
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
         consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices,
-                      PDL=int(args.pdl), PERSIST=args.persist, SIGNAL=int(args.signal))
+                      PDL=int(args.pdl))
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)

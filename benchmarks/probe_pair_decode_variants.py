@@ -10,14 +10,12 @@ with and without heads_first, at 2 stages; "keys" with every K/V line of the pai
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
 (keys_{warps}x{stages}_r{maxnreg}); "keys" with the head dim of V and O split over 2, 4 or 8
-programs per (pair, KV head), each scoring the block itself (keys_ds{slices}); persistent
-programs, 2 or 3 per SM, with and without the next item's page-table entries loaded ahead
-(keys_persist{n}, keys_persist{n}_nopages; VARIANT_PDL=1 also times every variant's op with
-the merge launched by PDL, *_op_pdl_*; EARLY=1: the op as pair_decode.decode_early_merge,
-the merge waiting per (sequence, KV head), early_merge_op_*); the merge alone
+programs per (pair, KV head), each scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1
+also times every variant's op with the merge launched by PDL, *_op_pdl_*); the merge alone
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
-"split" and "phased" (pair_decode's docstring).
+"split" and "phased", session12/variants_persist.json persistent programs (keys_persist*) and
+session 13 the early merge (EARLY=1), both removed after (pair_decode's docstring).
 VARIANTS=a,b picks some (none: only the routed kernel and the merges); keys_seq: the routed
 kernel with sequence-major programs. FUSED=0 skips the fused merge (keys_fused_vec*: chunk- and
 sequence-major programs). FA4_ROUTE=1 adds the op on the FA4 route (pair
@@ -26,7 +24,7 @@ pages into L2 (merge.decode_pairs prefetch=).
 (results/h200/pair_decode/variants_run1.json is from commit 3338e45, when the routed kernel
 never took heads_first: its "routed" is today's keys_pairs_first.)
 Usage: [PAGES=16] [CASES=1x8192,...] [CHUNKS=1024] [VARIANTS=...] [FUSED=0] [FA4_ROUTE=1] [VEC_WIDTH=32]
-       [VARIANT_PDL=1] [EARLY=1]
+       [VARIANT_PDL=1]
        python3 benchmarks/probe_pair_decode_variants.py OUT.json
 (DEVICE=cpu with TRITON_INTERPRET=1 and small CASES: a smoke run of the plumbing, not a measurement.)
 """
@@ -61,18 +59,9 @@ for _ds in (2, 4, 8):
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
-# persistent programs, _p per SM, the next item's page-table entries loaded ahead or not; capped
-# at 168 registers (the routed kernel's count: three programs per SM; uncapped the item loop
-# takes 210, offline sm90, and the cap spills ~40 bytes outside the key-block loop)
-for _p in (2, 3):
-    ALL_VARIANTS[f"keys_persist{_p}"] = {"layout": "keys", "heads_first": True, "persistent": _p,
-                                         "config": (4, 2, 168)}
-    ALL_VARIANTS[f"keys_persist{_p}_nopages"] = {"layout": "keys", "heads_first": True, "persistent": _p,
-                                                 "pages_ahead": False, "config": (4, 2, 168)}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with merge.PDL
-EARLY = os.environ.get("EARLY", "0") == "1"   # also the op as pair_decode.decode_early_merge
 # the fused merge (pair_decode merge=True) on the routed launch, chunk- and sequence-major
 # programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
 FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True}}
@@ -160,12 +149,6 @@ def main():
                     row["routed_op_pdl"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
                 finally:
                     tm.PDL = False
-                if EARLY:
-                    def early(q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
-                        return pd.decode_early_merge(q, kc, vc, pt, sl, b.scale, c, **launch)
-                    got = early()
-                    row["early_merge_op_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
-                    row["early_merge_op_us"] = round(b.graph_us(early), 2)
                 for name, kw in VARIANTS.items():
                     kw = {**launch, **kw}
                     try:

@@ -152,13 +152,3 @@ def test_the_switch_is_restored():
             raise KeyError("inside")
     assert fa4_canonical.PREPARED_CALLS is True
 
-
-def test_the_early_merge_switch_is_restored():
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-    assert fa4_canonical.EARLY_MERGE_MIN_BATCH == 0   # built, not routed (session 12)
-    with pytest.raises(KeyError):
-        with fa4_canonical.early_merge(8):
-            assert fa4_canonical.EARLY_MERGE_MIN_BATCH == 8
-            raise KeyError("inside")
-    assert fa4_canonical.EARLY_MERGE_MIN_BATCH == 0

@@ -171,72 +171,6 @@ def test_interpreter_sequence_major_order_changes_no_state():
         assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("prefetch,pages_ahead,slices,seq_major", [(3, True, 1, False), (3, False, 1, False),
-                                                                   (2, True, 2, True), (0, True, 1, False)])
-def test_interpreter_persistent_programs_change_no_state(prefetch, pages_ahead, slices, seq_major, monkeypatch):
-    """persistent=1 on the interpreter's 4 "SMs": 4 programs walk 30 or more items each (empty
-    pairs, pairs ending mid-block and on a chunk boundary), the next item's page-table entries
-    loaded ahead or not: every out, lse and pair length equals the one-program-per-item
-    launch's. (Entries past a sequence's pages never reach a score or O here even if read; that
-    none is read is test_cuda_persistent_programs_read_no_entry_past_a_pair's.)"""
-    from rlk_ops.kernels.triton import _common
-    from rlk_ops.kernels.triton.pair_decode import pair_decode
-
-    monkeypatch.setattr(_common, "num_sms", lambda index: 4)
-    q, kc, vc, table, sl = _inputs([300, 129, 1, 520, 0, 256], 16, seed=6, device="cpu")
-    kw = dict(layout="keys", prefetch=prefetch, slices=slices, seq_major=seq_major, heads_first=True)
-    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, **kw)
-    got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, persistent=1, pages_ahead=pages_ahead, **kw)
-    assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("slices", [1, 2])
-def test_interpreter_early_merge_equals_pairs_and_the_merge_op(slices):
-    """decode_early_merge: the pair kernel counting each (sequence, KV head)'s programs and the
-    merge waiting on those counts give the bits of pairs + the merge op (empty sequence and
-    pairs included); the counters are all zero again after each launch (here the interpreter
-    runs the pair programs before the merge, so no merge program waits)."""
-    from rlk_ops.kernels.triton import merge as tm
-    from rlk_ops.kernels.triton import pair_decode as pd
-
-    q, kc, vc, table, sl = _inputs([300, 129, 0, 520, 1], 16, seed=8, device="cpu")
-    bsz, kw = q.shape[0], dict(layout="keys", prefetch=3, slices=slices)
-    out, lse, lens, n = pd.pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, **kw)
-    ref = tm.merge_attn_states(out.view(n, bsz, 1, HQ, D), lse.view(n, bsz, HQ, 1), state_lens=lens.view(n, bsz))
-    got = pd.decode_early_merge(q, kc, vc, table, sl, D ** -0.5, 128, prefetch=3, slices=slices)
-    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-    counts = torch.zeros(2 * bsz * HKV, dtype=torch.int32)
-    for _ in range(2):
-        out, lse, lens, n = pd.pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, signal=counts, seq_major=True, **kw)
-        assert counts[:bsz * HKV].tolist() == [n * slices] * (bsz * HKV)
-        got = tm.merge_attn_states(out.view(n, bsz, 1, HQ, D), lse.view(n, bsz, HQ, 1), state_lens=lens.view(n, bsz),
-                                   config=(1, 1, 0, 8), vec=32, wait=(counts, n * slices, G, HKV))
-        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-        assert not counts.any()
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-def test_interpreter_early_merge_never_hangs_on_a_miscount(monkeypatch):
-    """A count that never reaches its target (a bug) stops the wait after MAX_POLLS polls: every
-    such row comes out NaN, out and lse, and the counters are zero again."""
-    import triton.language as tl
-
-    from rlk_ops.kernels.triton import merge as tm
-    from rlk_ops.kernels.triton import pair_decode as pd
-
-    monkeypatch.setattr(tm, "MAX_POLLS", tl.constexpr(3))
-    q, kc, vc, table, sl = _inputs([300, 129], 16, seed=9, device="cpu")
-    bsz = q.shape[0]
-    counts = torch.zeros(2 * bsz * HKV, dtype=torch.int32)
-    out, lse, lens, n = pd.pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", signal=counts)
-    got = tm.merge_attn_states(out.view(n, bsz, 1, HQ, D), lse.view(n, bsz, HQ, 1), state_lens=lens.view(n, bsz),
-                               config=(1, 1, 0, 4), vec=32, wait=(counts, n + 1, G, HKV))
-    assert bool(got[0].isnan().all()) and bool(got[1].isnan().all())
-    assert not counts.any()
-
-
 def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
     """The measured rule (pair_decode.decode_launch, SLICES_ONE_WAVE): 8 warps and 2 head-dim
     slices while twice the programs fit one per SM, 8 warps up to one wave, then 4 warps with
@@ -307,19 +241,19 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
     wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
     with pytest.raises(ValueError, match="merge=True takes up to 128 chunks per sequence, got 129"):
@@ -336,22 +270,6 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", config=(8, 2))
     with pytest.raises(ValueError, match="init_fma=False needs layout 'rows' or 'keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", init_fma=False)
-    with pytest.raises(ValueError, match="pdl, persistent and signal need layout='keys'"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", persistent=3)
-    with pytest.raises(ValueError, match=r"persistent=3 needs .* heads_first=True and merge=False \(got "
-                                         r"heads_first=False, merge=False\)"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=3)
-    with pytest.raises(ValueError, match=r"persistent=-1 needs a positive count"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=-1, heads_first=True)
-    with pytest.raises(ValueError, match=r"signal= needs merge=False and int32 counters for 4 \(sequence, KV head\) "
-                                         r"pairs, got merge=False, torch.int64 x 4"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", signal=torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"signal= needs .*got merge=True"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, signal=torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="persistent and signal need layout='keys'"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", signal=torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"persistent=2 needs .*merge=True\)"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", persistent=2, heads_first=True, merge=True)
 
 
 # ------------------------------------------------------------------------ GPU
@@ -379,9 +297,7 @@ def _fa4_ready():
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
     ("keys", 3, (4, 1, 128), True, {}), ("keys", 3, (8, 3), False, {"slices": 4}),
-    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True}),
-    ("keys", 3, (4, 2), True, {"persistent": 3}), ("keys", 2, (4, 2), True, {"persistent": 1, "slices": 2}),
-    ("keys", 3, (8, 3), True, {"persistent": 2, "pages_ahead": False})],
+    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention
@@ -399,27 +315,6 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     full = plens > 0
     assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
     assert bool((lse[~full] == -math.inf).all()) and bool((out[~full] == 0).all())
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("prefetch", [2, 3])
-def test_cuda_persistent_programs_read_no_entry_past_a_pair(prefetch):
-    """The page-table entries past each sequence point ~1.6 GB past the cache: persistent
-    programs, which load the next item's entries before its length is known, must zero them
-    before use (a read there faults), and give the one-program-per-item launch's bits."""
-    from rlk_ops.kernels.triton.pair_decode import pair_decode
-
-    lens = [8192, 300, 2049, 1, 0, 1024]
-    q, kc, vc, table, sl = _inputs(lens, 16, seed=7, device="cuda")
-    far = 2 ** 31 // (16 * HKV * D) - 1
-    for b, n in enumerate(lens):
-        table[b, -(-n // 16):] = far
-    kw = dict(layout="keys", prefetch=prefetch, heads_first=True, config=(4, 2))
-    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, **kw)
-    got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 1024, persistent=1, **kw)
-    torch.cuda.synchronize()
-    assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
 @pytest.mark.cuda
@@ -462,58 +357,3 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
     fa4_out, fa4_lse = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                          state_lens=plens.view(n, len(lens)))
     assert bitwise_equal(m_out, fa4_out) and bitwise_equal(m_lse, fa4_lse)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ps", [16, 128])
-@pytest.mark.parametrize("bsz,chunk", [(1, 1024), (8, 768), (64, 768), (64, 640)])
-def test_cuda_early_merge_equals_pairs_and_the_merge_op(ps, bsz, chunk):
-    """decode_early_merge on the GPU (the merge launched with PDL, waiting per (sequence, KV
-    head)): the bits of the routed pairs + the merge op, launch after launch (counters reset)
-    and replayed from a CUDA graph; lengths on and off chunk boundaries, an empty sequence."""
-    from rlk_ops.kernels.triton import merge as tm
-    from rlk_ops.kernels.triton import pair_decode as pd
-
-    gen = torch.Generator().manual_seed(bsz + chunk + ps)
-    lens = torch.randint(1, 8193, (bsz,), generator=gen).tolist()
-    lens[0] = 8192
-    if bsz > 1:
-        lens[1] = 0
-    q, kc, vc, table, sl = _inputs(lens, ps, seed=bsz + ps, device="cuda")
-    n = pd.pair_count(table.shape[1], ps, chunk)
-    launch = pd.decode_launch(n * bsz * HKV, q.device)
-    out, lse, plens, n = pd.pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys", **launch)
-    ref = tm.merge_attn_states(out.view(n, bsz, 1, HQ, D), lse.view(n, bsz, HQ, 1), state_lens=plens.view(n, bsz))
-
-    def run():
-        return pd.decode_early_merge(q, kc, vc, table, sl, D ** -0.5, chunk, **launch)
-
-    for _ in range(3):
-        got = run()
-        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-def test_cuda_early_merge_route_gives_the_routed_bits():
-    """fa4 canonical.EARLY_MERGE_MIN_BATCH on: canonical:768 paged decode through the op equals
-    the default route's out and lse at batch 1 and 12."""
-    import rlk_ops
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-    for lens in ([8192], [8192, 0, 300, 767, 768, 769, 1, 5000, 2048, 4100, 7000, 12]):
-        q, kc, vc, table, sl = _inputs(lens, 16, seed=len(lens), device="cuda")
-        with rlk_ops.use_backend(paged_attention="fa4"):
-            ref = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-            with fa4_canonical.early_merge():
-                got = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-    assert fa4_canonical.EARLY_MERGE_MIN_BATCH == 0

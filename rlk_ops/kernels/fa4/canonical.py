@@ -112,23 +112,6 @@ STREAMS = 4
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
 DECODE_PAIRS = "triton"
-# Decode batches of at least this many sequences on the Triton pair route take
-# pair_decode.decode_early_merge (the merge waits per (sequence, KV head) and overlaps the pair
-# kernel's last programs; same bits) when the merge op is the Triton one. 0: off. Built in
-# session 12 for batch 64 / 8k (where the merge's ~3 us after the pair kernel is what separates
-# canonical:C from single pass), not yet measured.
-EARLY_MERGE_MIN_BATCH = 0
-
-
-@contextlib.contextmanager
-def early_merge(min_batch: int = 1):
-    """EARLY_MERGE_MIN_BATCH inside the block (benchmarks, tests; process-wide, restored on exit)."""
-    global EARLY_MERGE_MIN_BATCH
-    old, EARLY_MERGE_MIN_BATCH = EARLY_MERGE_MIN_BATCH, int(min_batch)
-    try:
-        yield
-    finally:
-        EARLY_MERGE_MIN_BATCH = old
 
 
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
@@ -156,10 +139,6 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
         launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
-        from rlk_ops.kernels.triton import merge as triton_merge
-        if EARLY_MERGE_MIN_BATCH and bsz >= EARLY_MERGE_MIN_BATCH and merge is triton_merge.merge_attn_states:
-            return triton_pairs.decode_early_merge(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
-                                                   chunk_size, **launch)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
     else:

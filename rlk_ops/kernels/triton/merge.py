@@ -73,10 +73,6 @@ _INF = tl.constexpr(float("inf"))
 # No NaN global: Triton (3.6) re-checks a kernel's globals on every launch with ``!=``, and
 # NaN != NaN fails that check ("Global variable ... has changed"). NaN is spelled
 # ``_INF - _INF`` in the kernels instead (a constexpr computed at compile time).
-
-# _merge_vec WAIT: polls of a row's counter before it gives up (~1 us each: seconds, far past any
-# launch) and writes the row's out and lse as NaN instead of waiting forever.
-MAX_POLLS = tl.constexpr(1 << 22)
 _N_LOG = 11  # numerics._LOG_TERMS
 _LOG_TERMS = tl.constexpr(_N_LOG)
 
@@ -278,25 +274,17 @@ def _pick(x, k: tl.constexpr, B: tl.constexpr, BD: tl.constexpr, LOG_NP: tl.cons
 
 
 @triton.jit
-def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead, cnt_ptr, w_target, w_group,
-               w_heads,
+def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                LIBDEVICE: tl.constexpr, NP: tl.constexpr, LOG_NP: tl.constexpr, MAX2D: tl.constexpr,
-               PDL: tl.constexpr, WAIT: tl.constexpr = 0):
+               PDL: tl.constexpr):
     """``_merge_fwd``'s formula with the per-state scalar work side by side: NP states at a time,
     their lse loaded in one [BLOCK, NP] load, their weights w = exp(lse - M) computed as one
     [BLOCK, NP] tensor and their out rows in one [BLOCK, BLOCK_D, NP] load; the products
     w * out are formed for all NP at once (one IEEE multiply each, as in the reference) and
     only the two sums walk the states in ascending order, L + w and acc + w * out, each a
     where() on the state being present. L is carried per (row, column) (the same value in
-    every column) so that no step reduces across threads.
-    WAIT (1-row programs; pair_decode.decode_early_merge): instead of waiting for the whole
-    previous launch (PDL's gdc_wait), wait until the row's counter, ``cnt_ptr[lead * w_heads +
-    head // w_group]``, reaches ``w_target`` (the pair kernel's programs of that sequence and
-    KV head, each counting itself after its state is written, release), read with acquire; at
-    the end count this program in the second half of the counters, and the last of the
-    counter's ``w_group`` programs (one per query head of the KV head) zeroes both for the next
-    launch."""
+    every column) so that no step reduces across threads."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < R
     h = r % H
@@ -305,15 +293,7 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     off = lead * (H * S) + h * S + s
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
-    if WAIT:
-        row = tl.program_id(0).to(tl.int64)
-        cnt = cnt_ptr + (row // (H * S)) * w_heads + (row % H) // w_group
-        seen = tl.atomic_add(cnt, 0, sem="acquire")
-        polls = 0
-        while (seen < w_target) & (polls < MAX_POLLS):   # bounded: a miscount cannot hang the GPU
-            seen = tl.atomic_add(cnt, 0, sem="acquire")
-            polls += 1
-    elif PDL:
+    if PDL:
         tl.extra.cuda.gdc_wait()
     m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
@@ -337,22 +317,11 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
             acc = tl.where(pk, acc + _pick(wo, k, BLOCK, BLOCK_D, LOG_NP), acc)
     res = tl.math.div_rn(acc, total)
     res = tl.where(total == 0.0, 0.0, res)
-    if WAIT:
-        res = tl.where(seen < w_target, _INF - _INF, res)
     m2 = rmask[:, None] & dmask[None, :]
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
     row_total = tl.max(total, axis=1)                                    # every column holds the row's L
     first = (r * 0 + tl.program_id(1)) == 0
-    merged_lse = m + _log(row_total, c_ptr)
-    if WAIT:   # states not all counted after MAX_POLLS polls: the row is NaN (never silently partial)
-        merged_lse = tl.where(seen < w_target, _INF - _INF, merged_lse)
-    tl.store(lse_ptr + off, merged_lse, mask=rmask & first)
-    if WAIT:
-        users = cnt + (R // (H * S)) * w_heads                         # the counters' second half
-        tl.debug_barrier()
-        if tl.atomic_add(users, 1, sem="acq_rel") == w_group - 1:
-            tl.store(cnt, 0)
-            tl.store(users, 0)
+    tl.store(lse_ptr + off, m + _log(row_total, c_ptr), mask=rmask & first)
 
 
 @triton.jit
@@ -551,15 +520,13 @@ def vec_states(block: int, block_d: int) -> int:
     return VEC_STATES if block == 1 and block_d <= 32 else 0
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None, wait=None):
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None):
     """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip]]]) instead
     of ``merge_route``'s (benchmarks, tests); skip: the walk leaves out the states no row of a
     program holds (``_merge_fwd`` SKIP; merge_route takes it past VEC_ROWS_MAX rows). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
     of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
-    (not unroll/eager/skip). ``wait``: (counters, target, query heads per counter, counters
-    per sequence) from pair_decode.decode_early_merge only (``_merge_vec`` WAIT; 1-row programs
-    over all of head_dim, launched with PDL)."""
+    (not unroll/eager/skip)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -579,20 +546,14 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     block_d = C.pow2(d) // split
     launch = _pdl()
     vec = vec_states(block, block_d) if vec is None else vec
-    if wait is not None and (not vec or block != 1 or split != 1):
-        raise ValueError(f"merge_attn_states wait= needs _merge_vec on 1-row programs over all of head_dim "
-                         f"(config (1, 1, ...), vec > 0), got config {config} and vec {vec}")
     if vec:
         if vec != C.pow2(vec):
             raise ValueError(f"merge_attn_states vec must be a power of two (states side by side), got {vec}")
-        cnt, target, group, heads = wait if wait is not None else (lse_parts, 0, 1, 1)
-        if wait is not None and not C.INTERPRET:
-            launch = {"launch_pdl": True}   # launched early; each program waits for its own states
         _merge_vec[(triton.cdiv(rows, block), split)](
             C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
-            _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead, cnt, target, group, heads,
+            _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
             D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-            NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch), WAIT=int(wait is not None),
+            NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch),
             num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
         return out, lse
     if skip and not (max2d and unroll):

@@ -73,11 +73,21 @@ and after each block is known up front), so only the O and thread-sum chains wal
 keeps its layout conversions and CTA barriers per block in Triton, and each added launch or
 phase costs more than the parallel scoring saves. A register cap for four programs per SM
 (``config`` (4, 1, 128) or (8, 1, 64)) was slower too (64 x 8k pairs 312 and 453 against 252
-us), and so were persistent programs (``persistent``: 2 or 3 per SM walking the items in the
-heads_first order, with or without the next item's page-table entries loaded ahead, capped at the
-routed kernel's 168 registers; session12/variants_persist.json: 5-8% slower at 64 x 8k, 8 x 32k
-and 64 x 32k, C = 640..1024). In the latency regime (programs fit one wave) decode_launch splits
-the head dim over 2 programs (SLICES_ONE_WAVE; session12/variants_b1.json).
+us), and so were persistent programs (2 or 3 per SM walking the items in the heads_first order,
+with or without the next item's page-table entries loaded ahead, capped at the routed kernel's
+168 registers; session12/variants_persist.json: 5-8% slower at 64 x 8k, 8 x 32k and 64 x 32k, C =
+640..1024; removed in session 13, code at commit cb4bc17). The early merge
+(``decode_early_merge``, also removed in session 13, code at cb4bc17: sequence-major pair
+programs each counting themselves per (sequence, KV head) with a release atomic, the merge
+launched by PDL with each row polling its own counter) was bitwise equal to pairs + merge op on
+every cell but gained nothing where it was built for: 64 x 8k C = 768 256.1 against 255.5 us at
+page 16, 252.9 against 253.1 at page 128 (session13/canonical_speed.md, canonical_p128.md). At
+batch 1 it was faster at C = 640 (1 x 8k 12.7 against 13.7 us at page 16) but 0-1.7% at the
+default 768, and within about 1% at batch 8. Like the fused merge below, it hides the ~3 us
+merge launch only to pay about as much in its per-program release (stores drained, then an L2
+round trip, in every slot of every wave): our reading, not measured. In the latency regime
+(programs fit one wave) decode_launch splits the head dim over 2 programs (SLICES_ONE_WAVE;
+session12/variants_b1.json).
 
 Measured (results/h200/pair_decode/, H200, page 16, C = 1024; op = pairs + merge; the FA4
 route in brackets without its 64-row tile: with it, 1 x 8k is ~16.4, faster than this kernel):
@@ -184,36 +194,16 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _slot(slot, bsz, n_chunks, SEQ_MAJOR: tl.constexpr):
-    """A pair slot's (pair, chunk, sequence): SEQ_MAJOR, slots in sequence-major order (a
-    sequence's chunks on consecutive slots) instead of chunk-major; the pair index (where the
-    state is stored) stays chunk-major, c * bsz + b."""
-    if SEQ_MAJOR:
-        b = slot // n_chunks
-        c = slot % n_chunks
-        pair = c * bsz + b
-    else:
-        pair = slot
-        c = pair // bsz
-        b = pair % bsz
-    return pair, c, b
-
-
-@triton.jit
 def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
-          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1, item=None):
+          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
     """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
     count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
     heads (and their slices; they read the same cache rows at about the same time) instead of
     a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
     chunks on consecutive pair slots, so its states are done early and, with the fused merge,
-    merged while later sequences stream) instead of chunk-major (``_slot``). ``item``: the
-    work item of a persistent program (numbered as the 1-D grid) instead of its program id."""
-    if item is not None:
-        ds = item % DS
-        slot = item // DS // HKV
-        h = item // DS % HKV
-    elif HEADS_FIRST:
+    merged while later sequences stream) instead of chunk-major; the pair index (where the
+    state is stored) stays chunk-major, c * bsz + b."""
+    if HEADS_FIRST:
         pid = tl.program_id(0)
         ds = pid % DS
         slot = pid // DS // HKV
@@ -222,7 +212,14 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         slot = tl.program_id(0)
         h = tl.program_id(1)
         ds = tl.program_id(2) if DS > 1 else 0
-    pair, c, b = _slot(slot, bsz, n_chunks, SEQ_MAJOR)
+    if SEQ_MAJOR:
+        b = slot // n_chunks
+        c = slot % n_chunks
+        pair = c * bsz + b
+    else:
+        pair = slot
+        c = pair // bsz
+        b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
@@ -442,7 +439,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0, PERSIST: tl.constexpr = 0, SIGNAL: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -457,70 +454,10 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     as in the whole tile. PDL: the next launch (the merge, launched with programmatic dependent
     launch) may start once every program has started; it waits for this kernel's end and writes
     in-kernel (griddepcontrol.wait), so its programs take the SM slots that free up in the last
-    wave instead of launching after it. PERSIST: persistent programs (a grid of fewer programs
-    than items, numbered as the 1-D grid; each takes items pid, pid + programs, ...), so a slot
-    runs the next item without a new program's start; 2: also the next item's page-table
-    entries loaded while this one is walked (PF >= 2). Every item computes what its own program
-    would (same bits). SIGNAL: each program counts itself in ``counts[b * HKV +
-    h]`` once its state is written (release), for a merge that waits per (sequence, KV head)
-    instead of for the whole launch (decode_early_merge)."""
+    wave instead of launching after it."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PERSIST == 0:
-        _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-                   n_chunks, counts, merged_out, merged_lse, log_c, None, None, G, HQ, HKV, D, M, BN, EMU, SUMS,
-                   INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS, SEQ_MAJOR, GP,
-                   LOG_NP, DSL, SIGNAL)
-    else:
-        n_items = n_chunks * bsz * HKV * DS
-        step = tl.num_programs(0)
-        if PERSIST == 1:
-            for item in range(tl.program_id(0), n_items, step):
-                _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-                           n_chunks, counts, merged_out, merged_lse, log_c, item, None, G, HQ, HKV, D, M, BN, EMU,
-                           SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
-                           SEQ_MAJOR, GP, LOG_NP, DSL, SIGNAL)
-        else:
-            pages = _item_pages(table, tl.program_id(0), n_items, bsz, width, chunk, page, n_chunks, HKV, DS,
-                                SEQ_MAJOR, BN, NBC)
-            for item in range(tl.program_id(0), n_items, step):
-                cur = pages
-                pages = _item_pages(table, item + step, n_items, bsz, width, chunk, page, n_chunks, HKV, DS,
-                                    SEQ_MAJOR, BN, NBC)
-                _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-                           n_chunks, counts, merged_out, merged_lse, log_c, item, cur, G, HQ, HKV, D, M, BN, EMU,
-                           SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, FUSE, LIBDEVICE, NMAX, HEADS_FIRST, L2PF, AHEAD, DS,
-                           SEQ_MAJOR, GP, LOG_NP, DSL, SIGNAL)
-
-
-@triton.jit
-def _item_pages(table, item, n_items, bsz, width, chunk, page, n_chunks, HKV: tl.constexpr,
-                DS: tl.constexpr, SEQ_MAJOR: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr):
-    """A persistent program's next item's page-table entries [NBC, BN] (one per key of its
-    chunk; 0 past the chunk, the table row or the last item), loaded without waiting for the
-    sequence length: ``_keys_item`` zeroes the entries past the pair when it uses them."""
-    _, c, b = _slot(item // DS // HKV, bsz, n_chunks, SEQ_MAJOR)
-    at = tl.arange(0, NBC)[:, None] * BN + tl.arange(0, BN)[None, :]
-    pos = c * chunk + at
-    keys = tl.where(item < n_items, chunk, 0)                   # no item past the last: nothing read
-    return tl.load(table + b.to(tl.int64) * width + pos // page, mask=(at < keys) & (pos < width * page), other=0)
-
-
-@triton.jit
-def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-               n_chunks, counts, merged_out, merged_lse, log_c, item, pages,
-               G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-               BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
-               NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
-               LIBDEVICE: tl.constexpr, NMAX: tl.constexpr, HEADS_FIRST: tl.constexpr, L2PF: tl.constexpr,
-               AHEAD: tl.constexpr, DS: tl.constexpr, SEQ_MAJOR: tl.constexpr, GP: tl.constexpr,
-               LOG_NP: tl.constexpr, DSL: tl.constexpr, SIGNAL: tl.constexpr):
-    """One work item of ``_pair_decode_keys``: a (pair, KV head, head-dim slice); ``item`` None:
-    this program's own (its grid position), else the persistent program's item; ``pages``: the
-    item's page-table entries read ahead (PF >= 2, entries past the chunk or the table 0) or
-    None (read here)."""
-    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks,
-                                      item)
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
@@ -540,10 +477,7 @@ def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2
         pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
     if PF >= 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
         at = blk[:, None] * BN + kk[None, :]
-        if pages is None:
-            pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
-        else:  # loaded one item ahead (persistent programs): the entries past the pair are 0 here
-            pg_all = tl.where(at < n_keys, pages, 0)
+        pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
         tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
         if L2PF:  # both 128-byte lines of every K and V row (keys past the pair: page 0's rows)
             lines = (tok_all * (HKV * D) + h * D)[:, :, None] + (tl.arange(0, 2) * (D // 2))[None, None, :]
@@ -582,10 +516,6 @@ def _keys_item(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
-    if SIGNAL:  # this program's state is written: count it for decode_early_merge's merge
-        tl.store(pair_lens + pair, n_keys)   # also here: a merge row waits only on its own KV head's programs
-        tl.debug_barrier()
-        tl.atomic_add(counts + b * HKV + h, 1, sem="release")
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
@@ -749,8 +679,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, persistent: int = 0,
-                pages_ahead: bool = True, signal: torch.Tensor | None = None):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -762,12 +691,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
     same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
-    merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
-    ``persistent``: "keys" with heads_first only, that many programs per SM (0: a program per
-    item), each walking items pid, pid + programs, ... (same bits), ``pages_ahead`` the next
-    item's page-table entries loaded during the current one (prefetch 2 or 3); ``signal``:
-    int32 counters, one per (sequence, KV head) and zero, that each program increments once its
-    state is written (decode_early_merge only: its merge zeroes them again)."""
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -818,19 +742,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["DS"] = slices
         if (merge_mod.PDL if pdl is None else pdl) and not C.INTERPRET:  # else one compile either way
             extra["PDL"] = 1
-        if signal is not None:
-            if merge or signal.dtype != torch.int32 or signal.numel() < bsz * hkv:
-                raise ValueError(f"pair_decode signal= needs merge=False and int32 counters for {bsz * hkv} (sequence, "
-                                 f"KV head) pairs, got merge={merge}, {signal.dtype} x {signal.numel()}")
-            extra["SIGNAL"] = 1
-        if persistent:
-            if persistent < 0 or not heads_first or merge:
-                raise ValueError(f"pair_decode persistent={persistent} needs a positive count of programs per SM, "
-                                 f"heads_first=True and merge=False (got heads_first={heads_first}, merge={merge})")
-            extra["PERSIST"] = 2 if pages_ahead and prefetch >= 2 else 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or persistent or signal is not None:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl, persistent and signal need "
-                         "layout='keys'")
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
@@ -844,15 +757,10 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
-    counts = _counts(dev, bsz * hkv) if merge else signal if signal is not None else pair_lens
-    fused_args = (n, counts, *merged,
+    fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
-    grid = (n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)
-    if persistent:
-        sms = C.num_sms(0 if dev.index is None else dev.index) if dev.type == "cuda" else 4
-        grid = (min(grid[0], persistent * sms),)
     if bsz:
-        kernel[grid](
+        kernel[(n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)](
             C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
@@ -861,39 +769,13 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     return res + merged if merge else res
 
 
-def decode_early_merge(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                       **launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """canonical:C decode, the merge overlapping the pair kernel's last programs: the pair
-    kernel ("keys", ``launch`` as decode_launch gives, sequence-major programs) lets the next
-    launch start once all its programs have started (PDL) and counts each (sequence, KV head)'s
-    finished programs (``signal``); the merge (``_merge_vec`` WAIT on 1-row programs over all of
-    head_dim, launched with PDL) waits for each row's own count instead of for the whole launch,
-    so sequences finished early merge in the SM slots the last wave frees. No deadlock: a PDL
-    launch starts only after every pair program has started. A merge row reads only its own KV
-    head's states, and the pair lengths, which every program of the pair therefore stores before
-    it counts itself (not only the KV-head-0 program). Same bits as pairs + merge op
-    (same states, the merge's operations and order; no blocking changes a bit). Returns the
-    merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])``. Not routed (fa4 canonical.EARLY_MERGE_MIN_BATCH)."""
-    bsz, _, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    counts = _counts(q.device, 2 * bsz * hkv)     # arrivals, then the merge programs that read them
-    launch = {**launch, "seq_major": True, "pdl": True}
-    out, lse, pair_lens, n = pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                         layout="keys", signal=counts, **launch)
-    return merge_mod.merge_attn_states(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1),
-                                       state_lens=pair_lens.view(n, bsz), config=(1, 1, 0, merge_mod._max2d(n)),
-                                       vec=merge_mod.VEC_STATES, wait=(counts, n * launch.get("slices", 1), hq // hkv,
-                                                                       hkv))
-
-
 _COUNTS: dict = {}
 
 
 def _counts(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge and decode_early_merge, one or two per
-    (sequence, KV head); every launch leaves them zero again. Kept per (device, stream), grown
-    outside graph capture; inside a capture with none big enough, a fresh zeroed buffer is
-    captured with the launch."""
+    """Zeroed int32 counters for the fused merge, one per (sequence, KV head); every launch
+    leaves them zero again. Kept per (device, stream), grown outside graph capture; inside a
+    capture with none big enough, a fresh zeroed buffer is captured with the launch."""
     if device.type != "cuda":
         return torch.zeros(size, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).stream_id)
