@@ -54,8 +54,13 @@ elif [ "$PART" = probe ]; then
 elif [ "$PART" = 3 ]; then
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical_default.json | tail -4"
-  step cuda_suite 360 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
-  tail -40 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
+  # pytest-xdist (its and execnet's wheels in .gpu/fi, installed with it): the suite's Triton and
+  # FA4 compiles spread over WORKERS processes on the one GPU; serially it did not finish in 360 s
+  # (sessions 12-13: 291 of its 329 tests are tests/test_triton_pair_decode.py's, one compile each)
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+  echo "cuda_suite: ${XDIST:-serial (pytest-xdist not installed)}" | tee -a "$OUT/steps.txt"
+  step cuda_suite 360 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider $XDIST --durations=12 tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
+  tail -60 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
   step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
 else
   echo "usage: canonical_h200.sh COMMIT 1|2|3|probe (got part $PART)"; exit 2
