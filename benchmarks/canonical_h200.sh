@@ -7,7 +7,8 @@
 #           flashinfer is installed; every implementation of a case timed interleaved),
 #           training and accuracy sections at page 16 -> canonical_speed.json/md; decode profile
 #           and decode at page 128 (FA4's TMA path: page size = its 128-key tile); sessions 12-13
-#           also timed the early merge (--early-merge, removed after session 13's run)
+#           also timed the early merge (--early-merge, removed after session 13's run); then
+#           benchmarks/probe_decode_roofline.py (batch 64 against the read roofline, pages 16 and 128)
 #           (one part until session 7: the interleaved decode timing made it overrun 10 min)
 #   part 3: the CUDA demo single pass and under bare 'canonical' (= 768 since session 12), the
 #           whole CUDA test suite except tests/test_canonical_cuda.py, benchmarks/attention.py
@@ -20,7 +21,7 @@
 # COMMIT: write the local hash into the device command; the device's git metadata can be stale
 # (session 11), and every report also records source_digest (benchmarks/_report.py).
 # Writes into $OUT: steps.txt canonical_tests.txt canonical_bitwise.json/md (part 1);
-# canonical_speed.json/md canonical_p128.json/md (part 2); demo_cuda.json
+# canonical_speed.json/md canonical_p128.json/md roofline.json (part 2); demo_cuda.json
 # demo_cuda_canonical_default.json cuda_tests.txt attention.json attention.md (part 3);
 # probe_tests.txt variants.json (probe)
 set -u -o pipefail
@@ -48,6 +49,7 @@ if [ "$PART" = 1 ]; then
 elif [ "$PART" = 2 ]; then
   step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
   step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+  step roofline 150 "python3 benchmarks/probe_decode_roofline.py $OUT/roofline.json 2>&1 | grep -v Warning | tail -6"
 elif [ "$PART" = probe ]; then
   step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"

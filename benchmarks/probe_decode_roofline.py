@@ -1,0 +1,149 @@
+"""Probe (H200): how close batch-64 decode runs to the memory roofline. Issue 8's batch-64 line
+asks canonical:C decode (pair kernel + merge) to be no slower than FA4 single pass; at 64 x 8k
+C = 768 it has measured 1.000-1.003x at page 16 and 1.034x at page 128 (sessions 11-13). This
+probe times, in one interleaved run (_report.graph_times_us) and per case, what bounds that:
+
+* ``fa4_strict``: FA4 single pass (the line's reference), ``op``: canonical:C through the op,
+  ``pairs``: the routed pair kernel alone, ``merge``: the merge op alone on its states;
+* ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
+  (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
+* ``read_flat``: a Triton kernel that reads every K and V byte of the cache once, contiguously
+  (64 KB per program per tensor, pipelined loads) and sums them - the read roofline;
+* ``read_paged``: a Triton kernel that reads exactly the rows the pair kernel reads, in its
+  order (one program per (chunk, sequence) pair and KV head, heads_first, 128 rows of 256 bytes
+  per block through the page table) and sums them - the roofline of that access pattern.
+
+Each time is also given as TB/s over the K/V bytes of the batch (2 * B * ctx * Hkv * D * 2), so
+the fraction of the read roofline each one reaches is in the same run. The two read kernels'
+sums are checked against torch (``read_*_rel``: relative error of the fp32 sum against a float64
+one), so they read every byte they should.
+
+Usage: [PAGES=16,128] [CASES=64x8192,64x32768] [CHUNK=768]
+       python3 benchmarks/probe_decode_roofline.py OUT.json
+(DEVICE=cpu with TRITON_INTERPRET=1 and a small CASES: a smoke run of the plumbing, no FA4.)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+
+import rlk_ops  # noqa: E402
+from rlk_ops.kernels.triton import merge as tm  # noqa: E402
+from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
+
+PAGES = tuple(int(p) for p in os.environ.get("PAGES", "16,128").split(","))
+CASES = tuple(tuple(int(x) for x in c.split("x")) for c in os.environ.get("CASES", "64x8192,64x32768").split(","))
+CHUNK = int(os.environ.get("CHUNK", "768"))
+DEVICE = os.environ.get("DEVICE", "cuda")
+FLAT_BLOCK, FLAT_ITERS = 4096, 8          # read_flat: 8 KB loads, 64 KB per program per tensor
+
+
+@triton.jit
+def _read_flat(k, v, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.range(0, ITERS, num_stages=3):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        acc += tl.load(k + offs, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(v + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_paged(k, v, table, seq_lens, out, bsz, width, chunk, page,
+                HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % HKV
+    pair = pid // HKV                       # chunk-major, as the routed kernel: c * bsz + b
+    c = pair // bsz
+    b = pair % bsz
+    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
+    kk = tl.arange(0, BN)
+    dd = tl.arange(0, D)
+    acc = tl.zeros([BN, D], tl.float32)
+    for j in tl.range(0, tl.cdiv(n_keys, BN), num_stages=2):
+        pos = c * chunk + j * BN + kk
+        valid = pos < c * chunk + n_keys
+        pg = tl.load(table + b.to(tl.int64) * width + pos // page, mask=valid, other=0)
+        row = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        acc += tl.load(k + row[:, None] + dd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v + row[:, None] + dd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(out + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def read_flat(kc, vc):
+    n = kc.numel()
+    out = torch.empty(triton.cdiv(n, FLAT_BLOCK * FLAT_ITERS), dtype=torch.float32, device=kc.device)
+    _read_flat[(out.numel(),)](kc, vc, out, n, BLOCK=FLAT_BLOCK, ITERS=FLAT_ITERS, num_warps=8)
+    return out
+
+
+def read_paged(kc, vc, pt, sl, chunk):
+    bsz, hkv = pt.shape[0], kc.shape[2]
+    n = pd.pair_count(pt.shape[1], kc.shape[1], chunk)
+    out = torch.empty(n * bsz * hkv, dtype=torch.float32, device=kc.device)
+    _read_paged[(out.numel(),)](kc, vc, pt, sl, out, bsz, pt.shape[1], chunk, kc.shape[1], HKV=hkv, D=kc.shape[3],
+                                BN=pd.BLOCK_N, num_warps=4)
+    return out
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return abs(got.double().sum().item() - ref.item()) / max(abs(ref.item()), 1e-30)
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    res = []
+    for page in PAGES:
+        sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=5)
+        b = cb.Bench(DEVICE, sh, None, False)
+        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
+            c = CHUNK
+            n = pd.pair_count(pt.shape[1], page, c)
+            launch = pd.decode_launch(n * bsz * kc.shape[2], q.device)
+            routed = {"layout": "keys", **launch}
+            o, lse, plens, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed)
+            states = (o.view(n, bsz, 1, sh.hq, sh.d), lse.view(n, bsz, sh.hq, 1))
+            lens = plens.view(n, bsz)
+            # the cache holds exactly the batch's pages (decode_inputs): every byte is one the batch reads
+            flat_ref = kc.double().sum() + vc.double().sum()
+            row = {"page": page, "batch": bsz, "context": ctx, "C": c, "routed_launch": {**launch},
+                   "kv_bytes": 2 * bsz * ctx * sh.hkv * sh.d * 2, "cache_bytes": 2 * kc.numel() * kc.element_size(),
+                   "read_flat_rel": _rel(read_flat(kc, vc), flat_ref),
+                   "read_paged_rel": _rel(read_paged(kc, vc, pt, sl, c), flat_ref)}
+            fns = {"op": lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}"),
+                   "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed),
+                   "merge": lambda: tm.merge_attn_states(*states, state_lens=lens),
+                   "pairs_no_math": lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, ablate=2 | 4 | 16,
+                                                           **routed),
+                   "read_flat": lambda: read_flat(kc, vc),
+                   "read_paged": lambda: read_paged(kc, vc, pt, sl, c)}
+            if DEVICE == "cuda":
+                from rlk_ops.kernels.fa4 import kernels as fa4
+
+                fns = {"fa4_strict": lambda: fa4.paged_attention(q, kc, vc, pt, sl, b.scale), **fns}
+            for name, us in b.graph_us_many(fns).items():
+                row[f"{name}_us"] = round(us, 2)
+                row[f"{name}_TBps"] = round(row["kv_bytes"] / us / 1e6, 3)
+            if "fa4_strict_us" in row:
+                row["op_over_fa4_strict"] = round(row["op_us"] / row["fa4_strict_us"], 4)
+                row["pairs_over_fa4_strict"] = round(row["pairs_us"] / row["fa4_strict_us"], 4)
+                row["fa4_strict_over_read_flat"] = round(row["fa4_strict_us"] / row["read_flat_us"], 4)
+            row["pairs_over_read_paged"] = round(row["pairs_us"] / row["read_paged_us"], 4)
+            row["read_paged_over_read_flat"] = round(row["read_paged_us"] / row["read_flat_us"], 4)
+            print(row, flush=True)
+            res.append(row)
+    write_rows(out, res)
+
+
+if __name__ == "__main__":
+    main()
