@@ -11,7 +11,11 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
   (64 KB per program per tensor, pipelined loads) and sums them - the read roofline;
 * ``read_paged``: a Triton kernel that reads exactly the rows the pair kernel reads, in its
   order (one program per (chunk, sequence) pair and KV head, heads_first, 128 rows of 256 bytes
-  per block through the page table) and sums them - the roofline of that access pattern.
+  per block through the page table) and sums them - the roofline of that access pattern;
+* ``read_paged_rows``: as read_paged but one program per pair reading its rows whole (all KV
+  heads: 1 KB contiguous per token instead of four programs' 256 bytes each) - what the heads
+  interleaved in a cache row cost, which heads_first (a pair's KV heads on adjacent programs)
+  is meant to recover.
 
 Each time is also given as TB/s over the K/V bytes of the batch (2 * B * ctx * Hkv * D * 2), so
 the fraction of the read roofline each one reaches is in the same run. The two read kernels'
@@ -60,16 +64,18 @@ def _read_flat(k, v, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 @triton.jit
 def _read_paged(k, v, table, seq_lens, out, bsz, width, chunk, page,
-                HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr = 0):
+    """ROWS: a program per pair reads whole rows (HKV * D columns, BN of them per step);
+    else a program per (pair, KV head) its head's D columns (the pair kernel's reads)."""
     pid = tl.program_id(0)
-    h = pid % HKV
-    pair = pid // HKV                       # chunk-major, as the routed kernel: c * bsz + b
+    h = 0 if ROWS else pid % HKV
+    pair = pid if ROWS else pid // HKV      # chunk-major, as the routed kernel: c * bsz + b
     c = pair // bsz
     b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     kk = tl.arange(0, BN)
-    dd = tl.arange(0, D)
-    acc = tl.zeros([BN, D], tl.float32)
+    dd = tl.arange(0, HKV * D if ROWS else D)
+    acc = tl.zeros([BN, HKV * D if ROWS else D], tl.float32)
     for j in tl.range(0, tl.cdiv(n_keys, BN), num_stages=2):
         pos = c * chunk + j * BN + kk
         valid = pos < c * chunk + n_keys
@@ -87,12 +93,12 @@ def read_flat(kc, vc):
     return out
 
 
-def read_paged(kc, vc, pt, sl, chunk):
+def read_paged(kc, vc, pt, sl, chunk, rows=False):
     bsz, hkv = pt.shape[0], kc.shape[2]
     n = pd.pair_count(pt.shape[1], kc.shape[1], chunk)
-    out = torch.empty(n * bsz * hkv, dtype=torch.float32, device=kc.device)
+    out = torch.empty(n * bsz * (1 if rows else hkv), dtype=torch.float32, device=kc.device)
     _read_paged[(out.numel(),)](kc, vc, pt, sl, out, bsz, pt.shape[1], chunk, kc.shape[1], HKV=hkv, D=kc.shape[3],
-                                BN=pd.BLOCK_N, num_warps=4)
+                                BN=pd.BLOCK_N // hkv if rows else pd.BLOCK_N, ROWS=int(rows), num_warps=4)
     return out
 
 
@@ -119,14 +125,16 @@ def main():
             row = {"page": page, "batch": bsz, "context": ctx, "C": c, "routed_launch": {**launch},
                    "kv_bytes": 2 * bsz * ctx * sh.hkv * sh.d * 2, "cache_bytes": 2 * kc.numel() * kc.element_size(),
                    "read_flat_rel": _rel(read_flat(kc, vc), flat_ref),
-                   "read_paged_rel": _rel(read_paged(kc, vc, pt, sl, c), flat_ref)}
+                   "read_paged_rel": _rel(read_paged(kc, vc, pt, sl, c), flat_ref),
+                   "read_paged_rows_rel": _rel(read_paged(kc, vc, pt, sl, c, rows=True), flat_ref)}
             fns = {"op": lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}"),
                    "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed),
                    "merge": lambda: tm.merge_attn_states(*states, state_lens=lens),
                    "pairs_no_math": lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, ablate=2 | 4 | 16,
                                                            **routed),
                    "read_flat": lambda: read_flat(kc, vc),
-                   "read_paged": lambda: read_paged(kc, vc, pt, sl, c)}
+                   "read_paged": lambda: read_paged(kc, vc, pt, sl, c),
+                   "read_paged_rows": lambda: read_paged(kc, vc, pt, sl, c, rows=True)}
             if DEVICE == "cuda":
                 from rlk_ops.kernels.fa4 import kernels as fa4
 
