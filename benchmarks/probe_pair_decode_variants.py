@@ -3,7 +3,8 @@ launch config the op picks), each in one run: bits of every pair (torch.equal ag
 routed kernel, itself checked equal to FA4's pair call by tests/test_triton_pair_decode.py),
 CUDA-graph time of the pairs and of the op (pairs + the merge op; also with the merge's
 _merge_vec kernel, routed_op_vec_*, and with programmatic dependent launch from the pair kernel
-to the merge, merge.PDL, routed_op_pdl_*), and the fused merge.
+to the merge, pdl=True, routed_op_pdl_*; decode_launch routes it up to one wave), and the fused
+merge.
 Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and without;
 "tile", FA4's 64-row wgmma tile (4 warps, thread sums in registers, the masked block peeled),
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
@@ -61,7 +62,7 @@ for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
-VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with merge.PDL
+VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with the merge by PDL
 # the fused merge (pair_decode merge=True) on the routed launch, chunk- and sequence-major
 # programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
 FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True}}
@@ -124,7 +125,7 @@ def main():
                     o, l, pl, n = pairs(kw)
                     vkw = {} if vec is None else {"vec": vec, "config": tm.vec_config(n, sh.d)}
                     return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
-                                                state_lens=pl.view(n, bsz), **vkw)
+                                                state_lens=pl.view(n, bsz), pdl=kw.get("pdl"), **vkw)
 
                 routed = {"layout": "keys", **launch}
                 ref = pairs(routed)
@@ -140,15 +141,13 @@ def main():
                 op_vec = merged(routed, vec=VEC_WIDTH)
                 row["routed_op_vec_equal"] = cb.beq(op_vec[0], ref_op[0]) and cb.beq(op_vec[1], ref_op[1])
                 row["routed_op_vec_us"] = round(b.graph_us(lambda: merged(routed, vec=VEC_WIDTH)), 2)
-                tm.PDL = True   # the merge launched with PDL, the pair kernel letting it start early
+                on = {**routed, "pdl": True}   # the merge by PDL, the pair kernel letting it start early
                 try:
-                    got = merged(routed)
+                    got = merged(on)
                     row["routed_op_pdl_equal"] = cb.beq(got[0], ref_op[0]) and cb.beq(got[1], ref_op[1])
-                    row["routed_op_pdl_us"] = round(b.graph_us(lambda: merged(routed)), 2)
+                    row["routed_op_pdl_us"] = round(b.graph_us(lambda: merged(on)), 2)
                 except Exception as e:  # noqa: BLE001 - recorded
                     row["routed_op_pdl"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-                finally:
-                    tm.PDL = False
                 for name, kw in VARIANTS.items():
                     kw = {**launch, **kw}
                     try:
@@ -163,13 +162,10 @@ def main():
                     row[name + "_op_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
                     row[name + "_op_us"] = round(b.graph_us(lambda kw=kw: merged(kw)), 2)
                     if VARIANT_PDL:
-                        tm.PDL = True
-                        try:
-                            op = merged(kw)
-                            row[name + "_op_pdl_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
-                            row[name + "_op_pdl_us"] = round(b.graph_us(lambda kw=kw: merged(kw)), 2)
-                        finally:
-                            tm.PDL = False
+                        on = {**kw, "pdl": True}
+                        op = merged(on)
+                        row[name + "_op_pdl_equal"] = cb.beq(op[0], ref_op[0]) and cb.beq(op[1], ref_op[1])
+                        row[name + "_op_pdl_us"] = round(b.graph_us(lambda on=on: merged(on)), 2)
                 if FA4_ROUTE:
                     for name, pf in (("fa4_route", None), ("fa4_route_l2", (kc, vc))):
                         def route(pf=pf, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c, bsz=bsz):

@@ -782,11 +782,14 @@ def test_cuda_provenance_names_fa4_and_triton(packed):
 def test_cuda_graph_captured_decode_replays_the_same_bits(packed, pdl, monkeypatch):
     """The decode route makes no host sync: it captures into a CUDA graph (value checks off:
     with them on, capture raises ValueChecksInCapture) and replays bitwise, with or without
-    programmatic dependent launch for its two Triton launches (merge.PDL)."""
+    programmatic dependent launch for its two Triton launches (merge.PDL, and the pair route's
+    own choice in one wave, pair_decode.PDL_ONE_WAVE)."""
     from rlk_ops.kernels.triton import merge as triton_merge
+    from rlk_ops.kernels.triton import pair_decode
     from rlk_ops.ops import _validate
 
     monkeypatch.setattr(triton_merge, "PDL", pdl)
+    monkeypatch.setattr(pair_decode, "PDL_ONE_WAVE", pdl)
     q, k, v, cu, train = packed
     chunk = CHUNKS[0]
     k_cache, v_cache, table = _cache(k, v, cu, 16, seed=6)

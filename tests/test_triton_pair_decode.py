@@ -172,18 +172,24 @@ def test_interpreter_sequence_major_order_changes_no_state():
 
 
 def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
-    """The measured rule (pair_decode.decode_launch, SLICES_ONE_WAVE): 8 warps and 2 head-dim
-    slices while twice the programs fit one per SM, 8 warps up to one wave, then 4 warps with
-    one pair's heads adjacent; SLICES_ONE_WAVE = 1 turns the slices off."""
+    """The measured rule (pair_decode.decode_launch, SLICES_ONE_WAVE, PDL_ONE_WAVE): 8 warps and
+    2 head-dim slices while twice the programs fit one per SM, 8 warps up to one wave, then 4
+    warps with one pair's heads adjacent; the merge by PDL up to one wave; SLICES_ONE_WAVE = 1
+    turns the slices off; PDL_ONE_WAVE off leaves PDL to merge.PDL everywhere."""
+    from rlk_ops.kernels.triton import merge as tm
     from rlk_ops.kernels.triton import pair_decode as pd
 
     cpu = torch.device("cpu")   # 4 "SMs" off CUDA
-    assert pd.decode_launch(2, cpu) == {"config": (8, 3), "heads_first": False, "slices": 2}
-    assert pd.decode_launch(3, cpu) == {"config": (8, 3), "heads_first": False, "slices": 1}
+    assert pd.decode_launch(2, cpu) == {"config": (8, 3), "heads_first": False, "slices": 2, "pdl": True}
+    assert pd.decode_launch(3, cpu) == {"config": (8, 3), "heads_first": False, "slices": 1, "pdl": True}
     assert pd.decode_launch(4, cpu)["slices"] == 1
-    assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1}
+    assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": False}
     monkeypatch.setattr(pd, "SLICES_ONE_WAVE", 1)
     assert pd.decode_launch(2, cpu)["slices"] == 1
+    monkeypatch.setattr(pd, "PDL_ONE_WAVE", False)
+    assert pd.decode_launch(2, cpu)["pdl"] is False and pd.decode_launch(5, cpu)["pdl"] is False
+    monkeypatch.setattr(tm, "PDL", True)
+    assert pd.decode_launch(2, cpu)["pdl"] is True and pd.decode_launch(5, cpu)["pdl"] is True
 
 
 def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
@@ -229,6 +235,32 @@ def test_pdl_follows_the_merge_switch(monkeypatch):
         monkeypatch.setattr(tm, "PDL", switch)
         pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, pdl=pdl)
     assert [c.get("PDL", 0) for c in seen] == [0, 1, 0, 1]
+
+
+def test_the_merge_follows_its_pdl_argument(monkeypatch):
+    """merge_attn_states(pdl=...) launches the merge by PDL or not whatever merge.PDL says (the
+    pair route passes decode_launch's choice); pdl=None follows merge.PDL; the kernel's PDL
+    constant matches the launch."""
+    from rlk_ops.kernels.triton import _common
+    from rlk_ops.kernels.triton import merge as tm
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw.get("launch_pdl", False), kw["PDL"]))
+
+    monkeypatch.setattr(tm, "_merge_vec", Recorder())
+    monkeypatch.setattr(tm, "_merge_fwd", Recorder())
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    n, bsz = 3, 2
+    out = torch.zeros((n, bsz, 1, HQ, D), dtype=torch.bfloat16)
+    lse = torch.zeros((n, bsz, HQ, 1), dtype=torch.float32)
+    for switch, pdl in ((False, True), (True, False), (True, None), (False, None)):
+        monkeypatch.setattr(tm, "PDL", switch)
+        tm.merge_attn_states(out, lse, pdl=pdl)
+        tm.merge_attn_states(out, lse, config=(16, 1, 0), vec=0, pdl=pdl)
+    assert seen == [(True, True)] * 2 + [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
 
 
 def test_bad_arguments_are_named():

@@ -141,6 +141,9 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
+        if getattr(merge, "accepts_pdl", False):   # the merge launched as the pair kernel expects
+            return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz),
+                         pdl=launch["pdl"])
     else:
         q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size,
                                                                       chunk_size)

@@ -520,13 +520,15 @@ def vec_states(block: int, block_d: int) -> int:
     return VEC_STATES if block == 1 and block_d <= 32 else 0
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None):
+def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None, pdl=None):
     """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip]]]) instead
     of ``merge_route``'s (benchmarks, tests); skip: the walk leaves out the states no row of a
     program holds (``_merge_fwd`` SKIP; merge_route takes it past VEC_ROWS_MAX rows). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
     of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
-    (not unroll/eager/skip)."""
+    (not unroll/eager/skip). ``pdl``: launched by programmatic dependent launch (waiting
+    in-kernel for the kernel before it) or not, instead of the PDL switch (decode_launch's choice
+    on the Triton pair route; same bits either way)."""
     _check_dtype(out_parts)
     n, rows, s, h, d = _rows(out_parts)
     out = torch.empty(out_parts.shape[1:], dtype=out_parts.dtype, device=out_parts.device)
@@ -544,7 +546,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     skip = rest[2] if len(rest) > 2 else 0
     block_d = C.pow2(d) // split
-    launch = _pdl()
+    launch = _pdl() if pdl is None else {"launch_pdl": True} if pdl and not C.INTERPRET else {}
     vec = vec_states(block, block_d) if vec is None else vec
     if vec:
         if vec != C.pow2(vec):
@@ -569,6 +571,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
 
 
 merge_attn_states.accepts_state_lens = True
+merge_attn_states.accepts_pdl = True
 
 
 def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):

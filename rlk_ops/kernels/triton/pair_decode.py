@@ -655,6 +655,17 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
 # C=640 14.8 -> 13.66, C=768 15.54 -> 14.42 (session 9, C=1024: pairs 16.4 -> 15.2; 4 slices
 # 15.6, 8 slices 22.9; past one wave, 8 x 8k, 2 slices were slower: 40.0 -> 51.9). 1 turns it off.
 SLICES_ONE_WAVE = 2
+# Programmatic dependent launch from the pair kernel to the merge while the pair programs are one
+# wave (decode_launch ``pdl``; the merge op's ``pdl``): the merge launches once every pair program
+# has started and waits in-kernel for the pair kernel's end, so its launch latency overlaps the
+# pair kernel. Same bits (the same programs on the same data). Measured on the H200, page 16, op =
+# pairs + merge, us, without -> with, every one-wave cell faster: session11/variants_pdl_c.json
+# 1 x 8k C=512 12.47 -> 11.90, C=640 15.04 -> 14.60, C=768 15.14 -> 14.55, C=1024 18.52 -> 17.85,
+# 1 x 32k C=1024 27.76 -> 24.43; session12/variants_b1.json (2 head-dim slices) 1 x 8k C=640 13.66
+# -> 12.78, C=768 14.42 -> 14.13. Past one wave it was mixed (1 x 32k C=512..768 -1.5..+3.5 us,
+# batch 8 and 64 x 8k noise, 64 x 32k 2-3 us slower), so there it follows merge.PDL (off). False:
+# merge.PDL decides everywhere.
+PDL_ONE_WAVE = True
 
 
 def decode_launch(programs: int, device: torch.device) -> dict:
@@ -666,12 +677,14 @@ def decode_launch(programs: int, device: torch.device) -> dict:
     and one pair's KV heads on adjacent programs, which read the same cache rows together
     (variants_run1.json: 64 x 8k pairs 248.9 against 254.6 us, 8 x 32k 128.5 against 130.3;
     at batch 1 it was no faster). Where even SLICES_ONE_WAVE times the programs fit one per SM,
-    the head dim of V and O is split over that many programs (``slices``; see SLICES_ONE_WAVE)."""
+    the head dim of V and O is split over that many programs (``slices``; see SLICES_ONE_WAVE).
+    Up to one wave the merge is also launched by PDL (``pdl``, for the pair kernel and the merge
+    op alike; see PDL_ONE_WAVE); past it, and where PDL_ONE_WAVE is off, merge.PDL decides."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
         slices = SLICES_ONE_WAVE if SLICES_ONE_WAVE > 1 and programs * SLICES_ONE_WAVE <= sms else 1
-        return {"config": (8, 3), "heads_first": False, "slices": slices}
-    return {"config": (4, 2), "heads_first": True, "slices": 1}
+        return {"config": (8, 3), "heads_first": False, "slices": slices, "pdl": PDL_ONE_WAVE or merge_mod.PDL}
+    return {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": merge_mod.PDL}
 
 
 
