@@ -419,7 +419,9 @@ MAX_2D = 256
 # (decode profile, total_pdl_us; session 11 with the pair kernel's trigger,
 # results/h200/session11/variants_pdl_c.json, C = 512..1024: 0.4-0.7 us faster at 1 x 8k,
 # noise at batch 8 and 64 x 8k, 2-3 us slower at 64 x 32k); tests/test_canonical_cuda.py
-# checks its bits under CUDA-graph capture.
+# checks its bits under CUDA-graph capture. Since session 13 the Triton pair route launches its
+# merge by PDL anyway while its pair programs are one wave (pair_decode.PDL_ONE_WAVE, the merge
+# op's ``pdl``), where every measured cell was faster.
 PDL = False
 # Eager state loads: each state's out rows are loaded without waiting for its lse (a skipped
 # state's rows are read, in bounds, and never selected: same bits). Off: measured on the H200
