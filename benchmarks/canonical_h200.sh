@@ -43,6 +43,13 @@ step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and sec
   echo "$name rc=$rc $(( $(date +%s) - t ))s" | tee -a "$OUT/steps.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/steps.txt"
+# FA4 must import before any step runs (session 13 lost a call to a fresh machine without it,
+# and one to a PYTHONPATH that dropped /opt/rlk/env.sh's entries): stop at once, clearly
+if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
+  echo "FA4 (flash_attn.cute) does not import: install .gpu/fa4a and .gpu/fa4b on this machine and source" \
+       "/opt/rlk/env.sh (PYTHONPATH=$PYTHONPATH)" | tee -a "$OUT/steps.txt"
+  exit 3
+fi
 if [ "$PART" = 1 ]; then
   step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
   step canonical_bitwise 380 "python3 benchmarks/canonical.py --sections environment,merge,fa4_equalities,in_place,bitwise,decode_profile --bitwise-chunks ${BITWISE_CHUNKS:-256,640,768,1024,2048} --out $OUT/canonical_bitwise.json --md $OUT/canonical_bitwise.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -8 $OUT/canonical_bench.log; exit \$rc"
