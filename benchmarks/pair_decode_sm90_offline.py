@@ -56,7 +56,9 @@ def ptxas() -> str:
 
 
 def loop_sass(sass: str) -> list[str]:
-    """The instructions of the longest backward-branch loop that holds a tensor-core op."""
+    """The instructions of the longest backward-branch loop that holds a tensor-core op, its
+    back edge before the kernel's last EXIT (with TMA loads, the out-of-line retries of a barrier
+    wait sit past it and branch back into the loop: not loops of the program's own)."""
     labels, instrs, pending = {}, [], None
     for line in sass.splitlines():
         lab = re.match(r"\s*\.L_x_(\d+):", line)
@@ -68,8 +70,11 @@ def loop_sass(sass: str) -> list[str]:
             if pending is not None:
                 labels[pending], pending = addr, None
             instrs.append((addr, m.group(2)))
+    exits = [addr for addr, ins in instrs if re.search(r"\bEXIT\b", ins)]
     loops = []
     for addr, ins in instrs:
+        if exits and addr > exits[-1]:
+            continue
         t = re.search(r"BRA.*\.L_x_(\d+)", ins)
         if t and labels.get(t.group(1), addr + 1) < addr:
             body = [i for a, i in instrs if labels[t.group(1)] <= a <= addr]
@@ -83,7 +88,7 @@ def main():
     ap.add_argument("--layout", choices=sorted(pd.LAYOUTS), default="keys")
     ap.add_argument("--warps", type=int, default=pd.NUM_WARPS)
     ap.add_argument("--stages", type=int, default=pd.NUM_STAGES)
-    ap.add_argument("--prefetch", type=int, default=3, help="keys: PF (see pair_decode)")
+    ap.add_argument("--prefetch", type=int, default=3, help="keys: PF (see pair_decode; 4: K/V tiles by TMA)")
     ap.add_argument("--split", type=int, default=None, help="keys: key groups of QK^T (default: warps)")
     ap.add_argument("--blocks", type=int, default=8, help="keys: key blocks per chunk (NBC)")
     ap.add_argument("--merge", action="store_true", help="keys: the fused merge")
@@ -114,11 +119,15 @@ def main():
     elif args.layout == "keys":
         consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices,
                       PDL=int(args.pdl))
+    if args.layout == "keys" and args.prefetch == 4:   # K/V tiles by TMA: host-side tensor descriptors
+        sig.update(kc=f"tensordesc<bf16[{pd.BLOCK_N},1,{CONSTS['D']}]>",
+                   vc=f"tensordesc<bf16[{pd.BLOCK_N},1,{CONSTS['D'] // args.slices}]>")
     sig.update({k: "constexpr" for k in consts})
     sig = {name: sig[name] for name in fn.arg_names if name in sig}    # the kernel's parameter order
     names = list(sig)
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names})
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE
+                           if n in names and not sig[n].startswith("tensordesc")})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False,
                                      **({"maxnreg": args.maxnreg} if args.maxnreg else {})})

@@ -5,6 +5,9 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
 
 * ``fa4_strict``: FA4 single pass (the line's reference), ``op``: canonical:C through the op,
   ``pairs``: the routed pair kernel alone, ``merge``: the merge op alone on its states;
+* ``pairs_tma`` / ``op_tma`` (pages a multiple of 128): the pair kernel with its K/V tiles by
+  TMA (``prefetch=4``, not routed), alone and with the merge; ``tma_equal``: its merged out and
+  lse torch.equal to the routed pairs + merge (the op's bits);
 * ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
   (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
 * ``read_flat``: a Triton kernel that reads every K and V byte of the cache once, contiguously
@@ -135,6 +138,18 @@ def main():
                    "read_flat": lambda: read_flat(kc, vc),
                    "read_paged": lambda: read_paged(kc, vc, pt, sl, c),
                    "read_paged_rows": lambda: read_paged(kc, vc, pt, sl, c, rows=True)}
+            if page % pd.BLOCK_N == 0:
+                tma = {**routed, "prefetch": 4}
+
+                def op_tma(kw=tma):
+                    o, l, pl, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
+                    return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
+                                                state_lens=pl.view(n, bsz))
+
+                got, ref = op_tma(), op_tma(routed)   # the routed pairs + merge: the op's bits (tests)
+                row["tma_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
+                fns["pairs_tma"] = lambda tma=tma: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **tma)
+                fns["op_tma"] = op_tma
             if DEVICE == "cuda":
                 from rlk_ops.kernels.fa4 import kernels as fa4
 

@@ -60,6 +60,10 @@ for _ds in (2, 4, 8):
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
+# K/V tiles by TMA (prefetch 4; pages a multiple of 128 only: elsewhere the row records the refusal);
+# uncapped it takes 188 registers at 4 warps (two programs per SM), capped at the routed 168 it spills
+ALL_VARIANTS["keys_tma"] = {"layout": "keys", "prefetch": 4}
+ALL_VARIANTS["keys_tma_r168"] = {"layout": "keys", "prefetch": 4, "config": (4, 2, 168)}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with the merge by PDL

@@ -94,6 +94,21 @@ def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, pref
     """Exact scores (integers, a 0 in every block, scale_log2 = 1) make every exponential and
     product exact, so the interpreter's math library cannot hide a wrong order: the row sums,
     out and lse must equal the transcription bit for bit; empty pairs give out 0, lse -inf."""
+    _check_transcribed(ps, chunk, lens, layout, prefetch, extra)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+@pytest.mark.parametrize("ps,chunk,lens", [(128, 256, [520, 256, 17]), (256, 512, [700, 512, 3, 0, 1300])])
+@pytest.mark.parametrize("extra", [{}, {"slices": 2}, {"ahead": True}, {"slices": 4, "heads_first": True}],
+                         ids=_option_id)
+def test_interpreter_tma_tiles_match_the_transcribed_steps(ps, chunk, lens, extra):
+    """prefetch 4 (K and V tiles by tensor descriptor, pages a multiple of 128 keys) gives the
+    transcription's bits too, with NaN in every cache slot past a sequence in its last page (a
+    TMA tile reads them: the scores there are masked and V's rows zeroed)."""
+    _check_transcribed(ps, chunk, lens, "keys", 4, extra, poison=True)
+
+
+def _check_transcribed(ps, chunk, lens, layout, prefetch, extra, poison=False):
     from rlk_ops.kernels.triton.pair_decode import BLOCK_N, pair_decode, scale_log2
 
     q, kc, vc, table, sl = _inputs(lens, ps, seed=1, device="cpu")
@@ -108,6 +123,10 @@ def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, pref
     for b, n in enumerate(lens):  # a 0 score at every block start of every chunk
         for start in range(0, n, BLOCK_N):
             rows[int(table[b, start // ps]) * ps + start % ps, :, 0] = 0.0
+        if poison and n % ps:  # the rest of the sequence's last page
+            last = int(table[b, n // ps]) * ps
+            rows[last + n % ps:last + ps] = math.nan
+            vc.view(-1, HKV, D)[last + n % ps:last + ps] = math.nan
     out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout,
                                                   prefetch=prefetch, **extra)
     for c in range(n_chunks):
@@ -287,6 +306,13 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
     with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
+    with pytest.raises(ValueError, match="prefetch must be 0, 1, 2, 3 or 4, got 5"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=5)
+    with pytest.raises(ValueError, match=r"prefetch=4 \(TMA tiles\) needs contiguous caches with page_size a multiple "
+                                         r"of 128, got page_size 16, contiguous True and True"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=4)
+    with pytest.raises(ValueError, match="l2_prefetch=True needs prefetch 2 or 3, got 4"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=4, l2_prefetch=True)
     wide = torch.zeros((1, 129 * 8), dtype=torch.int32)   # 129 chunks of 128 keys (pages of 16)
     with pytest.raises(ValueError, match="merge=True takes up to 128 chunks per sequence, got 129"):
         pair_decode(q, kc, vc, wide, sl, 1.0, 128, layout="keys", merge=True)
@@ -343,6 +369,39 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
                                      config=config, heads_first=heads_first, **extra)
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
+    assert n == n_ref and bitwise_equal(plens, ref_lens)
+    full = plens > 0
+    assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
+    assert bool((lse[~full] == -math.inf).all()) and bool((out[~full] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4 (the kernel is compared with it)")
+@pytest.mark.parametrize("ps,chunk", [(128, 128), (128, 256), (128, 1024), (128, 2048), (256, 256), (256, 1024),
+                                      (256, 2048)])
+@pytest.mark.parametrize("config,heads_first,extra", [
+    ((4, 2), True, {}), ((4, 2, 168), True, {}), ((8, 3), False, {"slices": 2}), ((8, 3), False, {"ahead": True}),
+    ((4, 3), False, {"slices": 4})], ids=_option_id)
+def test_cuda_tma_tiles_equal_fa4s_pair_call(ps, chunk, config, heads_first, extra):
+    """prefetch 4 (K and V tiles by TMA, pages a multiple of 128 keys; not routed): every pair's
+    out and lse equal FA4's pair call, with NaN written after the reference into every cache
+    slot past a sequence in its last page (the tiles read them: masked scores, zeroed V rows)."""
+    from rlk_ops.kernels.fa4.kernels import pair_attention
+    from rlk_ops.kernels.triton.merge import decode_pairs
+    from rlk_ops.kernels.triton.pair_decode import pair_decode
+
+    lens = [1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192]
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk + ps, device="cuda")
+    scale = D ** -0.5
+    qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
+    ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
+    for b, n in enumerate(lens):
+        if n % ps:
+            last = int(table[b, n // ps])
+            kc[last, n % ps:] = math.nan
+            vc[last, n % ps:] = math.nan
+    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout="keys", prefetch=4, config=config,
+                                     heads_first=heads_first, **extra)
     assert n == n_ref and bitwise_equal(plens, ref_lens)
     full = plens > 0
     assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])

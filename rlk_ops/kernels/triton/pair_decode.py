@@ -34,6 +34,13 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   1 = one block ahead by hand, 2 = every block's token rows preloaded (no load feeds an
   address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
   their scores are masked; V stays masked so garbage there cannot reach O).
+  4 = K and V tiles by TMA (session 13, not routed, to be measured on the H200; pages a
+  multiple of 128 keys, so a block never leaves its page): host-side tensor descriptors of the
+  caches as [rows, HKV, D], one [128, 1, D] load per block and tensor; the pair's last block
+  (the walk's first) is peeled, the only one whose V rows past the pair are zeroed. Offline
+  (Triton 3.6, sm90) its loop is 441 instructions per warp per block at 4 warps against
+  prefetch 3's 684 (297 against 360 at 8 warps, 2 slices), but 188 registers at 4 warps
+  against 168 (two programs per SM instead of three).
   ``merge=True`` folds the merge in (not routed): the last program of each (sequence, KV head)
   merges the chunk states with the merge op's steps (``_merge_last_vec``: merge.py's
   ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice; offline
@@ -365,10 +372,13 @@ def _l2_prefetch(ptrs, EMU: tl.constexpr):
 def _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV: tl.constexpr, D: tl.constexpr,
               BN: tl.constexpr, PF: tl.constexpr, ABL: tl.constexpr):
     """Key block j's element offsets (head h) and its valid keys, for prefetch 0, 2 and 3
-    (prefetch 1 carries the next page entries through the loop: inline there)."""
+    (prefetch 1 carries the next page entries through the loop: inline there); prefetch 4: the
+    cache row of the block's first key (``tok_all`` holds one per block there)."""
     in_pair = j * BN + kk
     valid = in_pair < n_keys
-    if PF == 3:  # int32 element offsets (the cache has < 2**31 elements); keys past the pair read page 0
+    if PF == 4:
+        tok = tl.sum(tl.where(blk == j, tok_all, 0), axis=0)
+    elif PF == 3:  # int32 element offsets (the cache has < 2**31 elements); keys past the pair read page 0
         tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0) * (HKV * D) + h * D
     elif PF == 2:
         tok = tl.sum(tl.where(blk[:, None] == j, tok_all, 0), axis=0).to(tl.int64) * (HKV * D) + h * D
@@ -383,9 +393,13 @@ def _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV: tl.const
 
 @triton.jit
 def _keys_scores(kc, qt, tok, valid, dd, BN: tl.constexpr, M: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr,
-                 PF: tl.constexpr, SPLIT: tl.constexpr):
-    """S [M, BN] of one key block, computed as S^T = K @ Q^T, keys past the pair -inf."""
-    if PF == 3:
+                 PF: tl.constexpr, SPLIT: tl.constexpr, h=0):
+    """S [M, BN] of one key block, computed as S^T = K @ Q^T, keys past the pair -inf. PF 4:
+    ``kc`` is a tensor descriptor of the cache as [rows, HKV, D] and ``tok`` the block's first
+    row: the whole [BN, D] tile in one TMA load (keys past the pair are read and masked)."""
+    if PF == 4:
+        k = tl.reshape(kc.load([tok, h, 0]), [BN, D])
+    elif PF == 3:
         k = tl.load(kc + (tok[:, None] + dd[None, :]))
     else:
         k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
@@ -401,9 +415,12 @@ def _keys_scores(kc, qt, tok, valid, dd, BN: tl.constexpr, M: tl.constexpr, D: t
 
 @triton.jit
 def _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M: tl.constexpr, EMU: tl.constexpr,
-                 PF: tl.constexpr, ABL: tl.constexpr, INIT_FMA: tl.constexpr):
+                 PF: tl.constexpr, ABL: tl.constexpr, INIT_FMA: tl.constexpr, h=0, col0=0,
+                 MASKV: tl.constexpr = True):
     """One key block's online softmax step given its scores: max, exponentials, thread sums,
-    O = O * r + bf16(P) @ V."""
+    O = O * r + bf16(P) @ V. PF 4: V's [BN, len(dd)] tile from column ``col0`` in one TMA load,
+    its rows past the pair zeroed (P is 0 there, but 0 * a non-finite value in a cache slot
+    past the pair is not) unless MASKV is off (a block wholly inside the pair)."""
     m_prev = m
     m = tl.maximum(tl.max(s, axis=1), m_prev)
     m_use = tl.where(m == _NEG_INF, 0.0, m)
@@ -415,7 +432,11 @@ def _keys_update(s, vc, tok, valid, dd, m, part, acc, scale_log2, M: tl.constexp
         r = _approx((m_prev - m_use) * scale_log2, "ex2", EMU)  # 0 before the first block: part and acc are 0
     if not (ABL & 2):
         part = _thread_sums(part, r, p, M, INIT_FMA)
-    if PF == 3:
+    if PF == 4:
+        v = tl.reshape(vc.load([tok, h, col0]), [valid.shape[0], dd.shape[0]])
+        if MASKV:
+            v = tl.where(valid[:, None], v, 0.0)
+    elif PF == 3:
         v = tl.load(vc + (tok[:, None] + dd[None, :]), mask=valid[:, None], other=0.0)
     else:
         v = tl.load(vc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
@@ -475,7 +496,10 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     if PF == 1:  # the page-table entries one block ahead, by hand
         in_pair = (nb - 1) * BN + kk
         pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
-    if PF >= 2:  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
+    if PF == 4:  # every block's first cache row up front (page % BN == 0: a block never leaves its page)
+        starts = c * chunk + blk * BN
+        tok_all = tl.load(row + starts // page, mask=blk * BN < n_keys, other=0) * page + starts % page
+    if (PF == 2) | (PF == 3):  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
         at = blk[:, None] * BN + kk[None, :]
         pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
         tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
@@ -486,17 +510,30 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     if AHEAD:
         j0 = tl.maximum(nb - 1, 0)  # an empty pair reads block 0, all masked (not used)
         tok, valid = _keys_tok(row, tok_all, blk, j0, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
-        s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT)
+        s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
         for it in range(0, nb - 1):
             j = nb - 1 - it
             tok_n, valid_n = _keys_tok(row, tok_all, blk, j - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
-            s_n = _keys_scores(kc, qt, tok_n, valid_n, dd, BN, M, D, EMU, PF, SPLIT)
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            s_n = _keys_scores(kc, qt, tok_n, valid_n, dd, BN, M, D, EMU, PF, SPLIT, h)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
+                                          ds * (D // DS))
             s = s_n
             tok = tok_n
             valid = valid_n
         if nb > 0:
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
+                                          ds * (D // DS))
+    elif PF == 4:  # the walk's first block (the pair's last) is the only one that can end early: peeled
+        if nb > 0:
+            tok, valid = _keys_tok(row, tok_all, blk, nb - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
+            s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
+                                        h, ds * (D // DS))
+        for it in range(1, nb):
+            tok, valid = _keys_tok(row, tok_all, blk, nb - 1 - it, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
+            s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
+                                        h, ds * (D // DS), False)
     else:
         for it in range(0, nb):
             j = nb - 1 - it
@@ -511,8 +548,9 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                     tok = kk.to(tl.int64) * (HKV * D) + h * D
             else:
                 tok, valid = _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
-            s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT)
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA)
+            s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
+                                          ds * (D // DS))
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
@@ -733,8 +771,16 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             prefetch = 3 if preloadable(k_cache, chunk_size) else 0
         if split is None:
             split = warps if BLOCK_N % (16 * warps) == 0 else 0
-        if l2_prefetch and prefetch < 2:
+        if prefetch not in (0, 1, 2, 3, 4):
+            raise ValueError(f"pair_decode prefetch must be 0, 1, 2, 3 or 4, got {prefetch}")
+        if prefetch == 4 and ablate & 1:
+            raise ValueError(f"pair_decode prefetch=4 reads whole tiles: ablate must leave bit 1 off, got {ablate}")
+        if l2_prefetch and prefetch not in (2, 3):
             raise ValueError(f"pair_decode l2_prefetch=True needs prefetch 2 or 3, got {prefetch}")
+        if prefetch == 4 and (page % BLOCK_N or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            raise ValueError(f"pair_decode prefetch=4 (TMA tiles) needs contiguous caches with page_size a multiple of "
+                             f"{BLOCK_N}, got page_size {page}, contiguous {k_cache.is_contiguous()} and "
+                             f"{v_cache.is_contiguous()}")
         if ahead and prefetch == 1:
             raise ValueError("pair_decode ahead=True needs prefetch 0, 2 or 3, got 1")
         if merge and n > MERGE_VEC_MAX:
@@ -772,14 +818,28 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
+    kv = (C.aligned(k_cache), C.aligned(v_cache))
+    if layout == "keys" and prefetch == 4:
+        kv = _tma_tiles(k_cache, v_cache, slices)
     if bsz:
         kernel[(n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)](
-            C.aligned(q), C.aligned(k_cache), C.aligned(v_cache), C.aligned(page_table), C.aligned(seq_lens),
+            C.aligned(q), *kv, C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
             num_warps=warps, num_stages=stages, **maxnreg, **C.LAUNCH)
     res = (out, lse, pair_lens, n, row_sums) if sums else (out, lse, pair_lens, n)
     return res + merged if merge else res
+
+
+def _tma_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, slices: int) -> tuple:
+    """prefetch 4: host-side tensor descriptors of the caches as [rows, HKV, D], tiles of BLOCK_N
+    rows of one KV head (K: all of head_dim, V: a head-dim slice), for TMA loads."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    pages, page, hkv, d = k_cache.shape
+    shape, strides = [pages * page, hkv, d], [hkv * d, d, 1]
+    return (TensorDescriptor(k_cache.view(shape), shape, strides, [BLOCK_N, 1, d]),
+            TensorDescriptor(v_cache.view(shape), shape, strides, [BLOCK_N, 1, d // slices]))
 
 
 _COUNTS: dict = {}
