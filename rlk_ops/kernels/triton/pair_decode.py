@@ -39,7 +39,7 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   caches as [rows, HKV, D], one [128, 1, D] load per block and tensor; the pair's last block
   (the walk's first) is peeled, the only one whose V rows past the pair are zeroed. Offline
   (Triton 3.6, sm90) its loop is 441 instructions per warp per block at 4 warps against
-  prefetch 3's 684 (297 against 360 at 8 warps, 2 slices), but 188 registers at 4 warps
+  prefetch 3's 649 (297 against 364 at 8 warps, 2 slices), but 188 registers at 4 warps
   against 168 (two programs per SM instead of three).
   ``merge=True`` folds the merge in (not routed): the last program of each (sequence, KV head)
   merges the chunk states with the merge op's steps (``_merge_last_vec``: merge.py's
