@@ -134,6 +134,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     from rlk_ops.kernels.triton.merge import decode_pairs
 
     bsz, _, hq, d = q.shape
+    merge_kw = {}
     if DECODE_PAIRS not in ("triton", "fa4"):
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
@@ -142,10 +143,9 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
         if getattr(merge, "accepts_pdl", False):   # the merge launched as the pair kernel expects
-            return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz),
-                         pdl=launch["pdl"])
+            merge_kw["pdl"] = launch["pdl"]
     else:
         q_pairs, pair_table, pair_lens, kernel_lens, n = decode_pairs(q, page_table, seq_lens, page_size,
                                                                       chunk_size)
         out, lse = attend_paged(q_pairs, k_cache, v_cache, pair_table, kernel_lens, softmax_scale)
-    return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz))
+    return merge(out.view(n, bsz, 1, hq, d), lse.view(n, bsz, hq, 1), state_lens=pair_lens.view(n, bsz), **merge_kw)

@@ -487,8 +487,10 @@ def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple, int]:
     return cfg, 0
 
 
-def _pdl() -> dict:
-    return {"launch_pdl": True} if PDL and not C.INTERPRET else {}
+def _pdl(on: bool | None = None) -> dict:
+    """Launch arguments for programmatic dependent launch: ``on``, or the PDL switch when None
+    (never on the interpreter)."""
+    return {"launch_pdl": True} if (PDL if on is None else on) and not C.INTERPRET else {}
 
 
 def merge_config(rows: int, n: int, d: int, device) -> tuple[int, int, int, int]:
@@ -548,7 +550,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     skip = rest[2] if len(rest) > 2 else 0
     block_d = C.pow2(d) // split
-    launch = _pdl() if pdl is None else {"launch_pdl": True} if pdl and not C.INTERPRET else {}
+    launch = _pdl(pdl)
     vec = vec_states(block, block_d) if vec is None else vec
     if vec:
         if vec != C.pow2(vec):
