@@ -56,7 +56,7 @@ if [ "$PART" = 1 ]; then
 elif [ "$PART" = 2 ]; then
   step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
   step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
-  step roofline 150 "python3 benchmarks/probe_decode_roofline.py $OUT/roofline.json 2>&1 | grep -v Warning | tail -6"
+  step roofline 200 "python3 benchmarks/probe_decode_roofline.py $OUT/roofline.json 2>&1 | grep -v Warning | tail -6"
 elif [ "$PART" = probe ]; then
   step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
