@@ -482,7 +482,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
-    dv = ds * (D // DS) + tl.arange(0, D // DS)                          # this program's columns of V and O
+    col0 = ds * (D // DS)
+    dv = col0 + tl.arange(0, D // DS)                                    # this program's columns of V and O
     kk = tl.arange(0, BN)
     qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + cols)[None, :] * D + dd[:, None], mask=cmask[None, :],
                  other=0.0)                                              # Q^T [D, M]
@@ -515,25 +516,25 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             j = nb - 1 - it
             tok_n, valid_n = _keys_tok(row, tok_all, blk, j - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s_n = _keys_scores(kc, qt, tok_n, valid_n, dd, BN, M, D, EMU, PF, SPLIT, h)
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
-                                          ds * (D // DS))
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
+                                          h, col0)
             s = s_n
             tok = tok_n
             valid = valid_n
         if nb > 0:
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
-                                          ds * (D // DS))
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
+                                          h, col0)
     elif PF == 4:  # the walk's first block (the pair's last) is the only one that can end early: peeled
         if nb > 0:
             tok, valid = _keys_tok(row, tok_all, blk, nb - 1, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
-                                        h, ds * (D // DS))
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
+                                        col0)
         for it in range(1, nb):
             tok, valid = _keys_tok(row, tok_all, blk, nb - 1 - it, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
             m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
-                                        h, ds * (D // DS), False)
+                                        h, col0, False)
     else:
         for it in range(0, nb):
             j = nb - 1 - it
@@ -549,8 +550,8 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             else:
                 tok, valid = _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV, D, BN, PF, ABL)
             s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, PF, SPLIT, h)
-            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA, h,
-                                          ds * (D // DS))
+            m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, PF, ABL, INIT_FMA,
+                                          h, col0)
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
@@ -799,7 +800,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
         extra["DS"] = slices
-        if (merge_mod.PDL if pdl is None else pdl) and not C.INTERPRET:  # else one compile either way
+        if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
     elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
         raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
