@@ -50,24 +50,25 @@ if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
        "/opt/rlk/env.sh (PYTHONPATH=$PYTHONPATH)" | tee -a "$OUT/steps.txt"
   exit 3
 fi
+# pytest-xdist (its and execnet's wheels in .gpu/fi, installed with it): the suites' Triton and
+# FA4 compiles spread over WORKERS processes on the one GPU (serially, part 3's suite did not finish
+# in 360 s in sessions 12-13, and part 1's tests/test_canonical_cuda.py ran out of 150 s in session
+# 14; under 8 workers: 244 s and 45 s)
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+echo "pytest: ${XDIST:-serial (pytest-xdist not installed)}" | tee -a "$OUT/steps.txt"
 if [ "$PART" = 1 ]; then
-  step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
+  step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider $XDIST tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
   step canonical_bitwise 380 "python3 benchmarks/canonical.py --sections environment,merge,fa4_equalities,in_place,bitwise,decode_profile --bitwise-chunks ${BITWISE_CHUNKS:-256,640,768,1024,2048} --out $OUT/canonical_bitwise.json --md $OUT/canonical_bitwise.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -8 $OUT/canonical_bench.log; exit \$rc"
 elif [ "$PART" = 2 ]; then
   step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
   step canonical_p128 200 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
   step roofline 200 "python3 benchmarks/probe_decode_roofline.py $OUT/roofline.json 2>&1 | grep -v Warning | tail -6"
 elif [ "$PART" = probe ]; then
-  step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
+  step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider $XDIST tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"
   step probe_variants 360 "python3 benchmarks/probe_pair_decode_variants.py $OUT/variants.json 2>&1 | tail -40"
 elif [ "$PART" = 3 ]; then
   step demo_single_pass 80 "python3 -m rlk_ops demo --device cuda --quiet --json $OUT/demo_cuda.json | tail -4"
   step demo_canonical 70 "python3 -m rlk_ops demo --device cuda --quiet --split-kv canonical --json $OUT/demo_cuda_canonical_default.json | tail -4"
-  # pytest-xdist (its and execnet's wheels in .gpu/fi, installed with it): the suite's Triton and
-  # FA4 compiles spread over WORKERS processes on the one GPU; serially it did not finish in 360 s
-  # (sessions 12-13: 291 of its 329 tests are tests/test_triton_pair_decode.py's, one compile each)
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
-  echo "cuda_suite: ${XDIST:-serial (pytest-xdist not installed)}" | tee -a "$OUT/steps.txt"
   step cuda_suite 360 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider $XDIST --durations=12 tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
   tail -60 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
   step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"

@@ -34,13 +34,16 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   1 = one block ahead by hand, 2 = every block's token rows preloaded (no load feeds an
   address), 3 = as 2 with int32 offsets and unmasked K reads (keys past the pair read page 0,
   their scores are masked; V stays masked so garbage there cannot reach O).
-  4 = K and V tiles by TMA (session 13, not routed, to be measured on the H200; pages a
+  4 = K and V tiles by TMA (session 13; not routed: slower on the H200; pages a
   multiple of 128 keys, so a block never leaves its page): host-side tensor descriptors of the
   caches as [rows, HKV, D], one [128, 1, D] load per block and tensor; the pair's last block
   (the walk's first) is peeled, the only one whose V rows past the pair are zeroed. Offline
   (Triton 3.6, sm90) its loop is 441 instructions per warp per block at 4 warps against
   prefetch 3's 649 (297 against 364 at 8 warps, 2 slices), but 188 registers at 4 warps
-  against 168 (two programs per SM instead of three).
+  against 168 (two programs per SM instead of three). Measured on the H200 (session 14,
+  results/h200/session14/roofline.json, page 128, C = 768, batch-64 launch, bitwise equal to
+  prefetch 3): pairs 64 x 8k 247.1 against 244.0 us, 64 x 32k 962.7 against 952.8: fewer
+  instructions, but the third program per SM was worth more.
   ``merge=True`` folds the merge in (not routed): the last program of each (sequence, KV head)
   merges the chunk states with the merge op's steps (``_merge_last_vec``: merge.py's
   ``_merge_vec`` steps, every state's out rows in one tile load per head-dim slice; offline
@@ -56,6 +59,15 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   18.1; session 10's probe, fused walk / vec, C = 1024: 1 x 8k 21.0 / 19.8, 64 x 8k 264.9 /
   263.1), removed in session 10 (code at commit 1528e6d). The pairs alone in sequence-major
   order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
+  ``walk`` (session 14; built, checked on the interpreter, not yet run on the H200): each program
+  walks ``walk`` consecutive chunks of one sequence, one pair after another (``_keys_pair``, the
+  same steps and stores per pair, so the same bits). Aimed at batch 64, where the routed launch
+  is at parity with FA4 single pass but not under it (session 14's roofline, 64 x 8k page 16:
+  pairs 246.9 us, FA4 252.5, op 253.0: the merge launch and its ~5 us of dependent loads eat the
+  pairs' margin). With the whole sequence in one program (one per (sequence, KV head): 256 at
+  batch 64 and 4 KV heads, all resident at two per SM) no program waits in a later wave, and
+  with ``merge`` each program merges its own states after a CTA barrier, with no counter and
+  no second launch. Offline sm90: 208 registers at 4 warps (168 without the outer loop).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -201,15 +213,10 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
-          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
-    """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
-    count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
-    heads (and their slices; they read the same cache rows at about the same time) instead of
-    a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
-    chunks on consecutive pair slots, so its states are done early and, with the fused merge,
-    merged while later sequences stream) instead of chunk-major; the pair index (where the
-    state is stored) stays chunk-major, c * bsz + b."""
+def _slot(HKV: tl.constexpr, HEADS_FIRST: tl.constexpr, DS: tl.constexpr):
+    """This program's slot (a pair, or with ``walk`` a group of one sequence's chunks), KV head
+    and head-dim slice: HEADS_FIRST, a 1-D grid whose consecutive programs are one slot's KV
+    heads (and their slices), else a (slot, head, slice) grid."""
     if HEADS_FIRST:
         pid = tl.program_id(0)
         ds = pid % DS
@@ -219,6 +226,20 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         slot = tl.program_id(0)
         h = tl.program_id(1)
         ds = tl.program_id(2) if DS > 1 else 0
+    return slot, h, ds
+
+
+@triton.jit
+def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
+          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
+    """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
+    count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
+    heads (and their slices; they read the same cache rows at about the same time) instead of
+    a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
+    chunks on consecutive pair slots, so its states are done early and, with the fused merge,
+    merged while later sequences stream) instead of chunk-major; the pair index (where the
+    state is stored) stays chunk-major, c * bsz + b."""
+    slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
     if SEQ_MAJOR:
         b = slot // n_chunks
         c = slot % n_chunks
@@ -227,10 +248,17 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         pair = slot
         c = pair // bsz
         b = pair % bsz
+    n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+    return pair, h, c, b, n_keys, ds
+
+
+@triton.jit
+def _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds):
+    """Pair (chunk c, sequence b)'s key count, written once (KV head 0, slice 0)."""
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
-    return pair, h, c, b, n_keys, ds
+    return n_keys
 
 
 @triton.jit
@@ -308,11 +336,13 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 @triton.jit
 def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G: tl.constexpr,
                     GP: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NP: tl.constexpr,
-                    LOG_NP: tl.constexpr, DSL: tl.constexpr):
+                    LOG_NP: tl.constexpr, DSL: tl.constexpr, n_progs):
     """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, by
-    the program that finishes last, with merge.py's ``_merge_vec`` steps. Each program counts
-    itself in ``count`` after its state is written (a CTA barrier, then one acq_rel atomic);
-    the one that sees n_chunks - 1 resets the counter for the next launch, loads every state's
+    the program that finishes last, with merge.py's ``_merge_vec`` steps. Each of the
+    ``n_progs`` programs of (b, h) counts itself in ``count`` after its states are written (a
+    CTA barrier, then one acq_rel atomic); the one that sees n_progs - 1 (or the only one: no
+    count, the barrier alone orders its own stores before its loads) resets the counter for the
+    next launch, loads every state's
     lse in one [GP, NP] load from L2 (.cg; NP a power of two >= n_chunks, GP = G rounded up to
     a power of two; an empty pair's lse is -inf, skipped), takes the max and the weights
     w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's out rows
@@ -323,9 +353,13 @@ def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n
     (session 6-9, removed in session 10) paid a cross-thread sum and layout conversion per
     state."""
     tl.debug_barrier()
-    done = tl.atomic_add(count, 1, sem="acq_rel")
-    if done == n_chunks - 1:
-        tl.store(count, 0)
+    last = n_progs == 1
+    if n_progs > 1:
+        done = tl.atomic_add(count, 1, sem="acq_rel")
+        last = done == n_progs - 1
+        if last:
+            tl.store(count, 0)
+    if last:
         rows = bsz * HQ                                      # merge rows: (sequence, query head)
         g = tl.arange(0, GP)
         hmask = g < G
@@ -460,7 +494,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0, WALK: tl.constexpr = 0, per=1):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -478,7 +512,31 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     wave instead of launching after it."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
+    if WALK:  # one program per (group of ``per`` consecutive chunks of a sequence, KV head, slice)
+        slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
+        b = slot % bsz
+        c0 = slot // bsz * per
+        for c in range(c0, tl.minimum(c0 + per, n_chunks)):
+            pair = c * bsz + b
+            n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+            _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
+                       G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+    else:
+        pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
+        _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
+                   G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+    if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
+        _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
+                        HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL, tl.cdiv(n_chunks, per) if WALK else n_chunks)
+
+
+@triton.jit
+def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
+               G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+               BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
+               NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, L2PF: tl.constexpr, AHEAD: tl.constexpr,
+               DS: tl.constexpr):
+    """One pair's walk in the "keys" layout (``_pair_decode_keys``): its state stored."""
     cols = tl.arange(0, M)
     cmask = cols < G
     dd = tl.arange(0, D)
@@ -555,9 +613,6 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
             (ds == 0) if DS > 1 else None)
-    if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
-        _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
-                        HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
 
 
 @triton.jit
@@ -731,7 +786,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -743,7 +798,11 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
     same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
-    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
+    ``walk``: each "keys" program walks up to ``walk`` consecutive chunks of one sequence, one
+    after another, each chunk's state as its own pair's (same bits; 0: one pair per program;
+    at least the chunk count: one program per (sequence, KV head), and with ``merge`` it merges
+    its own states, no counter) (not routed)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -799,11 +858,17 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                              f"for head_dim {d}")
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
+        if isinstance(walk, bool) or not isinstance(walk, int) or walk < 0:
+            raise ValueError(f"pair_decode walk must be an int >= 0 (chunks per program; 0: one), got {walk!r}")
+        if walk and seq_major:
+            raise ValueError("pair_decode walk and seq_major=True exclude each other (a walk is sequence-major)")
         extra["DS"] = slices
+        if walk:
+            extra["WALK"] = 1
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
@@ -817,13 +882,17 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
+    per = min(walk, n) if walk else 1                    # chunks per program
+    slots = -(-n // per) * bsz                           # pairs, or (chunk group, sequence) slots
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
+    if walk:
+        extra["per"] = per
     kv = (C.aligned(k_cache), C.aligned(v_cache))
     if layout == "keys" and prefetch == 4:
         kv = _tma_tiles(k_cache, v_cache, slices)
     if bsz:
-        kernel[(n * bsz * hkv * slices,) if heads_first else (n * bsz, hkv, slices)](
+        kernel[(slots * hkv * slices,) if heads_first else (slots, hkv, slices)](
             C.aligned(q), *kv, C.aligned(page_table), C.aligned(seq_lens),
             out, lse, pair_lens, row_sums, scale_log2(softmax_scale), bsz, width, chunk_size, page, *fused_args,
             G=hq // hkv, HQ=hq, HKV=hkv, D=d, M=rows, BN=BLOCK_N, EMU=C.INTERPRET, SUMS=sums, INIT_FMA=init_fma, **extra,
