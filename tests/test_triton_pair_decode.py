@@ -492,8 +492,9 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
 @pytest.mark.parametrize("walk", [2, 1 << 16])
-def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk):
-    """walk on the GPU, on the batch-64 launch (4 warps, 2 stages, heads adjacent): every pair's
+@pytest.mark.parametrize("config", [(4, 2), (8, 2)], ids=_option_id)
+def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, config):
+    """walk on the GPU, heads adjacent, 4 or 8 warps (the probe's keys_walk variants): every pair's
     state equal to FA4's pair call; with merge=True the merged rows equal the merge op on FA4's
     states (a whole sequence per program: merged by that program, no counter), launch after
     launch; C = 768 and 256."""
@@ -509,7 +510,7 @@ def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk):
         ref = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                 state_lens=plens.view(n, len(lens)))
         full = plens > 0
-        kw = {"layout": "keys", "config": (4, 2), "heads_first": True, "walk": walk}
+        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk}
         got = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **kw)
         assert got[3] == n and bitwise_equal(got[2], plens)
         assert bitwise_equal(got[0][full], o[full]) and bitwise_equal(got[1][full], l[full])
