@@ -67,7 +67,8 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   pairs' margin). With the whole sequence in one program (one per (sequence, KV head): 256 at
   batch 64 and 4 KV heads, all resident at two per SM) no program waits in a later wave, and
   with ``merge`` each program merges its own states after a CTA barrier, with no counter and
-  no second launch. Offline sm90: 208 registers at 4 warps (168 without the outer loop).
+  no second launch. Offline sm90 (2 stages): 208 registers at 4 warps (168 without the outer
+  loop), 128 at 8 warps; either way two programs per SM.
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -342,9 +343,8 @@ def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n
     ``n_progs`` programs of (b, h) counts itself in ``count`` after its states are written (a
     CTA barrier, then one acq_rel atomic); the one that sees n_progs - 1 (or the only one: no
     count, the barrier alone orders its own stores before its loads) resets the counter for the
-    next launch, loads every state's
-    lse in one [GP, NP] load from L2 (.cg; NP a power of two >= n_chunks, GP = G rounded up to
-    a power of two; an empty pair's lse is -inf, skipped), takes the max and the weights
+    next launch, loads every state's lse in one [GP, NP] load from L2 (.cg; NP a power of two
+    >= n_chunks, GP = G rounded up to a power of two; an empty pair's lse is -inf, skipped), takes the max and the weights
     w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's out rows
     in one [GP, DSL, NP] load, forms every w * out at once and walks only the two sums over the
     states in ascending order (L + w, acc + w * out, each a where() on "present"): the merge
@@ -882,7 +882,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
-    per = min(walk, n) if walk else 1                    # chunks per program
+    per = max(min(walk, n), 1) if walk else 1            # chunks per program (n may be 0)
     slots = -(-n // per) * bsz                           # pairs, or (chunk group, sequence) slots
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
