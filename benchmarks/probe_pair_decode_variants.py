@@ -11,8 +11,9 @@ with and without heads_first, at 2 stages; "keys" with every K/V line of the pai
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
 (keys_{warps}x{stages}_r{maxnreg}); each program walking 2, 4 or all chunks of a sequence
-(keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; fused: keys_walk_fused*, which merge in the
-same program, no counter); "keys" with the head dim of V and O split over 2, 4 or 8
+(keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; keys_walk_ahead: each chunk's walk first
+requests the next chunk's first block into L2; fused: keys_walk_fused*, which merge in the same
+program, no counter); "keys" with the head dim of V and O split over 2, 4 or 8
 programs per (pair, KV head), each scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1
 also times every variant's op with the merge launched by PDL, *_op_pdl_*); the merge alone
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
@@ -75,6 +76,7 @@ for _k in (2, 4):
     ALL_VARIANTS[f"keys_walk{_k}"] = {"layout": "keys", "walk": _k}
 ALL_VARIANTS["keys_walk"] = {"layout": "keys", "walk": WHOLE}
 ALL_VARIANTS["keys_walk_8x2"] = {"layout": "keys", "walk": WHOLE, "config": (8, 2)}
+ALL_VARIANTS["keys_walk_ahead"] = {"layout": "keys", "walk": WHOLE, "walk_ahead": True}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with the merge by PDL
@@ -82,7 +84,8 @@ VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's 
 # programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
 FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True},
                   "keys_walk_fused": {"walk": WHOLE},   # each program merges its own sequence's states
-                  "keys_walk_fused_8x2": {"walk": WHOLE, "config": (8, 2)}}
+                  "keys_walk_fused_8x2": {"walk": WHOLE, "config": (8, 2)},
+                  "keys_walk_fused_ahead": {"walk": WHOLE, "walk_ahead": True}}
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 

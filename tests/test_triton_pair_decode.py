@@ -181,14 +181,15 @@ def test_interpreter_walked_chunks_store_every_pairs_state():
     """walk=k: each program walks k consecutive chunks of one sequence (the last group shorter;
     k past the chunk count: the whole sequence) and stores every chunk's state where the
     one-pair-per-program launch does: out, lse and pair lengths equal, heads adjacent or not,
-    one head-dim slice or two."""
+    one head-dim slice or two, with walk_ahead (its L2 requests are no-ops here; its page-table
+    reads run)."""
     from rlk_ops.kernels.triton.pair_decode import pair_decode
 
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=6, device="cpu")   # 5 chunks of 128
     ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3)
-    for walk, heads_first, slices in ((2, False, 1), (3, True, 2), (100, True, 1)):
+    for walk, heads_first, slices, ahead in ((2, False, 1, False), (3, True, 2, True), (100, True, 1, False)):
         got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, walk=walk,
-                          heads_first=heads_first, slices=slices)
+                          heads_first=heads_first, slices=slices, walk_ahead=ahead)
         assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3])), (walk, slices)
 
 
@@ -336,6 +337,11 @@ def test_bad_arguments_are_named():
             pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=bad)
     with pytest.raises(ValueError, match=r"walk and seq_major=True exclude each other"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=2, seq_major=True)
+    with pytest.raises(ValueError, match="walk_ahead=True needs walk >= 1, got walk=0"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk_ahead=True)
+    with pytest.raises(ValueError, match=r"walk_ahead=True needs prefetch 0-3 \(its page arithmetic\), got 4"):
+        pair_decode(*_inputs([5], 128, seed=5, device="cpu"), 1.0, 128, layout="keys", walk=2, walk_ahead=True,
+                    prefetch=4)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
@@ -491,13 +497,13 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
-@pytest.mark.parametrize("walk", [2, 1 << 16])
+@pytest.mark.parametrize("walk,ahead", [(2, False), (1 << 16, False), (1 << 16, True)])
 @pytest.mark.parametrize("config", [(4, 2), (8, 2)], ids=_option_id)
-def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, config):
-    """walk on the GPU, heads adjacent, 4 or 8 warps (the probe's keys_walk variants): every pair's
-    state equal to FA4's pair call; with merge=True the merged rows equal the merge op on FA4's
-    states (a whole sequence per program: merged by that program, no counter), launch after
-    launch; C = 768 and 256."""
+def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, ahead, config):
+    """walk on the GPU, heads adjacent, 4 or 8 warps, with and without walk_ahead (the probe's
+    keys_walk variants): every pair's state equal to FA4's pair call; with merge=True the merged
+    rows equal the merge op on FA4's states (a whole sequence per program: merged by that
+    program, no counter), launch after launch; C = 768 and 256."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
     from rlk_ops.kernels.triton.pair_decode import pair_decode
@@ -510,7 +516,7 @@ def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, config):
         ref = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                 state_lens=plens.view(n, len(lens)))
         full = plens > 0
-        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk}
+        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk, "walk_ahead": ahead}
         got = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **kw)
         assert got[3] == n and bitwise_equal(got[2], plens)
         assert bitwise_equal(got[0][full], o[full]) and bitwise_equal(got[1][full], l[full])

@@ -68,7 +68,9 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   batch 64 and 4 KV heads, all resident at two per SM) no program waits in a later wave, and
   with ``merge`` each program merges its own states after a CTA barrier, with no counter and
   no second launch. Offline sm90 (2 stages): 208 registers at 4 warps (168 without the outer
-  loop), 128 at 8 warps; either way two programs per SM.
+  loop), 128 at 8 warps; either way two programs per SM. Each chunk restarts the block
+  pipeline (its first block's loads wait from memory); ``walk_ahead`` requests the next chunk's
+  first block into L2 as each chunk starts, so the refill waits on L2 instead.
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -516,9 +518,13 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
         b = slot % bsz
         c0 = slot // bsz * per
-        for c in range(c0, tl.minimum(c0 + per, n_chunks)):
+        c_end = tl.minimum(c0 + per, n_chunks)
+        for c in range(c0, c_end):
             pair = c * bsz + b
             n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+            if WALK == 2:  # the next chunk's first walked block (its last) requested into L2 now
+                _walk_ahead(table + b.to(tl.int64) * width, kc, vc, seq_lens + b, c + 1, c_end, chunk, page, h,
+                            HKV, D, BN, EMU)
             _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
                        G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
     else:
@@ -528,6 +534,23 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL, tl.cdiv(n_chunks, per) if WALK else n_chunks)
+
+
+@triton.jit
+def _walk_ahead(row, kc, vc, seq_len, c, c_end, chunk, page, h, HKV: tl.constexpr, D: tl.constexpr,
+                BN: tl.constexpr, EMU: tl.constexpr):
+    """``walk_ahead``: both 128-byte lines of head h's K and V rows in chunk c's last key block
+    (the first its walk reads) requested into L2 (prefetch.global.L2; no register waits for
+    them, so no bit can change), so that the walk's pipeline refills from L2 at the chunk
+    boundary. Past the group (c >= c_end) or the sequence: page 0's rows (harmless)."""
+    kk = tl.arange(0, BN)
+    n_keys = tl.where(c < c_end, tl.minimum(tl.maximum(tl.load(seq_len) - c * chunk, 0), chunk), 0)
+    in_pair = tl.maximum(tl.cdiv(n_keys, BN) - 1, 0) * BN + kk
+    pg = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
+    tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
+    lines = tok[:, None] + (tl.arange(0, 2) * (D // 2))[None, :]
+    _l2_prefetch(kc + lines, EMU)
+    _l2_prefetch(vc + lines, EMU)
 
 
 @triton.jit
@@ -786,7 +809,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0,
+                walk_ahead: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -802,7 +826,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``walk``: each "keys" program walks up to ``walk`` consecutive chunks of one sequence, one
     after another, each chunk's state as its own pair's (same bits; 0: one pair per program;
     at least the chunk count: one program per (sequence, KV head), and with ``merge`` it merges
-    its own states, no counter) (not routed)."""
+    its own states, no counter) (not routed); ``walk_ahead``: with ``walk``, each chunk's walk
+    starts by requesting the next chunk's first block into L2 (same bits)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -862,12 +887,16 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             raise ValueError(f"pair_decode walk must be an int >= 0 (chunks per program; 0: one), got {walk!r}")
         if walk and seq_major:
             raise ValueError("pair_decode walk and seq_major=True exclude each other (a walk is sequence-major)")
+        if walk_ahead and not walk:
+            raise ValueError("pair_decode walk_ahead=True needs walk >= 1, got walk=0")
+        if walk_ahead and prefetch == 4:
+            raise ValueError("pair_decode walk_ahead=True needs prefetch 0-3 (its page arithmetic), got 4")
         extra["DS"] = slices
         if walk:
-            extra["WALK"] = 1
+            extra["WALK"] = 2 if walk_ahead else 1
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk:
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk or walk_ahead:
         raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
