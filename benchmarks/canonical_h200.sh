@@ -8,7 +8,8 @@
 #           training and accuracy sections at page 16 -> canonical_speed.json/md; decode profile
 #           and decode at page 128 (FA4's TMA path: page size = its 128-key tile); sessions 12-13
 #           also timed the early merge (--early-merge, removed after session 13's run); then
-#           benchmarks/probe_decode_roofline.py (batch 64 against the read roofline, pages 16 and 128)
+#           benchmarks/probe_decode_roofline.py (batch 64 against the read roofline, pages 16 and 128;
+#           since session 14 also the whole-sequence walk with its merge in one launch, op_walk*)
 #           (one part until session 7: the interleaved decode timing made it overrun 10 min)
 #   part 3: the CUDA demo single pass and under bare 'canonical' (= 768 since session 12), the
 #           whole CUDA test suite except tests/test_canonical_cuda.py, benchmarks/attention.py
