@@ -152,3 +152,13 @@ def test_the_switch_is_restored():
             raise KeyError("inside")
     assert fa4_canonical.PREPARED_CALLS is True
 
+
+def test_the_walk_switch_is_restored():
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    assert fa4_canonical.WALK_MIN_BATCH == 0 and fa4_canonical.WALK_OPTIONS == {}   # built, not routed (session 14)
+    with pytest.raises(KeyError):
+        with fa4_canonical.walk_sequences(16, walk_ahead=True):
+            assert fa4_canonical.WALK_MIN_BATCH == 16 and fa4_canonical.WALK_OPTIONS == {"walk_ahead": True}
+            raise KeyError("inside")
+    assert fa4_canonical.WALK_MIN_BATCH == 0 and fa4_canonical.WALK_OPTIONS == {}

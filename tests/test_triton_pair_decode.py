@@ -523,3 +523,34 @@ def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, ahead, config):
         for _ in range(2):
             m_out, m_lse = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True, **kw)[4:]
             assert bitwise_equal(m_out, ref[0]) and bitwise_equal(m_lse, ref[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
+@pytest.mark.parametrize("options", [{}, {"walk_ahead": True, "config": (8, 2)}], ids=_option_id)
+def test_cuda_walk_route_gives_the_routed_bits(options, monkeypatch):
+    """fa4 canonical.walk_sequences() on: canonical:768 paged decode through the op (one launch,
+    each program merging its own sequence; the launch is seen) equals the default route's out
+    and lse at batch 1 and 12, pages 16 and 128."""
+    import rlk_ops
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    walked = []
+    real = pd.pair_decode
+
+    def spy(*args, **kw):
+        walked.append(bool(kw.get("walk")) and kw.get("merge") is True)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pd, "pair_decode", spy)
+    for ps in (16, 128):
+        for lens in ([8192], [8192, 1, 300, 767, 768, 769, 1, 5000, 2048, 4100, 7000, 12]):
+            q, kc, vc, table, sl = _inputs(lens, ps, seed=len(lens) + ps, device="cuda")
+            with rlk_ops.use_backend(paged_attention="fa4"):
+                ref = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
+                with fa4_canonical.walk_sequences(**options):
+                    got = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
+            assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+            assert walked[-2:] == [False, True]   # the default route, then the walk
+    assert fa4_canonical.WALK_MIN_BATCH == 0

@@ -70,7 +70,8 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   no second launch. Offline sm90 (2 stages): 208 registers at 4 warps (168 without the outer
   loop), 128 at 8 warps; either way two programs per SM. Each chunk restarts the block
   pipeline (its first block's loads wait from memory); ``walk_ahead`` requests the next chunk's
-  first block into L2 as each chunk starts, so the refill waits on L2 instead.
+  first block into L2 as each chunk starts, so the refill waits on L2 instead. The op takes it
+  behind a switch that is off (fa4 canonical.WALK_MIN_BATCH, ``walk_sequences()``).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
