@@ -52,7 +52,7 @@ if ! python3 -c "import flash_attn.cute" 2>/dev/null; then
        "/opt/rlk/env.sh (PYTHONPATH=$PYTHONPATH)" | tee -a "$OUT/steps.txt"
   exit 3
 fi
-# pytest-xdist (its and execnet's wheels in .gpu/fi, installed with it): the suites' Triton and
+# pytest-xdist (its and execnet's wheels put into .gpu/fi by benchmarks/gpu_extras.sh, installed with it): the suites' Triton and
 # FA4 compiles spread over WORKERS processes on the one GPU (serially, part 3's suite did not finish
 # in 360 s in sessions 12-13, and part 1's tests/test_canonical_cuda.py ran out of 150 s in session
 # 14; under 8 workers: 244 s and 45 s)
