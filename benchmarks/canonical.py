@@ -16,8 +16,8 @@ Shapes: Qwen3-8B TP=2 shard, Hq=16, Hkv=4, D=128, bf16, causal.
 * ``decode``: paged decode (page 16, Sq=1, value checks off), CUDA-graph replay medians:
   FA4 strict single pass and canonical:C for several C (with --walk, also each C through the
   op with fa4 canonical.walk_sequences() on at batch >= 16, not routed), the generic route;
-  ratios against
-  FlashInfer auto split (measured here when flashinfer is installed, else read from results/h200/kernels.json, named in ``flashinfer_auto_source``).
+  ratios against FlashInfer auto split (measured here when flashinfer is installed, else read
+  from results/h200/kernels.json, named in ``flashinfer_auto_source``).
 * ``training``: forward and forward+backward at B=4, S=8192, single pass vs canonical:C
   (eager, CUDA events, interleaved repetitions; canonical's host-side plan is included).
 
