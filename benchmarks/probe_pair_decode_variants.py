@@ -70,7 +70,8 @@ ALL_VARIANTS["keys_tma_r168"] = {"layout": "keys", "prefetch": 4, "config": (4, 
 # one sequence's chunks walked by one program, `walk` at a time (keys_walk: the whole sequence: one
 # program per (sequence, KV head); offline sm90: 208 registers at 4 warps, 2 stages (two per SM);
 # at 8 warps, 2 stages 128 registers and 68 KB of shared memory (two per SM); at 4 warps, 3 stages
-# 133 KB (one per SM, so not probed); session 14, not yet timed)
+# 133 KB (one per SM, so not probed); with walk_ahead ptxas settles on 168 registers and spills
+# 8-16 bytes; session 14, not yet timed)
 WHOLE = 1 << 16
 for _k in (2, 4):
     ALL_VARIANTS[f"keys_walk{_k}"] = {"layout": "keys", "walk": _k}

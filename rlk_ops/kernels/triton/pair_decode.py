@@ -257,9 +257,15 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
 
 
 @triton.jit
+def _chunk_keys(seq_len, c, chunk):
+    """The keys of chunk c of the sequence whose length is at ``seq_len``."""
+    return tl.minimum(tl.maximum(tl.load(seq_len) - c * chunk, 0), chunk)
+
+
+@triton.jit
 def _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds):
     """Pair (chunk c, sequence b)'s key count, written once (KV head 0, slice 0)."""
-    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
+    n_keys = _chunk_keys(seq_lens + b, c, chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
     return n_keys
@@ -545,7 +551,7 @@ def _walk_ahead(row, kc, vc, seq_len, c, c_end, chunk, page, h, HKV: tl.constexp
     them, so no bit can change), so that the walk's pipeline refills from L2 at the chunk
     boundary. Past the group (c >= c_end) or the sequence: page 0's rows (harmless)."""
     kk = tl.arange(0, BN)
-    n_keys = tl.where(c < c_end, tl.minimum(tl.maximum(tl.load(seq_len) - c * chunk, 0), chunk), 0)
+    n_keys = tl.where(c < c_end, _chunk_keys(seq_len, c, chunk), 0)
     in_pair = tl.maximum(tl.cdiv(n_keys, BN) - 1, 0) * BN + kk
     pg = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
     tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
