@@ -262,14 +262,21 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
 
 @triton.jit
 def _chunk_keys(seq_len, c, chunk):
-    """The keys of chunk c of the sequence whose length is at ``seq_len``."""
-    return tl.minimum(tl.maximum(tl.load(seq_len) - c * chunk, 0), chunk)
+    """The keys of chunk c of a sequence of ``seq_len`` keys."""
+    return tl.minimum(tl.maximum(seq_len - c * chunk, 0), chunk)
+
+
+@triton.jit
+def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
+    """Element offsets (int64) of KV head h's rows for the keys at positions ``pos``, whose
+    pages ``pg`` the page table gave."""
+    return (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
 
 
 @triton.jit
 def _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds):
     """Pair (chunk c, sequence b)'s key count, written once (KV head 0, slice 0)."""
-    n_keys = _chunk_keys(seq_lens + b, c, chunk)
+    n_keys = _chunk_keys(tl.load(seq_lens + b), c, chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
     return n_keys
@@ -325,7 +332,7 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         valid = in_pair < n_keys
         pos = c * chunk + in_pair
         pg = tl.load(table + b.to(tl.int64) * width + pos // page, mask=valid, other=0)
-        tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        tok = _head_rows(pg, pos, page, h, HKV, D)
         k = tl.load(kc + tok[:, None] + dd[None, :], mask=valid[:, None], other=0.0)
         if EMU:  # the interpreter's bf16 dot reads raw bits: multiply in fp32 (exact products)
             s = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)))
@@ -432,7 +439,7 @@ def _keys_tok(row, tok_all, blk, j, kk, c, chunk, page, n_keys, h, HKV: tl.const
     else:
         pos = c * chunk + in_pair
         pg = tl.load(row + pos // page, mask=valid, other=0)
-        tok = (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
+        tok = _head_rows(pg, pos, page, h, HKV, D)
     if ABL & 1:
         tok = kk.to(tl.int64) * (HKV * D) + h * D
     return tok, valid
@@ -525,26 +532,23 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     wave instead of launching after it."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if WALK == 3:  # walk_flat: the group's key blocks in one loop, a pair's state reset at its start
-        slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
-        b = slot % bsz
-        c0 = slot // bsz * per
-        _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page,
-                        b, h, ds, c0, tl.minimum(c0 + per, n_chunks), G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, SPLIT,
-                        DS)
-    elif WALK:  # one program per (group of ``per`` consecutive chunks of a sequence, KV head, slice)
+    if WALK:  # one program per (group of ``per`` consecutive chunks of a sequence, KV head, slice)
         slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
         b = slot % bsz
         c0 = slot // bsz * per
         c_end = tl.minimum(c0 + per, n_chunks)
-        for c in range(c0, c_end):
-            pair = c * bsz + b
-            n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
-            if WALK == 2:  # the next chunk's first walked block (its last) requested into L2 now
-                _walk_ahead(table + b.to(tl.int64) * width, kc, vc, seq_lens + b, c + 1, c_end, chunk, page, h,
-                            HKV, D, BN, EMU)
-            _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
-                       G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+        if WALK == 3:  # walk_flat: the group's key blocks in one loop, a pair's state reset at its start
+            _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk,
+                            page, b, h, ds, c0, c_end, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, SPLIT, DS)
+        else:
+            for c in range(c0, c_end):
+                pair = c * bsz + b
+                n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+                if WALK == 2:  # the next chunk's first walked block (its last) requested into L2 now
+                    _walk_ahead(table + b.to(tl.int64) * width, kc, vc, seq_lens + b, c + 1, c_end, chunk, page, h,
+                                HKV, D, BN, EMU)
+                _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys,
+                           ds, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
     else:
         pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
         _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
@@ -600,7 +604,7 @@ def _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale
     nbf = chunk // BN
     n_full = tl.maximum(tl.minimum(seq_len // chunk, c_end) - c0, 0)
     c_rem = c0 + n_full
-    rem = tl.where(c_rem < c_end, tl.minimum(tl.maximum(seq_len - c_rem * chunk, 0), chunk), 0)
+    rem = tl.where(c_rem < c_end, _chunk_keys(seq_len, c_rem, chunk), 0)
     total = n_full * nbf + tl.cdiv(rem, BN)
     row = table + b.to(tl.int64) * width
     c, j, nk, start = _flat_block(0, c0, n_full, c_rem, rem, nbf, chunk, BN)
@@ -615,7 +619,7 @@ def _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale
         nxt = jn * BN + kk
         pg_next = tl.load(row + (cn * chunk + nxt) // page, mask=(nxt >= 0) & (nxt < nkn) & (kk < (total - 1 - i) * BN),
                           other=0)
-        tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
+        tok = _head_rows(pg, c * chunk + in_pair, page, h, HKV, D)
         m = tl.where(start, _NEG_INF, m)   # a pair's start; its first block's r = ex2(-inf) = 0 then
         # zeroes the previous pair's thread sums and O (finite: fma(sums, 0, p) = p, O * 0 = 0)
         s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, 1, SPLIT, h)
@@ -633,10 +637,10 @@ def _walk_ahead(row, kc, vc, seq_len, c, c_end, chunk, page, h, HKV: tl.constexp
     them, so no bit can change), so that the walk's pipeline refills from L2 at the chunk
     boundary. Past the group (c >= c_end) or the sequence: page 0's rows (harmless)."""
     kk = tl.arange(0, BN)
-    n_keys = tl.where(c < c_end, _chunk_keys(seq_len, c, chunk), 0)
+    n_keys = tl.where(c < c_end, _chunk_keys(tl.load(seq_len), c, chunk), 0)
     in_pair = tl.maximum(tl.cdiv(n_keys, BN) - 1, 0) * BN + kk
     pg = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
-    tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
+    tok = _head_rows(pg, c * chunk + in_pair, page, h, HKV, D)
     lines = tok[:, None] + (tl.arange(0, 2) * (D // 2))[None, :]
     _l2_prefetch(kc + lines, EMU)
     _l2_prefetch(vc + lines, EMU)
@@ -714,7 +718,7 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
                 pg = pg_next
                 nxt = in_pair - BN
                 pg_next = tl.load(row + (c * chunk + nxt) // page, mask=(nxt >= 0) & (nxt < n_keys), other=0)
-                tok = (pg.to(tl.int64) * page + (c * chunk + in_pair) % page) * (HKV * D) + h * D
+                tok = _head_rows(pg, c * chunk + in_pair, page, h, HKV, D)
                 if ABL & 1:
                     tok = kk.to(tl.int64) * (HKV * D) + h * D
             else:
