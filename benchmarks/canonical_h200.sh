@@ -17,6 +17,8 @@
 #           (strict FA4);
 #   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
 #           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
+# ONLY=name,name (session 15): run only those steps of the part, so a part can go over several
+# shorter device calls (a machine taken back mid-call returns nothing of that call).
 # C values (session 11 on): BITWISE_CHUNKS (part 1, default 256,640,768,1024,2048) and CHUNKS
 # (part 2, default 512,640,768,1024), comma-separated multiples of 128.
 # Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|3|probe
@@ -35,6 +37,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 step() {  # step NAME LIMIT COMMAND...: run with a time limit, record rc and seconds
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi
   local l; l=$(left)
   (( limit > l )) && limit=$l
   if (( limit < 20 )); then echo "$name skipped (no time left)" | tee -a "$OUT/steps.txt"; return; fi
