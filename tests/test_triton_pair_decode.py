@@ -319,6 +319,53 @@ def test_the_merge_follows_its_pdl_argument(monkeypatch):
     assert seen == [(True, True)] * 2 + [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
 
 
+def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch):
+    """fa4 canonical.paged_attention on the Triton pair route, with the merge dispatch really hands
+    over (the Triton backend's wrapper, kernels/triton/__init__.py): the merge is launched with the
+    pair kernel's PDL choice (the wrapper forwards ``pdl``; until session 15 it dropped it), and
+    walk_sequences() takes the one-launch walk (the route told the merge by identity with
+    merge.merge_attn_states, which the wrapper is not, so it never walked). Kernels are recorded,
+    not run, so this holds without a GPU."""
+    from rlk_ops.kernels import triton as triton_backend
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.triton import merge as tm
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    bsz, chunk = 3, 256
+    q, kc, vc, table, sl = _inputs([700, 5, 300], 16, seed=3, device="cpu")
+    n = -(-table.shape[1] * 16 // chunk)
+    calls, merges = [], []
+
+    def pairs(q, k_cache, v_cache, page_table, seq_lens, scale, chunk_size, **kw):
+        calls.append(kw)
+        out = torch.zeros((n * bsz, HQ, D), dtype=q.dtype)
+        lse = torch.zeros((n * bsz, HQ), dtype=torch.float32)
+        lens = torch.ones((n * bsz,), dtype=torch.int32)
+        return (out, lse, lens, n) + ((out[:bsz].view(bsz, 1, HQ, D), lse[:bsz].view(bsz, HQ, 1)) if kw.get("merge") else ())
+
+    def merge(out_parts, lse_parts, state_lens=None, config=None, vec=None, pdl=None):
+        merges.append((state_lens is not None, pdl))
+        return out_parts[0], lse_parts[0]
+
+    monkeypatch.setattr(fa4_canonical, "kernel_for", lambda op, device: triton_backend.merge_attn_states)
+    monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", "triton")
+    monkeypatch.setattr(pd, "routable", lambda *a: True)
+    monkeypatch.setattr(pd, "pair_decode", pairs)
+    monkeypatch.setattr(tm, "merge_attn_states", merge)
+    for pdl in (True, False):
+        launch = {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": pdl}
+        monkeypatch.setattr(pd, "decode_launch", lambda *a, launch=launch: dict(launch))
+        fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
+        assert calls[-1] == {"layout": "keys", **launch} and merges[-1] == (True, pdl)
+    with fa4_canonical.walk_sequences(min_batch=bsz, walk_ahead=True):
+        fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
+    assert calls[-1] == {"layout": "keys", "config": (4, 2), "heads_first": True, "slices": 1, "pdl": False,
+                         "walk": n, "merge": True, "walk_ahead": True}
+    with fa4_canonical.walk_sequences(min_batch=bsz + 1):   # a smaller batch keeps the two launches
+        fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
+    assert "walk" not in calls[-1] and len(merges) == 3
+
+
 def test_bad_arguments_are_named():
     """Checked before any launch (wherever triton imports): the argument, what it must be and
     what it was."""

@@ -162,8 +162,10 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
         launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
-        from rlk_ops.kernels.triton import merge as triton_merge
-        if (WALK_MIN_BATCH and bsz >= WALK_MIN_BATCH and merge is triton_merge.merge_attn_states
+        # the merge dispatch hands over is the Triton backend's wrapper (kernels/triton/__init__.py),
+        # not merge.merge_attn_states: tell them by the attribute both carry (an identity test here
+        # never matched, so session 15's first H200 run never took the walk)
+        if (WALK_MIN_BATCH and bsz >= WALK_MIN_BATCH and getattr(merge, "triton_merge", False)
                 and n <= triton_pairs.MERGE_VEC_MAX):
             walk = {**launch, "slices": 1, "pdl": False, "walk": n, "merge": True, **WALK_OPTIONS}
             return triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,

@@ -84,12 +84,17 @@ def linear_bias_bwd(dy):
     return _kernel("linear_bias_bwd")(dy)
 
 
-def merge_attn_states(out_parts, lse_parts, state_lens=None):
-    return _kernel("merge_attn_states")(out_parts, lse_parts, state_lens)
+def merge_attn_states(out_parts, lse_parts, state_lens=None, pdl=None):
+    return _kernel("merge_attn_states")(out_parts, lse_parts, state_lens, pdl=pdl)
 
 
-# kernels/fa4/canonical.py passes decode pair lengths instead of masking lse first
+# kernels/fa4/canonical.py passes decode pair lengths instead of masking lse first, and the pair
+# kernel's PDL choice (merge.merge_attn_states(pdl=)); this wrapper is what dispatch hands it, so
+# it must forward both (until session 15 it dropped pdl, so the op never took the one-wave PDL
+# merge that the direct-call benchmarks measured)
 merge_attn_states.accepts_state_lens = True
+merge_attn_states.accepts_pdl = True
+merge_attn_states.triton_merge = True
 
 
 def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):
