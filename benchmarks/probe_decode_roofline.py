@@ -8,10 +8,10 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
 * ``pairs_tma`` / ``op_tma`` (pages a multiple of 128): the pair kernel with its K/V tiles by
   TMA (``prefetch=4``, not routed), alone and with the merge; ``tma_equal``: its merged out and
   lse torch.equal to the routed pairs + merge (the op's bits);
-* ``op_walk`` / ``op_walk_ahead`` / ``op_walk_8x2`` / ``op_walk_flat`` (session 14, not
-  routed): the op's work in one launch, one program per (sequence, KV head) walking all of the
-  sequence's chunks and merging its own states (``pair_decode(walk=..., merge=True)``; with
-  ``walk_ahead``; at 8 warps; with ``walk_flat``);
+* ``op_walk`` / ``op_walk_8x2`` (session 14, not routed; slower in session 15): the op's work
+  in one launch, one program per (sequence, KV head) walking all of the sequence's chunks and
+  merging its own states (``pair_decode(walk=..., merge=True)``; at 4 and 8 warps; session 15's
+  run also timed op_walk_ahead / op_walk_flat, variants removed after it);
   ``walk_equal``: their merged out and lse torch.equal to the routed pairs + merge;
 * ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
   (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
@@ -158,8 +158,7 @@ def main():
                     fns["op_tma"] = op_tma
                 except Exception as e:  # noqa: BLE001 - recorded: a variant the compiler or the GPU refuses
                     row["tma"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-            walks = {"op_walk": {}, "op_walk_ahead": {"walk_ahead": True}, "op_walk_8x2": {"config": (8, 2)},
-                     "op_walk_flat": {"walk_flat": True}}
+            walks = {"op_walk": {}, "op_walk_8x2": {"config": (8, 2)}}
             try:
                 ref = tm.merge_attn_states(*states, state_lens=lens)
                 equal = True

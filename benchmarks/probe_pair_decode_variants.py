@@ -11,9 +11,8 @@ with and without heads_first, at 2 stages; "keys" with every K/V line of the pai
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
 (keys_{warps}x{stages}_r{maxnreg}); each program walking 2, 4 or all chunks of a sequence
-(keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; keys_walk_ahead: each chunk's walk first
-requests the next chunk's first block into L2; keys_walk_flat: one loop over every block of
-the sequence; fused: keys_walk_fused*, which merge in the same program, no counter); "keys" with the head dim of V and O split over 2, 4 or 8
+(keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; fused: keys_walk_fused*, which merge in the
+same program, no counter; session 15 also ran keys_walk_ahead / keys_walk_flat, removed after); "keys" with the head dim of V and O split over 2, 4 or 8
 programs per (pair, KV head), each scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1
 also times every variant's op with the merge launched by PDL, *_op_pdl_*); the merge alone
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
@@ -70,17 +69,13 @@ ALL_VARIANTS["keys_tma_r168"] = {"layout": "keys", "prefetch": 4, "config": (4, 
 # one sequence's chunks walked by one program, `walk` at a time (keys_walk: the whole sequence: one
 # program per (sequence, KV head); offline sm90: 208 registers at 4 warps, 2 stages (two per SM);
 # at 8 warps, 2 stages 128 registers and 68 KB of shared memory (two per SM); at 4 warps, 3 stages
-# 133 KB (one per SM, so not probed); with walk_ahead ptxas settles on 168 registers and spills
-# 8-16 bytes; walk_flat (one loop over every block) at 4 warps: 255 registers, ~200 bytes of
-# spills, ~1,700 loop instructions per block against 649 (at 8 warps 212 registers: one program per
-# SM, two waves at batch 64, so not probed); session 14, not yet timed)
+# 133 KB (one per SM, so not probed); session 14; timed in session 15 (results/h200/session15/
+# variants.json): every walk slower than the routed launch at batch 64)
 WHOLE = 1 << 16
 for _k in (2, 4):
     ALL_VARIANTS[f"keys_walk{_k}"] = {"layout": "keys", "walk": _k}
 ALL_VARIANTS["keys_walk"] = {"layout": "keys", "walk": WHOLE}
 ALL_VARIANTS["keys_walk_8x2"] = {"layout": "keys", "walk": WHOLE, "config": (8, 2)}
-ALL_VARIANTS["keys_walk_ahead"] = {"layout": "keys", "walk": WHOLE, "walk_ahead": True}
-ALL_VARIANTS["keys_walk_flat"] = {"layout": "keys", "walk": WHOLE, "walk_flat": True}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with the merge by PDL
@@ -88,9 +83,7 @@ VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's 
 # programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
 FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True},
                   "keys_walk_fused": {"walk": WHOLE},   # each program merges its own sequence's states
-                  "keys_walk_fused_8x2": {"walk": WHOLE, "config": (8, 2)},
-                  "keys_walk_fused_ahead": {"walk": WHOLE, "walk_ahead": True},
-                  "keys_walk_fused_flat": {"walk": WHOLE, "walk_flat": True}}
+                  "keys_walk_fused_8x2": {"walk": WHOLE, "config": (8, 2)}}
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 

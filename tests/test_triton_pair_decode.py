@@ -181,33 +181,29 @@ def test_interpreter_walked_chunks_store_every_pairs_state():
     """walk=k: each program walks k consecutive chunks of one sequence (the last group shorter;
     k past the chunk count: the whole sequence) and stores every chunk's state where the
     one-pair-per-program launch does: out, lse, row sums and pair lengths equal, heads adjacent
-    or not, one head-dim slice or two, with walk_ahead (its L2 requests are no-ops here; its
-    page-table reads run) and walk_flat (one loop over the group's blocks: a sequence length on
-    a chunk boundary, 520 = 4 x 128 + 8, and a one-key sequence among them)."""
+    or not, one head-dim slice or two (a sequence length past a chunk boundary, 520 = 4 x 128 + 8,
+    and a one-key sequence among them)."""
     from rlk_ops.kernels.triton.pair_decode import pair_decode
 
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=6, device="cpu")   # 5 chunks of 128
     ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, sums=True)
-    for walk, heads_first, slices, extra in ((2, False, 1, {}), (3, True, 2, {"walk_ahead": True}), (100, True, 1, {}),
-                                             (2, False, 1, {"walk_flat": True}), (3, True, 2, {"walk_flat": True}),
-                                             (100, True, 1, {"walk_flat": True})):
-        got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=None if extra else 3,
-                          walk=walk, heads_first=heads_first, slices=slices, sums=True, **extra)
-        assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3])), (walk, extra)
-        assert bitwise_equal(got[4], ref[4]), (walk, extra)   # the row sums too
+    for walk, heads_first, slices in ((2, False, 1), (3, True, 2), (100, True, 1)):
+        got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, walk=walk,
+                          heads_first=heads_first, slices=slices, sums=True)
+        assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3])), walk
+        assert bitwise_equal(got[4], ref[4]), walk   # the row sums too
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("walk,flat", [(2, False), (100, False), (100, True)])
-def test_interpreter_walked_fused_merge_equals_the_merge_op(walk, flat):
+@pytest.mark.parametrize("walk", [2, 100])
+def test_interpreter_walked_fused_merge_equals_the_merge_op(walk):
     """merge=True with walk: the last of a sequence's chunk groups merges (counted per group, the
     counters left at zero: twice in a row), or with the whole sequence in one program that
     program merges its own states, no counter: equal to the merge op over the same states."""
     q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=7, device="cpu")
     for _ in range(2):
         (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128,
-                                                               prefetch=None if flat else 3, walk=walk,
-                                                               walk_flat=flat)
+                                                               prefetch=3, walk=walk)
         assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
 
 
@@ -357,10 +353,10 @@ def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch)
         monkeypatch.setattr(pd, "decode_launch", lambda *a, launch=launch: dict(launch))
         fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
         assert calls[-1] == {"layout": "keys", **launch} and merges[-1] == (True, pdl)
-    with fa4_canonical.walk_sequences(min_batch=bsz, walk_ahead=True):
+    with fa4_canonical.walk_sequences(min_batch=bsz, config=(8, 2)):   # the options override the launch
         fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
-    assert calls[-1] == {"layout": "keys", "config": (4, 2), "heads_first": True, "slices": 1, "pdl": False,
-                         "walk": n, "merge": True, "walk_ahead": True}
+    assert calls[-1] == {"layout": "keys", "config": (8, 2), "heads_first": True, "slices": 1, "pdl": False,
+                         "walk": n, "merge": True}
     with fa4_canonical.walk_sequences(min_batch=bsz + 1):   # a smaller batch keeps the two launches
         fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
     assert "walk" not in calls[-1] and len(merges) == 3
@@ -389,17 +385,6 @@ def test_bad_arguments_are_named():
             pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=bad)
     with pytest.raises(ValueError, match=r"walk and seq_major=True exclude each other"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=2, seq_major=True)
-    with pytest.raises(ValueError, match=r"walk_flat=True needs walk >= 1 without walk_ahead, ahead, l2_prefetch and "
-                                         r"prefetch 4, got walk=0, walk_ahead=False, ahead=False, l2_prefetch=False, "
-                                         r"prefetch=0"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=0, walk_flat=True)
-    with pytest.raises(ValueError, match=r"walk_flat=True needs walk >= 1 without walk_ahead.*walk_ahead=True"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=2, walk_flat=True, walk_ahead=True)
-    with pytest.raises(ValueError, match="walk_ahead=True needs walk >= 1, got walk=0"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk_ahead=True)
-    with pytest.raises(ValueError, match=r"walk_ahead=True needs prefetch 0-3 \(its page arithmetic\), got 4"):
-        pair_decode(*_inputs([5], 128, seed=5, device="cpu"), 1.0, 128, layout="keys", walk=2, walk_ahead=True,
-                    prefetch=4)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
@@ -555,12 +540,10 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
 @pytest.mark.parametrize("ps", [16, 128])
-@pytest.mark.parametrize("walk,extra", [(2, {}), (1 << 16, {}), (1 << 16, {"walk_ahead": True}),
-                                        (2, {"walk_flat": True}), (1 << 16, {"walk_flat": True})], ids=_option_id)
+@pytest.mark.parametrize("walk", [2, 1 << 16])
 @pytest.mark.parametrize("config", [(4, 2), (8, 2)], ids=_option_id)
-def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, extra, config):
-    """walk on the GPU, heads adjacent, 4 or 8 warps, plain, with walk_ahead or walk_flat (the
-    probe's keys_walk variants): every pair's state equal to FA4's pair call; with merge=True
+def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, config):
+    """walk on the GPU, heads adjacent, 4 or 8 warps (the probe's keys_walk variants): every pair's state equal to FA4's pair call; with merge=True
     the merged rows equal the merge op on FA4's states (a whole sequence per program: merged by
     that program, no counter), launch after launch; C = 768 and 256."""
     from rlk_ops.kernels.fa4.kernels import pair_attention
@@ -575,7 +558,7 @@ def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, extra, config):
         ref = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                 state_lens=plens.view(n, len(lens)))
         full = plens > 0
-        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk, **extra}
+        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk}
         got = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **kw)
         assert got[3] == n and bitwise_equal(got[2], plens)
         assert bitwise_equal(got[0][full], o[full]) and bitwise_equal(got[1][full], l[full])
@@ -586,7 +569,7 @@ def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, extra, config):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-@pytest.mark.parametrize("options", [{}, {"walk_ahead": True, "config": (8, 2)}, {"walk_flat": True}], ids=_option_id)
+@pytest.mark.parametrize("options", [{}, {"config": (8, 2)}], ids=_option_id)
 def test_cuda_walk_route_gives_the_routed_bits(options, monkeypatch):
     """fa4 canonical.walk_sequences() on: canonical:768 paged decode through the op (one launch,
     each program merging its own sequence; the launch is seen) equals the default route's out

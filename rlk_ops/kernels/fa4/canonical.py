@@ -116,9 +116,11 @@ DECODE_PAIRS = "triton"
 # pair_decode(walk=<every chunk>, merge=True): one program per (sequence, KV head) walks all
 # of its sequence's chunks, stores each state as the pair kernel does and merges them itself
 # (the merge op's steps, so its bits), when the merge op is the Triton one and a sequence has
-# at most MERGE_VEC_MAX chunks. WALK_OPTIONS: further pair_decode arguments (walk_ahead,
-# config). 0: off. Built in session 14 for batch 64 (where the merge launch is what separates
-# canonical:C from single pass), not yet measured.
+# at most MERGE_VEC_MAX chunks. WALK_OPTIONS: further pair_decode arguments (config). 0: off.
+# Built in session 14 for batch 64 (where the merge launch is what separates canonical:C from
+# single pass); measured in session 15 (results/h200/session15, one run each): bitwise equal to
+# the routed op and slower in every batch-64 cell (C = 768, page 16: 64 x 8k 277.4 against 257.7
+# us, 64 x 32k 1049.1 against 990.0), so it stays off.
 WALK_MIN_BATCH = 0
 WALK_OPTIONS: dict = {}
 

@@ -59,7 +59,7 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   18.1; session 10's probe, fused walk / vec, C = 1024: 1 x 8k 21.0 / 19.8, 64 x 8k 264.9 /
   263.1), removed in session 10 (code at commit 1528e6d). The pairs alone in sequence-major
   order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
-  ``walk`` (session 14; built, checked on the interpreter, not yet run on the H200): each program
+  ``walk`` (session 14; measured in session 15: bitwise equal, slower; not routed): each program
   walks ``walk`` consecutive chunks of one sequence, one pair after another (``_keys_pair``, the
   same steps and stores per pair, so the same bits). Aimed at batch 64, where the routed launch
   is at parity with FA4 single pass but not under it (session 14's roofline, 64 x 8k page 16:
@@ -68,14 +68,16 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   batch 64 and 4 KV heads, all resident at two per SM) no program waits in a later wave, and
   with ``merge`` each program merges its own states after a CTA barrier, with no counter and
   no second launch. Offline sm90 (2 stages): 208 registers at 4 warps (168 without the outer
-  loop), 128 at 8 warps; either way two programs per SM. Each chunk restarts the block
-  pipeline (its first block's loads wait from memory); ``walk_ahead`` requests the next chunk's
-  first block into L2 as each chunk starts, so the refill waits on L2 instead; ``walk_flat``
-  walks the group's key blocks in one loop (``_keys_walk_flat``, page-table entries one block
-  ahead as prefetch 1 does), so the pipeline runs across chunk boundaries. Offline it is
-  heavier: at 4 warps 255 registers with ~200 bytes of spills and ~1,700 loop instructions per
-  block (against 649); at 8 warps no spill but 212 registers, one program per SM. The op takes
-  the walk behind a switch that is off (fa4 canonical.WALK_MIN_BATCH, ``walk_sequences()``).
+  loop), 128 at 8 warps; either way two programs per SM. On the H200 (results/h200/session15,
+  C = 768, page 16, 64 x 8k, one run): the walk with its merge 276.8 us against the routed op's
+  257.6 and FA4 single pass 257.0; its pair stores alone 263.5 against the routed pairs' 252.0;
+  2 or 4 chunks per program 261.4 / 262.1. Fewer programs walking in turn keep HBM less busy
+  than one program per pair, by more than the merge launch the walk saves. Two variants measured
+  slower still and removed in session 15 (code at commit 71e54b0): ``walk_ahead`` (the next
+  chunk's first block requested into L2 as each chunk starts; 297.2 us) and ``walk_flat`` (the
+  group's key blocks in one loop, the running max reset at each chunk's first block; 457.4 us,
+  255 registers with spills at 4 warps). The op takes the walk behind a switch that is off
+  (fa4 canonical.WALK_MIN_BATCH, ``walk_sequences()``).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -537,18 +539,11 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
         b = slot % bsz
         c0 = slot // bsz * per
         c_end = tl.minimum(c0 + per, n_chunks)
-        if WALK == 3:  # walk_flat: the group's key blocks in one loop, a pair's state reset at its start
-            _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk,
-                            page, b, h, ds, c0, c_end, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, SPLIT, DS)
-        else:
-            for c in range(c0, c_end):
-                pair = c * bsz + b
-                n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
-                if WALK == 2:  # the next chunk's first walked block (its last) requested into L2 now
-                    _walk_ahead(table + b.to(tl.int64) * width, kc, vc, seq_lens + b, c + 1, c_end, chunk, page, h,
-                                HKV, D, BN, EMU)
-                _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys,
-                           ds, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+        for c in range(c0, c_end):
+            pair = c * bsz + b
+            n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+            _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys,
+                       ds, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
     else:
         pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
         _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
@@ -556,94 +551,6 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL, tl.cdiv(n_chunks, per) if WALK else n_chunks)
-
-
-@triton.jit
-def _flat_block(i, c0, n_full, c_rem, rem, nbf, chunk, BN: tl.constexpr):
-    """walk_flat's i-th block: the group's full chunks first (nbf blocks each, chunk keys), then
-    the partial chunk c_rem (rem keys), each walked from its last block to its first: the
-    block's chunk, its index j in the chunk, the chunk's keys and whether it starts the chunk."""
-    in_full = i < n_full * nbf
-    c = tl.where(in_full, c0 + i // nbf, c_rem)
-    jj = tl.where(in_full, i % nbf, i - n_full * nbf)
-    nk = tl.where(in_full, chunk, rem)
-    return c, tl.cdiv(nk, BN) - 1 - jj, nk, jj == 0
-
-
-@triton.jit
-def _keys_walk_flat(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums, scale_log2, bsz, width, chunk, page, b, h,
-                    ds, c0, c_end, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                    M: tl.constexpr, BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr,
-                    INIT_FMA: tl.constexpr, SPLIT: tl.constexpr, DS: tl.constexpr):
-    """``walk_flat``: chunks c0..c_end-1 of sequence b as one loop over all their key blocks, so
-    the block pipeline runs across chunk boundaries. Each pair's steps are ``_keys_pair``'s
-    with prefetch 1 (its page-table entries loaded one block ahead by hand): at a chunk's first
-    block the running max is set back to -inf, so that block's rescale r = ex2(-inf) = 0 zeroes
-    the thread sums and O as a fresh pair's zeros would (fma(s, 0, p) = p and O * 0 = 0 for the
-    finite values they hold); at its last block the state is stored. Empty pairs' states are
-    stored first."""
-    cols = tl.arange(0, M)
-    cmask = cols < G
-    dd = tl.arange(0, D)
-    col0 = ds * (D // DS)
-    dv = col0 + tl.arange(0, D // DS)
-    kk = tl.arange(0, BN)
-    qt = tl.load(q + b.to(tl.int64) * (HQ * D) + (h * G + cols)[None, :] * D + dd[:, None], mask=cmask[None, :],
-                 other=0.0)
-    head = h * G + cols
-    first = (ds == 0) if DS > 1 else None
-    m = tl.full([M], _NEG_INF, tl.float32)
-    part = tl.zeros([M, 4], tl.float32)
-    acc = tl.zeros([M, D // DS], tl.float32)
-    for c in range(c0, c_end):  # every pair's key count; the empty ones' states (out 0, lse -inf)
-        n_keys = _pair_keys(seq_lens, pair_lens, b, c, c * bsz + b, chunk, h, ds)
-        if n_keys == 0:
-            _finish(out, lse, sums, c * bsz + b, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU,
-                    SUMS, first)
-    seq_len = tl.load(seq_lens + b)
-    nbf = chunk // BN
-    n_full = tl.maximum(tl.minimum(seq_len // chunk, c_end) - c0, 0)
-    c_rem = c0 + n_full
-    rem = tl.where(c_rem < c_end, _chunk_keys(seq_len, c_rem, chunk), 0)
-    total = n_full * nbf + tl.cdiv(rem, BN)
-    row = table + b.to(tl.int64) * width
-    c, j, nk, start = _flat_block(0, c0, n_full, c_rem, rem, nbf, chunk, BN)
-    in_pair = j * BN + kk
-    pg_next = tl.load(row + (c * chunk + in_pair) // page, mask=(in_pair < nk) & (kk < total * BN), other=0)
-    for i in range(0, total):
-        c, j, nk, start = _flat_block(i, c0, n_full, c_rem, rem, nbf, chunk, BN)
-        in_pair = j * BN + kk
-        valid = in_pair < nk
-        pg = pg_next
-        cn, jn, nkn, _s = _flat_block(i + 1, c0, n_full, c_rem, rem, nbf, chunk, BN)
-        nxt = jn * BN + kk
-        pg_next = tl.load(row + (cn * chunk + nxt) // page, mask=(nxt >= 0) & (nxt < nkn) & (kk < (total - 1 - i) * BN),
-                          other=0)
-        tok = _head_rows(pg, c * chunk + in_pair, page, h, HKV, D)
-        m = tl.where(start, _NEG_INF, m)   # a pair's start; its first block's r = ex2(-inf) = 0 then
-        # zeroes the previous pair's thread sums and O (finite: fma(sums, 0, p) = p, O * 0 = 0)
-        s = _keys_scores(kc, qt, tok, valid, dd, BN, M, D, EMU, 1, SPLIT, h)
-        m, part, acc = _keys_update(s, vc, tok, valid, dv, m, part, acc, scale_log2, M, EMU, 1, 0, INIT_FMA, h, col0)
-        if j == 0:
-            _finish(out, lse, sums, c * bsz + b, head, cmask, dv, part, acc, m, nk, scale_log2, M, HQ, D, EMU, SUMS,
-                    first)
-
-
-@triton.jit
-def _walk_ahead(row, kc, vc, seq_len, c, c_end, chunk, page, h, HKV: tl.constexpr, D: tl.constexpr,
-                BN: tl.constexpr, EMU: tl.constexpr):
-    """``walk_ahead``: both 128-byte lines of head h's K and V rows in chunk c's last key block
-    (the first its walk reads) requested into L2 (prefetch.global.L2; no register waits for
-    them, so no bit can change), so that the walk's pipeline refills from L2 at the chunk
-    boundary. Past the group (c >= c_end) or the sequence: page 0's rows (harmless)."""
-    kk = tl.arange(0, BN)
-    n_keys = tl.where(c < c_end, _chunk_keys(tl.load(seq_len), c, chunk), 0)
-    in_pair = tl.maximum(tl.cdiv(n_keys, BN) - 1, 0) * BN + kk
-    pg = tl.load(row + (c * chunk + in_pair) // page, mask=in_pair < n_keys, other=0)
-    tok = _head_rows(pg, c * chunk + in_pair, page, h, HKV, D)
-    lines = tok[:, None] + (tl.arange(0, 2) * (D // 2))[None, :]
-    _l2_prefetch(kc + lines, EMU)
-    _l2_prefetch(vc + lines, EMU)
 
 
 @triton.jit
@@ -902,8 +809,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0,
-                walk_ahead: bool = False, walk_flat: bool = False):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -919,10 +825,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``walk``: each "keys" program walks up to ``walk`` consecutive chunks of one sequence, one
     after another, each chunk's state as its own pair's (same bits; 0: one pair per program;
     at least the chunk count: one program per (sequence, KV head), and with ``merge`` it merges
-    its own states, no counter) (not routed); ``walk_ahead``: with ``walk``, each chunk's walk
-    starts by requesting the next chunk's first block into L2 (same bits); ``walk_flat``: with
-    ``walk``, the group's key blocks in one loop (``_keys_walk_flat``; page-table entries one
-    block ahead as prefetch 1 does; same bits)."""
+    its own states, no counter) (not routed)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -982,20 +885,12 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             raise ValueError(f"pair_decode walk must be an int >= 0 (chunks per program; 0: one), got {walk!r}")
         if walk and seq_major:
             raise ValueError("pair_decode walk and seq_major=True exclude each other (a walk is sequence-major)")
-        if walk_ahead and not walk:
-            raise ValueError("pair_decode walk_ahead=True needs walk >= 1, got walk=0")
-        if walk_flat and (not walk or walk_ahead or prefetch == 4 or ahead or l2_prefetch):
-            raise ValueError(f"pair_decode walk_flat=True needs walk >= 1 without walk_ahead, ahead, l2_prefetch and "
-                             f"prefetch 4, got walk={walk}, walk_ahead={walk_ahead}, ahead={ahead}, "
-                             f"l2_prefetch={l2_prefetch}, prefetch={prefetch}")
-        if walk_ahead and prefetch == 4:
-            raise ValueError("pair_decode walk_ahead=True needs prefetch 0-3 (its page arithmetic), got 4")
         extra["DS"] = slices
         if walk:
-            extra["WALK"] = 3 if walk_flat else 2 if walk_ahead else 1
+            extra["WALK"] = 1
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk or walk_ahead or walk_flat:
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk:
         raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
