@@ -12,9 +12,10 @@ into L2 up front (keys_l2), with the next block's scores issued before this bloc
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
 (keys_{warps}x{stages}_r{maxnreg}); each program walking 2, 4 or all chunks of a sequence
 (keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; fused: keys_walk_fused*, which merge in the
-same program, no counter; session 15 also ran keys_walk_ahead / keys_walk_flat, removed after); "keys" with the head dim of V and O split over 2, 4 or 8
-programs per (pair, KV head), each scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1
-also times every variant's op with the merge launched by PDL, *_op_pdl_*); the merge alone
+same program, no counter; session 15 also ran keys_walk_ahead / keys_walk_flat, removed after);
+"keys" with the head dim of V and O split over 2, 4 or 8 programs per (pair, KV head), each
+scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1 also times every variant's op with
+the merge launched by PDL, *_op_pdl_*); the merge alone
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
 "split" and "phased", session12/variants_persist.json persistent programs (keys_persist*) and

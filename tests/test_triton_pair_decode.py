@@ -337,7 +337,8 @@ def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch)
         out = torch.zeros((n * bsz, HQ, D), dtype=q.dtype)
         lse = torch.zeros((n * bsz, HQ), dtype=torch.float32)
         lens = torch.ones((n * bsz,), dtype=torch.int32)
-        return (out, lse, lens, n) + ((out[:bsz].view(bsz, 1, HQ, D), lse[:bsz].view(bsz, HQ, 1)) if kw.get("merge") else ())
+        merged = (out[:bsz].view(bsz, 1, HQ, D), lse[:bsz].view(bsz, HQ, 1))
+        return (out, lse, lens, n) + (merged if kw.get("merge") else ())
 
     def merge(out_parts, lse_parts, state_lens=None, config=None, vec=None, pdl=None):
         merges.append((state_lens is not None, pdl))

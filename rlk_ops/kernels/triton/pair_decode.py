@@ -263,12 +263,6 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
 
 
 @triton.jit
-def _chunk_keys(seq_len, c, chunk):
-    """The keys of chunk c of a sequence of ``seq_len`` keys."""
-    return tl.minimum(tl.maximum(seq_len - c * chunk, 0), chunk)
-
-
-@triton.jit
 def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
     """Element offsets (int64) of KV head h's rows for the keys at positions ``pos``, whose
     pages ``pg`` the page table gave."""
@@ -278,7 +272,7 @@ def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds):
     """Pair (chunk c, sequence b)'s key count, written once (KV head 0, slice 0)."""
-    n_keys = _chunk_keys(tl.load(seq_lens + b), c, chunk)
+    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
     if (h == 0) & (ds == 0):
         tl.store(pair_lens + pair, n_keys)
     return n_keys
@@ -366,14 +360,14 @@ def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n
     CTA barrier, then one acq_rel atomic); the one that sees n_progs - 1 (or the only one: no
     count, the barrier alone orders its own stores before its loads) resets the counter for the
     next launch, loads every state's lse in one [GP, NP] load from L2 (.cg; NP a power of two
-    >= n_chunks, GP = G rounded up to a power of two; an empty pair's lse is -inf, skipped), takes the max and the weights
-    w = exp(lse - M) as one tile, then per DSL columns of head_dim loads every state's out rows
-    in one [GP, DSL, NP] load, forms every w * out at once and walks only the two sums over the
-    states in ascending order (L + w, acc + w * out, each a where() on "present"): the merge
-    op's operations and order (no FMA contraction, div_rn, its exp and log), so its bits. No
-    reduction crosses the state axis except the max (exact in any order): the walk that did
-    (session 6-9, removed in session 10) paid a cross-thread sum and layout conversion per
-    state."""
+    >= n_chunks, GP = G rounded up to a power of two; an empty pair's lse is -inf, skipped),
+    takes the max and the weights w = exp(lse - M) as one tile, then per DSL columns of
+    head_dim loads every state's out rows in one [GP, DSL, NP] load, forms every w * out at
+    once and walks only the two sums over the states in ascending order (L + w, acc + w * out,
+    each a where() on "present"): the merge op's operations and order (no FMA contraction,
+    div_rn, its exp and log), so its bits. No reduction crosses the state axis except the max
+    (exact in any order): the walk that did (session 6-9, removed in session 10) paid a
+    cross-thread sum and layout conversion per state."""
     tl.debug_barrier()
     last = n_progs == 1
     if n_progs > 1:
