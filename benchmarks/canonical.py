@@ -14,8 +14,9 @@ Shapes: Qwen3-8B TP=2 shard, Hq=16, Hkv=4, D=128, bf16, causal.
   chunk boundaries; chunked-prefill rows vs training; run-to-run forward and backward.
 * ``accuracy``: out and lse against float64 math, single pass next to canonical:C.
 * ``decode``: paged decode (page 16, Sq=1, value checks off), CUDA-graph replay medians:
-  FA4 strict single pass and canonical:C for several C (with --walk, also each C through the
-  op with fa4 canonical.walk_sequences() on at batch >= 16, not routed), the generic route;
+  FA4 strict single pass and canonical:C for several C, the generic route (sessions 14-15 also
+  timed the whole-sequence walk with --walk, removed after session 16; the report still renders
+  those rows);
   ratios against FlashInfer auto split (measured here when flashinfer is installed, else read
   from results/h200/kernels.json, named in ``flashinfer_auto_source``).
 * ``training``: forward and forward+backward at B=4, S=8192, single pass vs canonical:C
@@ -51,7 +52,6 @@ from rlk_ops.ops import _validate  # noqa: E402
 BF16 = torch.bfloat16
 TARGET_DECODE_VS_FI = 1.15      # canonical decode / FlashInfer auto, batch 1 and 8
 TARGET_TRAIN_VS_SINGLE = 1.15   # canonical fwd+bwd / single-pass fwd+bwd, B=4 S=8k
-WALK_MIN_BATCH = 16             # --walk: the decode batches timed with the whole-sequence walk
 
 
 @dataclass
@@ -90,7 +90,6 @@ class Bench(Report):
     def __init__(self, dev, sh: Shapes, out_path, dry):
         super().__init__("benchmarks/canonical.py", dev, sh, out_path, dry)
         self.scale = sh.d ** -0.5
-        self.walk = False   # decode: also each C with one program walking each sequence (--walk)
 
     # ------------------------------------------------------------ helpers
     def cell(self, name, equal, what, **extra):
@@ -544,8 +543,6 @@ class Bench(Report):
             for c in sh.decode_chunks:
                 fns[f"canonical_{c}_us"] = lambda c=c: rlk_ops.paged_attention(q, kc, vc, pt, sl,
                                                                                split_kv=f"canonical:{c}")
-                if self.walk and bsz >= WALK_MIN_BATCH:   # the whole-sequence walk (not routed), same run
-                    fns[f"canonical_{c}_walk_us"] = lambda c=c: self._walk(q, kc, vc, pt, sl, c)
             if fi_table is None:
                 fns["flashinfer_auto_us"] = self._fi_run(q, kc, vc, pt, sl)
             row.update({name: round(us, 2) for name, us in self.graph_us_many(fns).items()})
@@ -563,26 +560,12 @@ class Bench(Report):
                 row[f"canonical_{c}_over_fa4_strict"] = round(t / row["fa4_strict_raw_us"], 3)
                 if fi is not None:
                     row[f"canonical_{c}_over_fi_auto"] = round(t / fi, 3)
-                if f"canonical_{c}_walk_us" in row:
-                    got = self._walk(q, kc, vc, pt, sl, c)
-                    ref = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
-                    row[f"canonical_{c}_walk_equal"] = beq(got[0], ref[0]) and beq(got[1], ref[1])
-                    row[f"canonical_{c}_walk_over_fa4_strict"] = round(
-                        row[f"canonical_{c}_walk_us"] / row["fa4_strict_raw_us"], 3)
             row["kv_GB"] = round(2 * bsz * ctx * sh.hkv * sh.d * 2 / 1e9, 3)
             rows.append(row)
             print("   ", row, flush=True)
         self.res["decode"] = {"rows": rows, "timing": "CUDA-graph replay median (us per call), value checks off, "
                               "every implementation of a case replayed in turn (graph_times_us)",
                               "fa4_strict": "FA4 single pass (num_splits=1), one CTA per (sequence, kv head)"}
-
-    def _walk(self, q, kc, vc, pt, sl, c):
-        """canonical:c decode through the op with fa4 canonical.walk_sequences() on (the switch is
-        read while the op runs, so a CUDA graph captures that route)."""
-        from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-        with fa4_canonical.walk_sequences():
-            return rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
 
     def _fi_run(self, q, kc, vc, pt, sl):
         """FlashInfer's auto-split decode of this batch, planned: the call to time (run())."""
@@ -758,7 +741,7 @@ def markdown(r: dict) -> str:
                 cols.append(f"{t:.1f} ({ratio if ratio is not None else '-'}x {tag})")
             lines.append(f"| {x['batch']} x {x['context']} | {x['fa4_strict_raw_us']:.1f} | "
                          f"{'-' if fi is None else f'{fi:.1f}'} | " + " | ".join(cols) + " |")
-        walked = [(x, c) for x in dec for c in chunks if f"canonical_{c}_walk_us" in x]
+        walked = [(x, c) for x in dec for c in chunks if f"canonical_{c}_walk_us" in x]   # sessions 14-15
         if walked:
             lines += ["", "Whole-sequence walk (fa4 canonical.walk_sequences(): one launch of pair_decode(walk, "
                       "merge=True), each program merging its own sequence; not routed), same run, us (ratio to FA4 "
@@ -919,9 +902,6 @@ def main():
     ap.add_argument("--bitwise-chunks", default=None,
                     help="C values of the bitwise sections, comma-separated multiples of 128 (default "
                          "256,768,1024,2048)")
-    ap.add_argument("--walk", action="store_true",
-                    help=f"decode: also time (and check the bits of) each C at batch >= {WALK_MIN_BATCH} with one program "
-                         "walking each sequence and merging it (fa4 canonical.walk_sequences)")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
@@ -935,7 +915,6 @@ def main():
         sh = replace(sh, chunks=chunk_list("--bitwise-chunks", args.bitwise_chunks))
     t0 = time.perf_counter()
     b = Bench(dev, sh, args.out, args.dry_run)
-    b.walk = args.walk
     b.res["commit"] = args.commit
     b.res["out_path"] = args.out
     sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),

@@ -7,11 +7,10 @@
 #           flashinfer is installed; every implementation of a case timed interleaved),
 #           training and accuracy sections at page 16 -> canonical_speed.json/md; decode profile
 #           and decode at page 128 (FA4's TMA path: page size = its 128-key tile); sessions 12-13
-#           also timed the early merge (--early-merge, removed after session 13's run); in sessions 14-15
-#           the whole-sequence walk at batch >= 16 (--walk, fa4 canonical.walk_sequences; slower in
-#           session 15, now only with WALK_FLAG=--walk); then
+#           also timed the early merge (--early-merge, removed after session 13's run), sessions
+#           14-15 the whole-sequence walk (--walk, removed after session 16: slower in 3 runs); then
 #           benchmarks/probe_decode_roofline.py (batch 64 against the read roofline, pages 16 and 128;
-#           since session 14 also the whole-sequence walk with its merge in one launch, op_walk*)
+#           sessions 14-16 also the walk with its merge in one launch, op_walk*)
 #           (one part until session 7: the interleaved decode timing made it overrun 10 min)
 #   part 3: the CUDA demo single pass and under bare 'canonical' (= 768 since session 12), the
 #           whole CUDA test suite except tests/test_canonical_cuda.py, benchmarks/attention.py
@@ -66,8 +65,8 @@ if [ "$PART" = 1 ]; then
   step canonical_tests 150 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider $XDIST tests/test_canonical_cuda.py > $OUT/canonical_tests.log 2>&1; rc=\$?; tail -40 $OUT/canonical_tests.log > $OUT/canonical_tests.txt; rm $OUT/canonical_tests.log; tail -3 $OUT/canonical_tests.txt; exit \$rc"
   step canonical_bitwise 380 "python3 benchmarks/canonical.py --sections environment,merge,fa4_equalities,in_place,bitwise,decode_profile --bitwise-chunks ${BITWISE_CHUNKS:-256,640,768,1024,2048} --out $OUT/canonical_bitwise.json --md $OUT/canonical_bitwise.md --commit $COMMIT > $OUT/canonical_bench.log 2>&1; rc=\$?; tail -8 $OUT/canonical_bench.log; exit \$rc"
 elif [ "$PART" = 2 ]; then
-  step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --chunks ${CHUNKS:-512,640,768,1024} ${WALK_FLAG:-} --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
-  step canonical_p128 240 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --chunks ${CHUNKS:-512,640,768,1024} ${WALK_FLAG:-} --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
+  step canonical_speed 300 "python3 benchmarks/canonical.py --sections environment,decode,training,accuracy,seqused_zero_probe --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_speed.json --md $OUT/canonical_speed.md --commit $COMMIT > $OUT/canonical_speed.log 2>&1; rc=\$?; tail -20 $OUT/canonical_speed.log; exit \$rc"
+  step canonical_p128 240 "python3 benchmarks/canonical.py --sections environment,decode_profile,decode --decode-page 128 --chunks ${CHUNKS:-512,640,768,1024} --out $OUT/canonical_p128.json --md $OUT/canonical_p128.md --commit $COMMIT > $OUT/canonical_p128.log 2>&1; rc=\$?; tail -12 $OUT/canonical_p128.log; exit \$rc"
   step roofline 160 "python3 benchmarks/probe_decode_roofline.py $OUT/roofline.json 2>&1 | grep -v Warning | tail -6"
 elif [ "$PART" = probe ]; then
   step probe_tests 200 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider $XDIST tests/test_triton_pair_decode.py tests/test_canonical_cuda.py -k '${PROBE_K:-ahead or l2_prefetch or merge_config or decode_pairs}' > $OUT/probe_tests.log 2>&1; rc=\$?; tail -30 $OUT/probe_tests.log > $OUT/probe_tests.txt; rm $OUT/probe_tests.log; tail -3 $OUT/probe_tests.txt; exit \$rc"

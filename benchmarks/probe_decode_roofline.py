@@ -8,11 +8,9 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
 * ``pairs_tma`` / ``op_tma`` (pages a multiple of 128): the pair kernel with its K/V tiles by
   TMA (``prefetch=4``, not routed), alone and with the merge; ``tma_equal``: its merged out and
   lse torch.equal to the routed pairs + merge (the op's bits);
-* ``op_walk`` / ``op_walk_8x2`` (session 14, not routed; slower in session 15): the op's work
-  in one launch, one program per (sequence, KV head) walking all of the sequence's chunks and
-  merging its own states (``pair_decode(walk=..., merge=True)``; at 4 and 8 warps; session 15's
-  run also timed op_walk_ahead / op_walk_flat, variants removed after it);
-  ``walk_equal``: their merged out and lse torch.equal to the routed pairs + merge;
+* sessions 14-16 also timed ``op_walk`` / ``op_walk_8x2`` (the op's work in one launch, one
+  program per (sequence, KV head) walking all of its chunks and merging its own states), slower
+  in every run and removed after session 16 (code at commit 6b83051);
 * ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
   (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
 * ``read_flat``: a Triton kernel that reads every K and V byte of the cache once, contiguously
@@ -158,18 +156,6 @@ def main():
                     fns["op_tma"] = op_tma
                 except Exception as e:  # noqa: BLE001 - recorded: a variant the compiler or the GPU refuses
                     row["tma"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-            walks = {"op_walk": {}, "op_walk_8x2": {"config": (8, 2)}}
-            try:
-                ref = tm.merge_attn_states(*states, state_lens=lens)
-                equal = True
-                for name, kw in walks.items():
-                    kw = {**routed, "walk": 1 << 16, "merge": True, **kw}
-                    got = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)[4:]
-                    equal = equal and cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
-                    fns[name] = lambda kw=kw: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
-                row["walk_equal"] = equal
-            except Exception as e:  # noqa: BLE001 - recorded, as above
-                row["walk"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             if DEVICE == "cuda":
                 from rlk_ops.kernels.fa4 import kernels as fa4
 
@@ -181,9 +167,6 @@ def main():
                 row["op_over_fa4_strict"] = round(row["op_us"] / row["fa4_strict_us"], 4)
                 row["pairs_over_fa4_strict"] = round(row["pairs_us"] / row["fa4_strict_us"], 4)
                 row["fa4_strict_over_read_flat"] = round(row["fa4_strict_us"] / row["read_flat_us"], 4)
-                for name in walks:
-                    if f"{name}_us" in row:
-                        row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             row["pairs_over_read_paged"] = round(row["pairs_us"] / row["read_paged_us"], 4)
             row["read_paged_over_read_flat"] = round(row["read_paged_us"] / row["read_flat_us"], 4)
             print(row, flush=True)

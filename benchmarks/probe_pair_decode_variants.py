@@ -10,9 +10,9 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
-(keys_{warps}x{stages}_r{maxnreg}); each program walking 2, 4 or all chunks of a sequence
-(keys_walk2, keys_walk4, keys_walk, keys_walk_8x2; fused: keys_walk_fused*, which merge in the
-same program, no counter; session 15 also ran keys_walk_ahead / keys_walk_flat, removed after);
+(keys_{warps}x{stages}_r{maxnreg}); (sessions 14-16: each program walking 2, 4 or all chunks of
+a sequence, keys_walk*, and keys_walk_fused*, which merged in the same program; slower, removed
+after session 16, code at commit 6b83051);
 "keys" with the head dim of V and O split over 2, 4 or 8 programs per (pair, KV head), each
 scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1 also times every variant's op with
 the merge launched by PDL, *_op_pdl_*); the merge alone
@@ -67,24 +67,12 @@ ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
 # uncapped it takes 188 registers at 4 warps (two programs per SM), capped at the routed 168 it spills
 ALL_VARIANTS["keys_tma"] = {"layout": "keys", "prefetch": 4}
 ALL_VARIANTS["keys_tma_r168"] = {"layout": "keys", "prefetch": 4, "config": (4, 2, 168)}
-# one sequence's chunks walked by one program, `walk` at a time (keys_walk: the whole sequence: one
-# program per (sequence, KV head); offline sm90: 208 registers at 4 warps, 2 stages (two per SM);
-# at 8 warps, 2 stages 128 registers and 68 KB of shared memory (two per SM); at 4 warps, 3 stages
-# 133 KB (one per SM, so not probed); session 14; timed in session 15 (results/h200/session15/
-# variants.json): every walk slower than the routed launch at batch 64)
-WHOLE = 1 << 16
-for _k in (2, 4):
-    ALL_VARIANTS[f"keys_walk{_k}"] = {"layout": "keys", "walk": _k}
-ALL_VARIANTS["keys_walk"] = {"layout": "keys", "walk": WHOLE}
-ALL_VARIANTS["keys_walk_8x2"] = {"layout": "keys", "walk": WHOLE, "config": (8, 2)}
 VARIANTS = {k: ALL_VARIANTS[k] for k in os.environ.get("VARIANTS", ",".join(ALL_VARIANTS)).split(",") if k != "none"}
 FUSED = os.environ.get("FUSED", "1") == "1"
 VARIANT_PDL = os.environ.get("VARIANT_PDL", "0") == "1"   # also each variant's op with the merge by PDL
 # the fused merge (pair_decode merge=True) on the routed launch, chunk- and sequence-major
 # programs (keys_fused in earlier runs was the walk's steps, removed in session 10)
-FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True},
-                  "keys_walk_fused": {"walk": WHOLE},   # each program merges its own sequence's states
-                  "keys_walk_fused_8x2": {"walk": WHOLE, "config": (8, 2)}}
+FUSED_VARIANTS = {"keys_fused_vec": {}, "keys_fused_vec_seq": {"seq_major": True}}
 FA4_ROUTE = os.environ.get("FA4_ROUTE", "0") == "1"
 VEC_WIDTH = int(os.environ.get("VEC_WIDTH", "32"))   # merge_row: states per group of _merge_vec
 

@@ -152,14 +152,3 @@ def test_the_switch_is_restored():
             raise KeyError("inside")
     assert fa4_canonical.PREPARED_CALLS is True
 
-
-def test_the_walk_switch_is_restored():
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-
-    # built in session 14, measured slower in session 15: not routed
-    assert fa4_canonical.WALK_MIN_BATCH == 0 and fa4_canonical.WALK_OPTIONS == {}
-    with pytest.raises(KeyError):
-        with fa4_canonical.walk_sequences(16, config=(8, 2)):
-            assert fa4_canonical.WALK_MIN_BATCH == 16 and fa4_canonical.WALK_OPTIONS == {"config": (8, 2)}
-            raise KeyError("inside")
-    assert fa4_canonical.WALK_MIN_BATCH == 0 and fa4_canonical.WALK_OPTIONS == {}

@@ -177,37 +177,6 @@ def test_interpreter_fused_merge_equals_the_merge_op(seq_major, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-def test_interpreter_walked_chunks_store_every_pairs_state():
-    """walk=k: each program walks k consecutive chunks of one sequence (the last group shorter;
-    k past the chunk count: the whole sequence) and stores every chunk's state where the
-    one-pair-per-program launch does: out, lse, row sums and pair lengths equal, heads adjacent
-    or not, one head-dim slice or two (a sequence length past a chunk boundary, 520 = 4 x 128 + 8,
-    and a one-key sequence among them)."""
-    from rlk_ops.kernels.triton.pair_decode import pair_decode
-
-    q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=6, device="cpu")   # 5 chunks of 128
-    ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, sums=True)
-    for walk, heads_first, slices in ((2, False, 1), (3, True, 2), (100, True, 1)):
-        got = pair_decode(q, kc, vc, table, sl, D ** -0.5, 128, layout="keys", prefetch=3, walk=walk,
-                          heads_first=heads_first, slices=slices, sums=True)
-        assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3])), walk
-        assert bitwise_equal(got[4], ref[4]), walk   # the row sums too
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
-@pytest.mark.parametrize("walk", [2, 100])
-def test_interpreter_walked_fused_merge_equals_the_merge_op(walk):
-    """merge=True with walk: the last of a sequence's chunk groups merges (counted per group, the
-    counters left at zero: twice in a row), or with the whole sequence in one program that
-    program merges its own states, no counter: equal to the merge op over the same states."""
-    q, kc, vc, table, sl = _inputs([300, 129, 1, 520], 16, seed=7, device="cpu")
-    for _ in range(2):
-        (m_out, m_lse), (ref_out, ref_lse) = _merged_both_ways(q, kc, vc, table, sl, D ** -0.5, 128,
-                                                               prefetch=3, walk=walk)
-        assert bitwise_equal(m_out, ref_out) and bitwise_equal(m_lse, ref_lse)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
 def test_interpreter_sequence_major_order_changes_no_state():
     """seq_major=True runs the programs in another order and stores every state in the same
     place: out, lse and pair lengths equal the chunk-major launch's, heads_first or not."""
@@ -260,10 +229,8 @@ def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):
         table = torch.zeros((1, width), dtype=torch.int32)
         pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, heads_first=True)
         pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, merge=True)
-        pd.pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=3, heads_first=True, walk=4)
-    plain, fused, walked = seen[0::3], seen[1::3], seen[2::3]
-    assert all(c == plain[0] for c in plain) and all(c == walked[0] for c in walked)
-    assert walked[0] == {**plain[0], "WALK": 1}
+    plain, fused = seen[0::2], seen[1::2]
+    assert all(c == plain[0] for c in plain)
     assert len({(c["NMAX"], c["LOG_NP"], c["DSL"]) for c in fused}) == 3
 
 
@@ -315,13 +282,12 @@ def test_the_merge_follows_its_pdl_argument(monkeypatch):
     assert seen == [(True, True)] * 2 + [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
 
 
-def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch):
+def test_the_op_route_hands_the_merge_its_launch(monkeypatch):
     """fa4 canonical.paged_attention on the Triton pair route, with the merge dispatch really hands
     over (the Triton backend's wrapper, kernels/triton/__init__.py): the merge is launched with the
-    pair kernel's PDL choice (the wrapper forwards ``pdl``; until session 15 it dropped it), and
-    walk_sequences() takes the one-launch walk (the route told the merge by identity with
-    merge.merge_attn_states, which the wrapper is not, so it never walked). Kernels are recorded,
-    not run, so this holds without a GPU."""
+    pair kernel's PDL choice (the wrapper forwards ``pdl``; until session 15 it dropped it, so the
+    op never took the one-wave PDL merge). Kernels are recorded, not run, so this holds without a
+    GPU."""
     from rlk_ops.kernels import triton as triton_backend
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.triton import merge as tm
@@ -337,8 +303,7 @@ def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch)
         out = torch.zeros((n * bsz, HQ, D), dtype=q.dtype)
         lse = torch.zeros((n * bsz, HQ), dtype=torch.float32)
         lens = torch.ones((n * bsz,), dtype=torch.int32)
-        merged = (out[:bsz].view(bsz, 1, HQ, D), lse[:bsz].view(bsz, HQ, 1))
-        return (out, lse, lens, n) + (merged if kw.get("merge") else ())
+        return out, lse, lens, n
 
     def merge(out_parts, lse_parts, state_lens=None, config=None, vec=None, pdl=None):
         merges.append((state_lens is not None, pdl))
@@ -354,13 +319,7 @@ def test_the_op_route_hands_the_merge_its_launch_and_takes_the_walk(monkeypatch)
         monkeypatch.setattr(pd, "decode_launch", lambda *a, launch=launch: dict(launch))
         fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
         assert calls[-1] == {"layout": "keys", **launch} and merges[-1] == (True, pdl)
-    with fa4_canonical.walk_sequences(min_batch=bsz, config=(8, 2)):   # the options override the launch
-        fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
-    assert calls[-1] == {"layout": "keys", "config": (8, 2), "heads_first": True, "slices": 1, "pdl": False,
-                         "walk": n, "merge": True}
-    with fa4_canonical.walk_sequences(min_batch=bsz + 1):   # a smaller batch keeps the two launches
-        fa4_canonical.paged_attention(q, kc, vc, table, sl, 1.0, chunk, attend_paged=None)
-    assert "walk" not in calls[-1] and len(merges) == 3
+    assert len(calls) == len(merges) == 2
 
 
 def test_bad_arguments_are_named():
@@ -373,26 +332,19 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", walk=2)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=rf"walk must be an int >= 0 \(chunks per program; 0: one\), got {bad!r}"):
-            pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=bad)
-    with pytest.raises(ValueError, match=r"walk and seq_major=True exclude each other"):
-        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", walk=2, seq_major=True)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'"):
+    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
     with pytest.raises(ValueError, match="prefetch must be 0, 1, 2, 3 or 4, got 5"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=5)
@@ -536,64 +488,3 @@ def test_cuda_fused_merge_equals_the_merge_op(ps, config, seq_major, chunk):
     fa4_out, fa4_lse = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
                                          state_lens=plens.view(n, len(lens)))
     assert bitwise_equal(m_out, fa4_out) and bitwise_equal(m_lse, fa4_lse)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-@pytest.mark.parametrize("ps", [16, 128])
-@pytest.mark.parametrize("walk", [2, 1 << 16])
-@pytest.mark.parametrize("config", [(4, 2), (8, 2)], ids=_option_id)
-def test_cuda_walked_chunks_equal_fa4s_pair_call(ps, walk, config):
-    """walk on the GPU, heads adjacent, 4 or 8 warps (the probe's keys_walk variants): every pair's state equal to FA4's pair call; with merge=True
-    the merged rows equal the merge op on FA4's states (a whole sequence per program: merged by
-    that program, no counter), launch after launch; C = 768 and 256."""
-    from rlk_ops.kernels.fa4.kernels import pair_attention
-    from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
-    from rlk_ops.kernels.triton.pair_decode import pair_decode
-
-    lens = [1, 127, 768, 769, 3000, 8192]
-    q, kc, vc, table, sl = _inputs(lens, ps, seed=ps + walk % 7, device="cuda")
-    for chunk in (768, 256):
-        qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, chunk)
-        o, l = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)
-        ref = merge_attn_states(o.view(n, len(lens), 1, HQ, D), l.view(n, len(lens), HQ, 1),
-                                state_lens=plens.view(n, len(lens)))
-        full = plens > 0
-        kw = {"layout": "keys", "config": config, "heads_first": True, "walk": walk}
-        got = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **kw)
-        assert got[3] == n and bitwise_equal(got[2], plens)
-        assert bitwise_equal(got[0][full], o[full]) and bitwise_equal(got[1][full], l[full])
-        for _ in range(2):
-            m_out, m_lse = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True, **kw)[4:]
-            assert bitwise_equal(m_out, ref[0]) and bitwise_equal(m_lse, ref[1])
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4")
-@pytest.mark.parametrize("options", [{}, {"config": (8, 2)}], ids=_option_id)
-def test_cuda_walk_route_gives_the_routed_bits(options, monkeypatch):
-    """fa4 canonical.walk_sequences() on: canonical:768 paged decode through the op (one launch,
-    each program merging its own sequence; the launch is seen) equals the default route's out
-    and lse at batch 1 and 12, pages 16 and 128."""
-    import rlk_ops
-    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
-    from rlk_ops.kernels.triton import pair_decode as pd
-
-    walked = []
-    real = pd.pair_decode
-
-    def spy(*args, **kw):
-        walked.append(bool(kw.get("walk")) and kw.get("merge") is True)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pd, "pair_decode", spy)
-    for ps in (16, 128):
-        for lens in ([8192], [8192, 1, 300, 767, 768, 769, 1, 5000, 2048, 4100, 7000, 12]):
-            q, kc, vc, table, sl = _inputs(lens, ps, seed=len(lens) + ps, device="cuda")
-            with rlk_ops.use_backend(paged_attention="fa4"):
-                ref = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-                with fa4_canonical.walk_sequences(**options):
-                    got = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:768")
-            assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
-            assert walked[-2:] == [False, True]   # the default route, then the walk
-    assert fa4_canonical.WALK_MIN_BATCH == 0

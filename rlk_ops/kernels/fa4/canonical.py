@@ -112,32 +112,6 @@ STREAMS = 4
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
 DECODE_PAIRS = "triton"
-# Decode batches of at least this many sequences on the Triton pair route take one launch of
-# pair_decode(walk=<every chunk>, merge=True): one program per (sequence, KV head) walks all
-# of its sequence's chunks, stores each state as the pair kernel does and merges them itself
-# (the merge op's steps, so its bits), when the merge op is the Triton one and a sequence has
-# at most MERGE_VEC_MAX chunks. WALK_OPTIONS: further pair_decode arguments (config). 0: off.
-# Built in session 14 for batch 64 (where the merge launch is what separates canonical:C from
-# single pass); measured in session 15 (results/h200/session15, one run each): bitwise equal to
-# the routed op and slower in every batch-64 cell (C = 768, page 16: 64 x 8k 277.4 against 257.7
-# us, 64 x 32k 1049.1 against 990.0), so it stays off.
-WALK_MIN_BATCH = 0
-WALK_OPTIONS: dict = {}
-
-
-@contextlib.contextmanager
-def walk_sequences(min_batch: int = 1, **options):
-    """WALK_MIN_BATCH and WALK_OPTIONS inside the block (benchmarks, tests; process-wide, restored
-    on exit)."""
-    global WALK_MIN_BATCH, WALK_OPTIONS
-    old = WALK_MIN_BATCH, WALK_OPTIONS
-    WALK_MIN_BATCH, WALK_OPTIONS = int(min_batch), dict(options)
-    try:
-        yield
-    finally:
-        WALK_MIN_BATCH, WALK_OPTIONS = old
-
-
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
                                    attend_into=attend_into, streams=STREAMS)
@@ -164,16 +138,10 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
         launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device)
-        # the merge dispatch hands over is the Triton backend's wrapper (kernels/triton/__init__.py),
-        # not merge.merge_attn_states: tell them by the attribute both carry (an identity test here
-        # never matched, so session 15's first H200 run never took the walk)
-        if (WALK_MIN_BATCH and bsz >= WALK_MIN_BATCH and getattr(merge, "triton_merge", False)
-                and n <= triton_pairs.MERGE_VEC_MAX):
-            walk = {**launch, "slices": 1, "pdl": False, "walk": n, "merge": True, **WALK_OPTIONS}
-            return triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                            layout="keys", **walk)[4:]
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
+        # the merge dispatch hands over is the Triton backend's wrapper (kernels/triton/__init__.py), which
+        # forwards pdl (session 15: it dropped it, so the one-wave PDL merge was never launched)
         if getattr(merge, "accepts_pdl", False):   # the merge launched as the pair kernel expects
             merge_kw["pdl"] = launch["pdl"]
     else:

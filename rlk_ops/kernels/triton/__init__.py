@@ -94,7 +94,6 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, pdl=None):
 # merge that the direct-call benchmarks measured)
 merge_attn_states.accepts_state_lens = True
 merge_attn_states.accepts_pdl = True
-merge_attn_states.triton_merge = True
 
 
 def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):

@@ -576,7 +576,6 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
 
 merge_attn_states.accepts_state_lens = True
 merge_attn_states.accepts_pdl = True
-merge_attn_states.triton_merge = True   # fa4 canonical's walk route: the merge whose bits pair_decode(merge=True) has
 
 
 def merge_attn_states_bwd(dout, dlse, out_parts, lse_parts, out, lse):

@@ -59,25 +59,16 @@ Three tile layouts (``layout``), all equal to FA4's pair call on every pair on t
   18.1; session 10's probe, fused walk / vec, C = 1024: 1 x 8k 21.0 / 19.8, 64 x 8k 264.9 /
   263.1), removed in session 10 (code at commit 1528e6d). The pairs alone in sequence-major
   order: 64 x 8k C = 1024 254.4 against 254.8 us (session10/variants_partial.log).
-  ``walk`` (session 14; measured in session 15: bitwise equal, slower; not routed): each program
-  walks ``walk`` consecutive chunks of one sequence, one pair after another (``_keys_pair``, the
-  same steps and stores per pair, so the same bits). Aimed at batch 64, where the routed launch
-  is at parity with FA4 single pass but not under it (session 14's roofline, 64 x 8k page 16:
-  pairs 246.9 us, FA4 252.5, op 253.0: the merge launch and its ~5 us of dependent loads eat the
-  pairs' margin). With the whole sequence in one program (one per (sequence, KV head): 256 at
-  batch 64 and 4 KV heads, all resident at two per SM) no program waits in a later wave, and
-  with ``merge`` each program merges its own states after a CTA barrier, with no counter and
-  no second launch. Offline sm90 (2 stages): 208 registers at 4 warps (168 without the outer
-  loop), 128 at 8 warps; either way two programs per SM. On the H200 (results/h200/session15,
-  C = 768, page 16, 64 x 8k, one run): the walk with its merge 276.8 us against the routed op's
-  257.6 and FA4 single pass 257.0; its pair stores alone 263.5 against the routed pairs' 252.0;
-  2 or 4 chunks per program 261.4 / 262.1. Fewer programs walking in turn keep HBM less busy
-  than one program per pair, by more than the merge launch the walk saves. Two variants measured
-  slower still and removed in session 15 (code at commit 71e54b0): ``walk_ahead`` (the next
-  chunk's first block requested into L2 as each chunk starts; 297.2 us) and ``walk_flat`` (the
-  group's key blocks in one loop, the running max reset at each chunk's first block; 457.4 us,
-  255 registers with spills at 4 warps). The op takes the walk behind a switch that is off
-  (fa4 canonical.WALK_MIN_BATCH, ``walk_sequences()``).
+  ``walk`` (sessions 14-16, removed after session 16; code at commit 6b83051): each program
+  walked consecutive chunks of one sequence (the whole sequence: one program per (sequence, KV
+  head), merging its own states after a CTA barrier, no counter, no second launch). Bitwise
+  equal to the routed op and slower in three runs (results/h200/session15 and session16
+  roofline.json, C = 768, 64 x 8k: the walk with its merge 1.077x / 1.085x FA4 single pass at
+  page 16, 1.099x / 1.112x at page 128, against the op's 1.003x / 1.004x and 1.034x / 1.040x;
+  its pair stores alone 263.5 us against the routed pairs' 252.0; 2 or 4 chunks per program
+  261.4 / 262.1): fewer programs walking in turn keep HBM less busy than one program per pair,
+  by more than the merge launch they save. ``walk_ahead`` and ``walk_flat`` went in session 15
+  (code at 71e54b0).
 * "tile" (``_pair_decode_tile``): FA4's own tile, the G query heads on the first rows of a
   64-row wgmma tile over 4 warps, every row reduction inside a warp, the thread sums each
   thread's own registers, the masked block peeled off the loop (529 SASS per warp per block
@@ -224,8 +215,7 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 @triton.jit
 def _slot(HKV: tl.constexpr, HEADS_FIRST: tl.constexpr, DS: tl.constexpr):
-    """This program's slot (a pair, or with ``walk`` a group of one sequence's chunks), KV head
-    and head-dim slice: HEADS_FIRST, a 1-D grid whose consecutive programs are one slot's KV
+    """This program's slot (a pair), KV head and head-dim slice: HEADS_FIRST, a 1-D grid whose consecutive programs are one slot's KV
     heads (and their slices), else a (slot, head, slice) grid."""
     if HEADS_FIRST:
         pid = tl.program_id(0)
@@ -353,11 +343,11 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 @triton.jit
 def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G: tl.constexpr,
                     GP: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, LIBDEVICE: tl.constexpr, NP: tl.constexpr,
-                    LOG_NP: tl.constexpr, DSL: tl.constexpr, n_progs):
+                    LOG_NP: tl.constexpr, DSL: tl.constexpr):
     """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, by
     the program that finishes last, with merge.py's ``_merge_vec`` steps. Each of the
-    ``n_progs`` programs of (b, h) counts itself in ``count`` after its states are written (a
-    CTA barrier, then one acq_rel atomic); the one that sees n_progs - 1 (or the only one: no
+    ``n_chunks`` programs of (b, h) counts itself in ``count`` after its state is written (a
+    CTA barrier, then one acq_rel atomic); the one that sees n_chunks - 1 (or the only one: no
     count, the barrier alone orders its own stores before its loads) resets the counter for the
     next launch, loads every state's lse in one [GP, NP] load from L2 (.cg; NP a power of two
     >= n_chunks, GP = G rounded up to a power of two; an empty pair's lse is -inf, skipped),
@@ -369,10 +359,10 @@ def _merge_last_vec(out, lse, count, merged_out, merged_lse, log_c, b, h, bsz, n
     (exact in any order): the walk that did (session 6-9, removed in session 10) paid a
     cross-thread sum and layout conversion per state."""
     tl.debug_barrier()
-    last = n_progs == 1
-    if n_progs > 1:
+    last = n_chunks == 1
+    if n_chunks > 1:
         done = tl.atomic_add(count, 1, sem="acq_rel")
-        last = done == n_progs - 1
+        last = done == n_chunks - 1
         if last:
             tl.store(count, 0)
     if last:
@@ -510,7 +500,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0, WALK: tl.constexpr = 0, per=1):
+                      PDL: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -528,23 +518,12 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     wave instead of launching after it."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if WALK:  # one program per (group of ``per`` consecutive chunks of a sequence, KV head, slice)
-        slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
-        b = slot % bsz
-        c0 = slot // bsz * per
-        c_end = tl.minimum(c0 + per, n_chunks)
-        for c in range(c0, c_end):
-            pair = c * bsz + b
-            n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
-            _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys,
-                       ds, G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
-    else:
-        pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
-        _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
-                   G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
+    _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
+               G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
-                        HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL, tl.cdiv(n_chunks, per) if WALK else n_chunks)
+                        HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
 
 
 @triton.jit
@@ -803,7 +782,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, walk: int = 0):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -815,11 +794,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
     same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
-    merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
-    ``walk``: each "keys" program walks up to ``walk`` consecutive chunks of one sequence, one
-    after another, each chunk's state as its own pair's (same bits; 0: one pair per program;
-    at least the chunk count: one program per (sequence, KV head), and with ``merge`` it merges
-    its own states, no counter) (not routed)."""
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -875,17 +850,11 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                              f"for head_dim {d}")
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
-        if isinstance(walk, bool) or not isinstance(walk, int) or walk < 0:
-            raise ValueError(f"pair_decode walk must be an int >= 0 (chunks per program; 0: one), got {walk!r}")
-        if walk and seq_major:
-            raise ValueError("pair_decode walk and seq_major=True exclude each other (a walk is sequence-major)")
         extra["DS"] = slices
-        if walk:
-            extra["WALK"] = 1
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or walk:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and walk need layout='keys'")
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
@@ -899,12 +868,9 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PAGE"] = page        # a compile-time page size: shifts instead of divisions
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
-    per = max(min(walk, n), 1) if walk else 1            # chunks per program (n may be 0)
-    slots = -(-n // per) * bsz                           # pairs, or (chunk group, sequence) slots
+    slots = n * bsz                                      # (chunk, sequence) pairs
     fused_args = (n, _counts(dev, bsz * hkv) if merge else pair_lens, *merged,
                   _log_constants(dev) if merge else lse) if layout == "keys" else ()
-    if walk:
-        extra["per"] = per
     kv = (C.aligned(k_cache), C.aligned(v_cache))
     if layout == "keys" and prefetch == 4:
         kv = _tma_tiles(k_cache, v_cache, slices)
