@@ -110,7 +110,7 @@ STREAMS = 4
 # 146.7, 64 x 8k 260.0 vs 272.0. Same bits either way. Correction (session 6): that "fa4"
 # side was FA4's pair call without the 64-row tile the route uses; with it the pair call is
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
-# us) beats "triton" (18.5); "triton" is faster at every other measured cell (README tables).
+# us) beats "triton" (18.5); "triton" is faster at every other measured cell (results/h200/canonical_history.md).
 DECODE_PAIRS = "triton"
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
