@@ -214,22 +214,6 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 
 @triton.jit
-def _slot(HKV: tl.constexpr, HEADS_FIRST: tl.constexpr, DS: tl.constexpr):
-    """This program's slot (a pair), KV head and head-dim slice: HEADS_FIRST, a 1-D grid whose consecutive programs are one slot's KV
-    heads (and their slices), else a (slot, head, slice) grid."""
-    if HEADS_FIRST:
-        pid = tl.program_id(0)
-        ds = pid % DS
-        slot = pid // DS // HKV
-        h = pid // DS % HKV
-    else:
-        slot = tl.program_id(0)
-        h = tl.program_id(1)
-        ds = tl.program_id(2) if DS > 1 else 0
-    return slot, h, ds
-
-
-@triton.jit
 def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
           DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
     """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
@@ -239,7 +223,15 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
     chunks on consecutive pair slots, so its states are done early and, with the fused merge,
     merged while later sequences stream) instead of chunk-major; the pair index (where the
     state is stored) stays chunk-major, c * bsz + b."""
-    slot, h, ds = _slot(HKV, HEADS_FIRST, DS)
+    if HEADS_FIRST:
+        pid = tl.program_id(0)
+        ds = pid % DS
+        slot = pid // DS // HKV
+        h = pid // DS % HKV
+    else:
+        slot = tl.program_id(0)
+        h = tl.program_id(1)
+        ds = tl.program_id(2) if DS > 1 else 0
     if SEQ_MAJOR:
         b = slot // n_chunks
         c = slot % n_chunks
@@ -248,7 +240,9 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         pair = slot
         c = pair // bsz
         b = pair % bsz
-    n_keys = _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds)
+    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
+    if (h == 0) & (ds == 0):                                             # written once
+        tl.store(pair_lens + pair, n_keys)
     return pair, h, c, b, n_keys, ds
 
 
@@ -257,15 +251,6 @@ def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
     """Element offsets (int64) of KV head h's rows for the keys at positions ``pos``, whose
     pages ``pg`` the page table gave."""
     return (pg.to(tl.int64) * page + pos % page) * (HKV * D) + h * D
-
-
-@triton.jit
-def _pair_keys(seq_lens, pair_lens, b, c, pair, chunk, h, ds):
-    """Pair (chunk c, sequence b)'s key count, written once (KV head 0, slice 0)."""
-    n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if (h == 0) & (ds == 0):
-        tl.store(pair_lens + pair, n_keys)
-    return n_keys
 
 
 @triton.jit
