@@ -16,18 +16,21 @@
 #           whole CUDA test suite except tests/test_canonical_cuda.py, benchmarks/attention.py
 #           (strict FA4);
 #   part probe: the decode-pair kernel's and the merge's options (tests selected by PROBE_K,
-#           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one.
+#           then benchmarks/probe_pair_decode_variants.py with VARIANTS) before routing one;
+#   part train (session 17): the training merge's tests, its blockings
+#           (benchmarks/probe_train_merge.py) and the training kernels' profile
+#           (benchmarks/profile_training.py) at C = CHUNKS (default 768).
 # ONLY=name,name (session 15): run only those steps of the part, so a part can go over several
 # shorter device calls (a machine taken back mid-call returns nothing of that call).
 # C values (session 11 on): BITWISE_CHUNKS (part 1, default 256,640,768,1024,2048) and CHUNKS
 # (part 2, default 512,640,768,1024), comma-separated multiples of 128.
-# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|3|probe
+# Usage (GPU machine, env sourced): bash benchmarks/canonical_h200.sh COMMIT 1|2|3|probe|train
 # COMMIT: write the local hash into the device command; the device's git metadata can be stale
 # (session 11), and every report also records source_digest (benchmarks/_report.py).
 # Writes into $OUT: steps.txt canonical_tests.txt canonical_bitwise.json/md (part 1);
 # canonical_speed.json/md canonical_p128.json/md roofline.json (part 2); demo_cuda.json
 # demo_cuda_canonical_default.json cuda_tests.txt attention.json attention.md (part 3);
-# probe_tests.txt variants.json (probe)
+# probe_tests.txt variants.json (probe); train_merge_tests.txt train_merge.json train_profile.json (train)
 set -u -o pipefail
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}
@@ -77,7 +80,11 @@ elif [ "$PART" = 3 ]; then
   step cuda_suite 360 "python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider $XDIST --durations=12 tests/ --ignore=tests/test_canonical_cuda.py > $OUT/cuda_suite_full.log 2>&1; rc=\$?; tail -5 $OUT/cuda_suite_full.log; exit \$rc"
   tail -60 "$OUT/cuda_suite_full.log" > "$OUT/cuda_tests.txt" 2>/dev/null; rm -f "$OUT/cuda_suite_full.log"
   step attention_benchmark 100 "python3 benchmarks/attention.py --out $OUT/attention.json --md $OUT/attention.md 2>&1 | tail -8"
+elif [ "$PART" = train ]; then
+  step train_merge_tests 120 "python3 -m pytest -m cuda -q -rfE -p no:cacheprovider $XDIST tests/test_canonical_cuda.py -k 'skipping or merge_config or routed_training' > $OUT/train_merge_tests.log 2>&1; rc=\$?; tail -20 $OUT/train_merge_tests.log > $OUT/train_merge_tests.txt; rm $OUT/train_merge_tests.log; tail -3 $OUT/train_merge_tests.txt; exit \$rc"
+  step train_merge 200 "CHUNKS=${CHUNKS:-768} python3 benchmarks/probe_train_merge.py $OUT/train_merge.json 2>&1 | grep -v Warning | tail -4"
+  step train_profile 150 "CHUNKS=${CHUNKS:-768} python3 benchmarks/profile_training.py $OUT/train_profile.json 2>&1 | grep -v Warning | tail -6"
 else
-  echo "usage: canonical_h200.sh COMMIT 1|2|3|probe (got part $PART)"; exit 2
+  echo "usage: canonical_h200.sh COMMIT 1|2|3|probe|train (got part $PART)"; exit 2
 fi
 echo "=== steps"; cat "$OUT/steps.txt"

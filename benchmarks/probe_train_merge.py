@@ -2,15 +2,14 @@
 training at B=4, S=8192 (Qwen3-8B TP=2 shard) writes N = ceil(S / C) state slots of [T, Hq, D]
 bf16 (a row in chunk i holds states 0..i-1 and the diagonal one in the last slot, the others
 lse = -inf), then merges them; benchmarks/canonical.py's ``merge alone`` column times that
-merge on the route's blocking (the unrolled walk, 16 rows per program, 2D max since session 11,
-when it was the fastest here). Here: the walk with other rows per program, head_dim halves,
-groups, the 2D max, eager state loads and skipping the states no row of a program holds, and ``_merge_vec`` (states side by side) on a few
-blockings; every result torch.equal to the routed merge's (no blocking changes a bit:
+merge on the route's blocking (the walk skipping the states no row of a program holds, 16 rows
+per program, groups of 2, 2D max: the fastest here in session 12). Here: ``blockings``' sweep;
+every result torch.equal to the routed merge's (no blocking changes a bit:
 kernels/triton/merge.py), CUDA-graph median us, and the bytes the merge must move (the present
 states' out rows and the merged out) over that time.
 Usage: [CHUNKS=640,768] python3 benchmarks/probe_train_merge.py OUT.json
 ONLY=name,..: those blockings only. (DEVICE=cpu TRITON_INTERPRET=1 CHUNKS=128
-ONLY=walk_b16_m0_e0,vec_b1_s1: a smoke run of the plumbing, not a measurement.)
+ONLY=skip_b16_u2_w4,skip_b16_u2_w4_smaj_e1: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations
 
@@ -30,26 +29,20 @@ ONLY = [x for x in os.environ.get("ONLY", "").split(",") if x]   # some blocking
 
 
 def blockings(n: int) -> dict:
-    """name -> (config, vec) for merge_attn_states."""
+    """name -> (config, vec) for merge_attn_states: the skipping walk (the route since session 12,
+    16-row programs, groups of 2) with eager state loads, its rows by position (s_major: one
+    head's consecutive positions per program, so the lse tile is 2 sectors a state instead of
+    one per row), other rows per program, groups and warps. (Sessions 11-12 measured the walk
+    without skipping on 8/16/32 rows, looped and 2D max, eager and not, and _merge_vec on 1-4
+    rows: results/h200/session11/train_merge.json, session12/train_merge.json.)"""
     np2 = C.pow2(n)
     out = {}
-    for block in (8, 16, 32):
-        for max2d in (0, np2):
+    for block, unroll, warps in ((16, 2, 0), (16, 4, 0), (32, 2, 0), (32, 2, 8), (16, 2, 2), (16, 2, 8),
+                                 (8, 2, 0), (64, 2, 8)):
+        for s_major in (0, 1):
             for eager in (0, 1):
-                out[f"walk_b{block}_m{max2d}_e{eager}"] = ((block, 1, min(n, tm.MAX_UNROLL), max2d, eager), 0)
-    # the 2D-max walk on 16 rows (the route since session 11) with head_dim in halves, smaller
-    # unrolled groups, and on 64 rows (offline sm90: ~2 shared-memory layout conversions, each a
-    # CTA barrier, per state in every blocking; the walk looks instruction-bound at ~2.2 TB/s)
-    out["walk_b16_s2_m16"] = ((16, 2, min(n, tm.MAX_UNROLL), np2, 0), 0)
-    for unroll in (2, 4):
-        out[f"walk_b16_u{unroll}_m16"] = ((16, 1, unroll, np2, 0), 0)
-    out["walk_b64_m16"] = ((64, 1, min(n, tm.MAX_UNROLL), np2, 0), 0)
-    # the walk leaving out the states no row of a program holds (training's rows in chunk i hold
-    # states 0..i-1 and the last: about half the slots are skipped in every row)
-    for unroll in (2, 4, min(n, tm.MAX_UNROLL)):
-        out[f"walk_b16_m16_skip_u{unroll}"] = ((16, 1, unroll, np2, 0, 1), 0)
-    for block, split in ((1, 1), (1, 2), (2, 1), (4, 1)):
-        out[f"vec_b{block}_s{split}"] = ((block, split, 0, np2), np2)
+                name = f"skip_b{block}_u{unroll}_w{warps or 4}{'_smaj' if s_major else ''}{'_e1' if eager else ''}"
+                out[name] = ((block, 1, min(unroll, n), np2, eager, 1, s_major, warps), 0)
     return {k: x for k, x in out.items() if not ONLY or k in ONLY}
 
 
