@@ -4,13 +4,17 @@ single pass and canonical:C: torch.profiler's CUDA kernel time summed per kernel
 forward, its backward's kernels, the merge, the rest) over REPS calls, per call, next to the
 CUDA-synchronized wall clock of the same calls. benchmarks/canonical.py's training table gives
 the ratio; this says which kernels make it (the partial calls' cost above the single pass, the
-merge) and how much of the wall clock is no kernel at all (launch gaps, host).
-Usage: [CHUNKS=768] [REPS=5] python3 benchmarks/profile_training.py OUT.json
+merge) and how much of the wall clock is no kernel at all (launch gaps, host). Then the same
+forward + backward without the profiler, timed two ways in one run: each call alone
+(synchronized before and after, policies alternating) and canonical.py's training method (each
+policy's calls back to back, interleaved repetitions).
+Usage: [CHUNKS=768] [REPS=5] [SYNCED_REPS=15] python3 benchmarks/profile_training.py OUT.json
 """
 from __future__ import annotations
 
 import collections
 import os
+import statistics
 import sys
 import time
 
@@ -24,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 CHUNKS = tuple(int(c) for c in os.environ.get("CHUNKS", "768").split(","))
 REPS = int(os.environ.get("REPS", "5"))
+SYNCED_REPS = int(os.environ.get("SYNCED_REPS", "15"))
 
 
 def kind(name: str) -> str:
@@ -75,6 +80,31 @@ def main():
             print(row, flush=True)
             rows.append(row)
             write_rows(out_path, rows)
+    # the same calls timed without the profiler, two ways in one run: each call alone (synchronized
+    # before and after, the policies alternating, median of SYNCED_REPS), and benchmarks/canonical.py's
+    # training method (each policy's calls back to back, interleaved repetitions, median)
+    fns = {}
+    for policy in ("disabled", *(f"canonical:{c}" for c in CHUNKS)):
+        def fwd_bwd(p=policy):
+            out, lse = fwd_op(q, k, v, 1, b.scale, None, None, 0, 0, p)
+            return bwd_op(dout, q, k, v, out, lse, None, 1, b.scale, None, None, 0, 0, p)
+        fns[policy] = fwd_bwd
+    synced = {name: [] for name in fns}
+    for _ in range(SYNCED_REPS):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            synced[name].append((time.perf_counter() - t0) * 1e6)
+    table = b.eager_us(fns)
+    for name in fns:
+        row = {"policy": name, "phase": "fwd_bwd", "synced_us": round(statistics.median(synced[name]), 1),
+               "table_method_us": table[name]}
+        row["synced_over_single"] = round(row["synced_us"] / statistics.median(synced["disabled"]), 3)
+        row["table_method_over_single"] = round(table[name] / table["disabled"], 3)
+        print(row, flush=True)
+        rows.append(row)
     write_rows(out_path, rows)
 
 

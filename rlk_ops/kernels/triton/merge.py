@@ -478,6 +478,13 @@ def _max2d(n: int) -> int:
 # measured: a merge that large whose rows hold every state (decode past 256 sequences at 16
 # query heads), which walks groups of 2 instead of all N at once. 0 turns it off.
 SKIP_UNROLL = 2
+# Rows per program of that skipping walk (while the grid keeps two programs per SM), since session
+# 17: measured on the H200 (results/h200/session17/train_merge.json, C = 768, the same buffers,
+# CUDA-graph medians, every blocking torch.equal to the routed one) 16 rows 347.2 us (2.65 TB/s of
+# the bytes it must move), 32 rows 301.6 (3.05 TB/s); 8 rows 460.2, 64 rows on 8 warps 359.4,
+# 32 rows on 8 warps 339.1, groups of 4 390.7, eager loads 345.6 / 341.1 (16 / 32 rows), rows by
+# position (S_MAJOR: contiguous lse) 385.0 / 367.9, 16 rows on 2 warps 345.2 (318.1 with eager loads).
+SKIP_BLOCK = 32
 
 
 def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple, int]:
@@ -485,7 +492,7 @@ def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple, int]:
     merge_config's blocking, on _merge_vec where vec_states allows (fewer rows than SMs); else,
     up to VEC_ROWS_MAX rows and head_dim 128, _merge_vec on 1-row programs over all of head_dim
     (the blocking measured); else the walk, past VEC_ROWS_MAX rows skipping the states no row of
-    a program holds (SKIP_UNROLL; with the 2D max).
+    a program holds (SKIP_UNROLL, SKIP_BLOCK rows a program; with the 2D max).
     No choice changes a bit (see merge_config)."""
     cfg = merge_config(rows, n, d, device)
     vec = vec_states(cfg[0], C.pow2(d) // cfg[1])
@@ -494,7 +501,9 @@ def merge_route(rows: int, n: int, d: int, device) -> tuple[tuple, int]:
     if VEC_STATES and rows <= VEC_ROWS_MAX and C.pow2(d) <= 128:
         return (1, 1, 0, _max2d(n)), VEC_STATES
     if SKIP_UNROLL and rows > VEC_ROWS_MAX and cfg[3]:
-        return (cfg[0], cfg[1], min(SKIP_UNROLL, n), cfg[3], EAGER_LOADS, 1), 0
+        sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
+        block = SKIP_BLOCK if triton.cdiv(rows, SKIP_BLOCK) >= 2 * sms else cfg[0]
+        return (block, cfg[1], min(SKIP_UNROLL, n), cfg[3], EAGER_LOADS, 1), 0
     return cfg, 0
 
 
