@@ -116,6 +116,47 @@ def test_fa4_canonical_forward_replays_prepared_calls(fake):
         assert bitwise_equal(got[0], first[0]) and bitwise_equal(got[1], first[1])
 
 
+def test_fa4_canonical_dense_slots_make_full_calls_dense(fake, monkeypatch):
+    """DENSE_SLOTS: a dense batch's full calls (equal lengths, evenly spaced pieces) run as dense
+    FA4 calls on strided views of q/k/v and of the slot (no cu_seqlens), the diagonal call stays
+    varlen; every state row and the merged result are the varlen route's bits (stand-in FA4), also
+    when the calls are replayed from a recording."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.fa4 import prepared
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 300, h, 16, generator=g).to(BF16) for h in (4, 2, 2))
+    prepared.clear()
+    try:
+        with rlk_ops.use_backend(attention_fwd="fa4"):
+            ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            monkeypatch.setattr(fa4_canonical, "DENSE_SLOTS", True)
+            n = len(fake.calls)
+            got = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            calls = [c[2] for c in fake.calls[n:]]
+            again = rlk_ops.attention(q, k, v, split_kv="canonical:128")   # replayed: no FA4 Python
+            assert len(fake.calls) == n + len(calls)
+    finally:
+        prepared.clear()
+    assert [(c["causal"], c.get("cu_seqlens_q") is None) for c in calls] == [(True, False), (False, True), (False, True)]
+    full0 = fake.calls[n + 1][1][0]                                   # chunk 0's full call: q rows 128..299
+    assert full0.shape == (3, 172, 4, 16) and bitwise_equal(full0, q[:, 128:])
+    assert calls[1]["out"].shape == (3, 172, 4, 16) and calls[1]["lse"].shape == (3, 4, 172)
+    for res in (got, again):
+        assert bitwise_equal(res[0], ref[0]) and bitwise_equal(res[1], ref[1])
+
+
+def test_strided_batch_is_found_only_for_evenly_spaced_equal_pieces():
+    dense = canonical.plan([(b * 300, 300, b * 300, 300) for b in range(3)], 128, True)
+    full = [c for c in dense.calls if not c.causal]
+    assert [c.strided_batch for c in full] == [(300, 300), (300, 300)]
+    assert dense.calls[0].causal and dense.calls[0].strided_batch is None   # diagonal pieces 128, 128, 44
+    ragged = canonical.plan([(0, 300, 0, 300), (300, 200, 300, 200)], 128, True)
+    assert all(c.strided_batch is None for c in ragged.calls if not c.causal and len(c.q_start) > 1)
+    one = canonical.plan([(0, 300, 0, 300)], 128, False)
+    assert one.calls[0].strided_batch == (300, 128)
+
+
 def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
     q, k, v = _cpu_qkv(seed=2)
     page_size, lens = 16, [300, 40]
@@ -679,6 +720,41 @@ def test_cuda_in_place_partials_equal_gathered(packed, causal):
         present = (lse_a != -math.inf).transpose(1, 2)  # [N, T, H]
         assert int(present.sum()) > 0 and bitwise_equal(out_a[present], out_b[present]), chunk
         assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1]), chunk
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_dense_slots_equal_the_varlen_calls():
+    """DENSE_SLOTS: a dense batch's full calls as dense FA4 calls on strided views (FA4's
+    persistent schedule) write every state row with the varlen calls' bits; the merged forward
+    and the backward's gradients are equal too."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    bsz, s = 2, LENS[0]
+    q, k, v = (torch.randn(bsz, s, h, D, generator=g, device=DEV).to(BF16) for h in (HQ, HKV, HKV))
+    dout = torch.randn(bsz, s, HQ, D, generator=g, device=DEV).to(BF16)
+    qf, kf, vf = (t.reshape(-1, t.shape[2], D) for t in (q, k, v))
+    for chunk in CHUNKS:
+        chunk_plan = canonical.plan([(b * s, s, b * s, s) for b in range(bsz)], chunk, True, DEV)
+        assert any(c.strided_batch is not None for c in chunk_plan.calls if not c.causal)
+        states, res = {}, {}
+        for on in (False, True):
+            fa4_canonical.DENSE_SLOTS = on
+            try:
+                states[on] = canonical.run(chunk_plan, qf, kf, vf, D ** -0.5, fa4_canonical.attend_into,
+                                           lambda o, l: (o.clone(), l.clone()))
+                out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, D ** -0.5, None, None, 0, 0, f"canonical:{chunk}")
+                res[on] = (out, lse, *torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, None, 1, D ** -0.5,
+                                                                   None, None, 0, 0, f"canonical:{chunk}"))
+            finally:
+                fa4_canonical.DENSE_SLOTS = False
+        (out_a, lse_a), (out_b, lse_b) = states[False], states[True]
+        assert bitwise_equal(lse_a, lse_b), chunk
+        present = (lse_a != -math.inf).transpose(1, 2)
+        assert int(present.sum()) > 0 and bitwise_equal(out_a[present], out_b[present]), chunk
+        for a, b in zip(res[False], res[True]):
+            assert bitwise_equal(a, b), chunk
 
 
 @cuda

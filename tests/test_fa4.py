@@ -79,6 +79,13 @@ def make_fake_fa4(drop=()):
             out, lse = cpu_attn.paged_attention(q, k, v, kw["page_table"], kw["seqused_k"], kw["softmax_scale"])
             return out, lse, None, None, None
         out, lse = kw["out"], kw["lse"]
+        if kw.get("cu_seqlens_q") is None:  # dense [B, S, H, D] into (strided) out / lse [B, H, S]
+            assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and kw["return_lse"]
+            key = (q.dtype, q.shape[-1], bool(kw["causal"]), "dense")
+            if key not in _flash_attn_fwd.compile_cache:
+                _flash_attn_fwd.compile_cache[key] = _dense_kernel
+            _flash_attn_fwd.compile_cache[key](q, k, v, out, lse, kw["softmax_scale"], int(kw["causal"]))
+            return out, lse, None, None, None
         assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and kw["return_lse"]
         lens_q, lens_k = kw["seqused_q"].tolist(), kw["seqused_k"].tolist()
         assert max(lens_q) <= kw["max_seqlen_q"] and max(lens_k) <= kw["max_seqlen_k"]
@@ -97,6 +104,11 @@ def make_fake_fa4(drop=()):
                                           torch.tensor([0, n], dtype=torch.int32),
                                           torch.tensor([0, m], dtype=torch.int32), n, m)
             out[a:a + n], lse[:, a:a + n] = o, l
+
+    def _dense_kernel(q, k, v, out, lse, scale, causal):
+        for b in range(q.shape[0]):
+            o, l = cpu_attn.attention_fwd(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal, scale, None, None, 0, 0)
+            out[b], lse[b] = o[0], l[0]
 
     _flash_attn_fwd.compile_cache = {}
 

@@ -83,6 +83,20 @@ class Call:
         return _ranges(self.k_start, self.k_len, self.cu_seqlens_k.device)
 
     @functools.cached_property
+    def strided_batch(self) -> tuple[int, int] | None:
+        """``(q_stride, k_stride)`` when the pieces form one strided batch: every piece the same
+        q and k length and the starts evenly spaced (the full pieces of a dense ``[B, S]`` batch
+        of equal lengths), so piece b is rows ``q_start[0] + b * q_stride + [0, q_len)``; None
+        otherwise. (One piece: its own lengths as strides.)"""
+        if len(set(self.q_len)) != 1 or len(set(self.k_len)) != 1:
+            return None
+        qs = {b - a for a, b in zip(self.q_start, self.q_start[1:])} or {self.q_len[0]}
+        ks = {b - a for a, b in zip(self.k_start, self.k_start[1:])} or {self.k_len[0]}
+        if len(qs) != 1 or len(ks) != 1 or min(*qs, *ks) <= 0:
+            return None
+        return qs.pop(), ks.pop()
+
+    @functools.cached_property
     def tight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cu_seqlens_q, cu_seqlens_k) of the pieces packed back to back (for ``gathered``)."""
         dev = self.cu_seqlens_q.device

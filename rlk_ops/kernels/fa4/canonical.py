@@ -55,7 +55,7 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
         from rlk_ops.kernels.fa4 import prepared
         with torch.no_grad():
             prepared.run(loader.load().module, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale,
-                         lambda: _fa4_call(q, k, v, call, scale, out, lse))
+                         lambda: _fa4_call(q, k, v, call, scale, out, lse), variant=(DENSE_SLOTS,))
         return
     _fa4_call(q, k, v, call, scale, out, lse)
 
@@ -81,7 +81,42 @@ def prepared_calls(enabled: bool = True):
         PREPARED_CALLS = old
 
 
+# A full (non-causal) call whose pieces form one strided batch (``Call.strided_batch``: a dense
+# [B, S] training batch) as a dense FA4 call on strided views of q/k/v and of the slot, instead
+# of a varlen one: FA4 schedules dense non-causal calls without seqused_q persistently (one
+# program per SM walking the tiles, the next tile's loads issued while the current one ends),
+# and a full call's tiles are short (C / 128 key blocks each). Same tiles, same rows: the bits
+# are the varlen call's (benchmarks/probe_train_dense_slots.py checks every state row).
+DENSE_SLOTS = False
+
+
+def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) -> torch.Tensor:
+    """Rows ``start + b * stride + [0, length)`` of a packed ``[T, H, D]`` t as ``[count, length, H, D]``."""
+    _, h, d = t.shape
+    return t.as_strided((count, length, h, d), (stride * h * d, h * d, d, 1), t.storage_offset() + start * h * d)
+
+
+def _dense_call(q, k, v, call: canonical.Call, scale, out, lse) -> bool:
+    """The call as one dense FA4 call on strided views (DENSE_SLOTS), if it can be: False if not."""
+    batch = call.strided_batch
+    if not DENSE_SLOTS or call.causal or batch is None or not (q.is_contiguous() and k.is_contiguous()
+                                                                and v.is_contiguous() and out.is_contiguous()
+                                                                and lse.is_contiguous()):
+        return False
+    (qs, ks), n, q0, k0 = batch, len(call.q_start), call.q_start[0], call.k_start[0]
+    nq, nk = call.q_len[0], call.k_len[0]
+    lse_view = lse.as_strided((n, lse.shape[0], nq), (qs, lse.shape[1], 1), lse.storage_offset() + q0)
+    with torch.no_grad():
+        loader.load().module._flash_attn_fwd(
+            _strided(q, q0, n, nq, qs), _strided(k, k0, n, nk, ks), _strided(v, k0, n, nk, ks),
+            softmax_scale=scale, causal=False, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
+            return_lse=True, out=_strided(out, q0, n, nq, qs), lse=lse_view)
+    return True
+
+
 def _fa4_call(q, k, v, call: canonical.Call, scale, out, lse):
+    if _dense_call(q, k, v, call, scale, out, lse):
+        return
     with torch.no_grad():
         loader.load().module._flash_attn_fwd(
             q, k, v, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,

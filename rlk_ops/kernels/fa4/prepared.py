@@ -139,14 +139,15 @@ def _sharing(live: dict) -> tuple:
     return tuple(out)
 
 
-def key(module, call, live: dict, scale: float) -> tuple:
-    return (id(module), id(call), float(scale), _sharing(live), *(_layout(live[n]) for n in INPUTS))
+def key(module, call, live: dict, scale: float, variant: tuple = ()) -> tuple:
+    return (id(module), id(call), float(scale), variant, _sharing(live), *(_layout(live[n]) for n in INPUTS))
 
 
-def run(module, call, live: dict, scale: float, normal: Callable[[], object]) -> None:
+def run(module, call, live: dict, scale: float, normal: Callable[[], object], variant: tuple = ()) -> None:
     """One plan call: replay its prepared FA4 kernel call, or run ``normal()`` (FA4 as usual)
-    while recording it and keep it for the next time."""
-    k = key(module, call, live, scale)
+    while recording it and keep it for the next time. ``variant``: what else decides the FA4
+    call ``normal()`` makes (a switch of the caller's), part of the key."""
+    k = key(module, call, live, scale, variant)
     prep = _CACHE.get(k)
     if prep is not None:
         _CACHE.move_to_end(k)
