@@ -254,7 +254,8 @@ class Bench(Report):
         """FA4 writing each state slot in place (the fa4 backend's executor) == copying each
         piece out and running the tight single pass (the gathering executor): every state
         row, merged out and lse; causal whole sequences, bottom-right query ranges
-        (chunked-prefill shapes), non-causal."""
+        (chunked-prefill shapes), non-causal, and a batch of equal lengths (its full calls dense
+        FA4 calls on strided views: fa4 canonical.DENSE_SLOTS)."""
         from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
         sh, fa4 = self.sh, self.fa4_single()
@@ -265,7 +266,10 @@ class Bench(Report):
         nq = [lens[0], min(333, lens[1]), lens[2]]
         shapes = {"causal_whole": ([(a, n, a, n) for a, n in zip(starts, lens)], True),
                   "causal_bottom_right": ([(a + n - m, m, a, n) for a, n, m in zip(starts, lens, nq)], True),
-                  "noncausal": ([(a, n, a, n) for a, n in zip(starts, lens)], False)}
+                  "noncausal": ([(a, n, a, n) for a, n in zip(starts, lens)], False),
+                  # equal lengths: the full calls are strided batches, dense FA4 calls (DENSE_SLOTS)
+                  "causal_dense_batch": ([(b * (total // 3), total // 3, b * (total // 3), total // 3)
+                                          for b in range(3)], True)}
         for chunk in sh.chunks:
             for name, (seqs, causal) in shapes.items():
                 chunk_plan = canonical.plan(seqs, chunk, causal, self.dev)

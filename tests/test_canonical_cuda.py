@@ -117,7 +117,7 @@ def test_fa4_canonical_forward_replays_prepared_calls(fake):
 
 
 def test_fa4_canonical_dense_slots_make_full_calls_dense(fake, monkeypatch):
-    """DENSE_SLOTS: a dense batch's full calls (equal lengths, evenly spaced pieces) run as dense
+    """DENSE_SLOTS (the default): a dense batch's full calls (equal lengths, evenly spaced pieces) run as dense
     FA4 calls on strided views of q/k/v and of the slot (no cu_seqlens), the diagonal call stays
     varlen; every state row and the merged result are the varlen route's bits (stand-in FA4), also
     when the calls are replayed from a recording."""
@@ -129,7 +129,9 @@ def test_fa4_canonical_dense_slots_make_full_calls_dense(fake, monkeypatch):
     prepared.clear()
     try:
         with rlk_ops.use_backend(attention_fwd="fa4"):
+            monkeypatch.setattr(fa4_canonical, "DENSE_SLOTS", False)
             ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            assert all(c[2].get("cu_seqlens_q") is not None for c in fake.calls)   # varlen calls only
             monkeypatch.setattr(fa4_canonical, "DENSE_SLOTS", True)
             n = len(fake.calls)
             got = rlk_ops.attention(q, k, v, split_kv="canonical:128")

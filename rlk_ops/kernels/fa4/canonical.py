@@ -6,7 +6,7 @@ single-pass kernel. A partial is FA4's ordinary single pass (``num_splits=1``,
 ``pack_gqa=PACK_GQA``): bf16 out as returned, fp32 lse.
 
 Training (and chunked prefill): ``attend_into`` runs one FA4 call per state slot of the
-plan, in place: ``cu_seqlens_q``/``cu_seqlens_k`` are the pieces' first rows in the
+plan, in place (a full call over a dense batch: one dense call on strided views, DENSE_SLOTS): ``cu_seqlens_q``/``cu_seqlens_k`` are the pieces' first rows in the
 packed q/k, ``seqused_q``/``seqused_k`` their lengths, and ``out=``/``lse=`` the slot
 of the state buffer (FA4's private ``_flash_attn_fwd``, the entry point that takes
 output buffers; the public varlen function allocates its own). So no query row is
@@ -86,8 +86,12 @@ def prepared_calls(enabled: bool = True):
 # of a varlen one: FA4 schedules dense non-causal calls without seqused_q persistently (one
 # program per SM walking the tiles, the next tile's loads issued while the current one ends),
 # and a full call's tiles are short (C / 128 key blocks each). Same tiles, same rows: the bits
-# are the varlen call's (benchmarks/probe_train_dense_slots.py checks every state row).
-DENSE_SLOTS = False
+# are the varlen call's. Measured on the H200 (results/h200/session17/train_dense_slots.json, B=4,
+# S=8k, every state row, the merged forward and the gradients torch.equal to the varlen calls):
+# FA4's forward kernels 2594 -> 2251 us at C = 768 (2458 -> 2070 at 1024), forward + backward over
+# single pass 1.200 -> 1.139 (each call alone) and 1.203 -> 1.088 (canonical.py's training method)
+# at C = 768, 1.154 -> 1.108 and 1.082 -> 1.045 at 1024. False: the varlen calls.
+DENSE_SLOTS = True
 
 
 def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) -> torch.Tensor:
