@@ -38,7 +38,7 @@ def blockings(n: int) -> dict:
     np2 = C.pow2(n)
     out = {}
     for block, unroll, warps in ((16, 2, 0), (16, 4, 0), (32, 2, 0), (32, 2, 8), (16, 2, 2), (16, 2, 8),
-                                 (8, 2, 0), (64, 2, 8)):
+                                 (8, 2, 0), (64, 2, 8), (32, 1, 0), (32, 3, 0), (32, 2, 2), (64, 2, 4)):
         for s_major in (0, 1):
             for eager in (0, 1):
                 name = f"skip_b{block}_u{unroll}_w{warps or 4}{'_smaj' if s_major else ''}{'_e1' if eager else ''}"
