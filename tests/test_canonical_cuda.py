@@ -418,7 +418,7 @@ def test_merge_vec_is_routed_only_for_one_row_one_warp_programs():
     assert triton_merge.merge_route(2, 16, 128, cpu_dev) == ((1, 4, 16, 16), 32)   # unroll unused by vec
     assert triton_merge.merge_route(8, 16, 128, cpu_dev) == ((1, 1, 0, 16), 32)
     assert triton_merge.merge_route(4096, 300, 128, cpu_dev) == ((1, 1, 0, 0), 32)
-    assert triton_merge.merge_route(4097, 16, 128, cpu_dev) == ((32, 1, 2, 16, False, 1), 0)   # skipping walk
+    assert triton_merge.merge_route(4097, 16, 128, cpu_dev) == ((32, 1, 1, 16, False, 1), 0)   # skipping walk
     assert triton_merge.merge_route(4097, 300, 128, cpu_dev) == ((16, 1, 32, 0), 0)   # no 2D max: no skipping
     cfg, vec = triton_merge.merge_route(8, 16, 256, cpu_dev)
     assert vec == 0 and len(cfg) == 4   # the walk, not skipping (few rows)

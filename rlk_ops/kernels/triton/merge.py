@@ -476,14 +476,16 @@ def _max2d(n: int) -> int:
 # 479.2 -> 388.6 us, C=768 423.6 -> 348.3, C=1024 343.7 -> 301.2 (groups of 4: 429.6 / 391.9 /
 # 337.1; of all N: slower than no skipping). tests/test_canonical_cuda.py checks its bits. Not
 # measured: a merge that large whose rows hold every state (decode past 256 sequences at 16
-# query heads), which walks groups of 2 instead of all N at once. 0 turns it off.
-SKIP_UNROLL = 2
+# query heads), which walks SKIP_UNROLL states at a time instead of all N at once. 0 turns it off.
+SKIP_UNROLL = 1   # one state at a time since session 17, with SKIP_BLOCK rows (below)
 # Rows per program of that skipping walk (while the grid keeps two programs per SM), since session
 # 17: measured on the H200 (results/h200/session17/train_merge.json, C = 768, the same buffers,
 # CUDA-graph medians, every blocking torch.equal to the routed one) 16 rows 347.2 us (2.65 TB/s of
 # the bytes it must move), 32 rows 301.6 (3.05 TB/s); 8 rows 460.2, 64 rows on 8 warps 359.4,
 # 32 rows on 8 warps 339.1, groups of 4 390.7, eager loads 345.6 / 341.1 (16 / 32 rows), rows by
 # position (S_MAJOR: contiguous lse) 385.0 / 367.9, 16 rows on 2 warps 345.2 (318.1 with eager loads).
+# A second run at 5e49797 (train_merge_more.json), 32 rows: states one at a time (SKIP_UNROLL = 1)
+# 285.2 us against 300.7 in groups of 2 and 344.1 in groups of 3; 2 warps 312.3, 64 rows 319.2.
 SKIP_BLOCK = 32
 
 
