@@ -887,7 +887,8 @@ def summary(r):
               "".join(f" C{c}walk={x[f'canonical_{c}_walk_us']}({x.get(f'canonical_{c}_walk_equal')})"
                       for c in r["shapes"]["decode_chunks"] if f"canonical_{c}_walk_us" in x))
     for x in r.get("training", {}).get("rows", []):
-        print(f"train {x['policy']}: fwd {x['fwd_us']} fwd+bwd {x['fwd_bwd_us']} ratio {x['fwd_bwd_over_single']}")
+        alone = f" alone {x['fwd_bwd_alone_over_single']}" if "fwd_bwd_alone_over_single" in x else ""
+        print(f"train {x['policy']}: fwd {x['fwd_us']} fwd+bwd {x['fwd_bwd_us']} ratio {x['fwd_bwd_over_single']}{alone}")
     for p, x in r.get("verdict", {}).items():
         print(f"{p}: decode {x['decode_target_met']} b64 {x['b64_target_met']} train {x['train_target_met']}")
     print("errors:", list(r.get("errors", {})) or "none")
