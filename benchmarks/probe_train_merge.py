@@ -2,14 +2,14 @@
 training at B=4, S=8192 (Qwen3-8B TP=2 shard) writes N = ceil(S / C) state slots of [T, Hq, D]
 bf16 (a row in chunk i holds states 0..i-1 and the diagonal one in the last slot, the others
 lse = -inf), then merges them; benchmarks/canonical.py's ``merge alone`` column times that
-merge on the route's blocking (the walk skipping the states no row of a program holds, 16 rows
-per program, groups of 2, 2D max: the fastest here in session 12). Here: ``blockings``' sweep;
+merge on the route's blocking (the walk skipping the states no row of a program holds, 2D max;
+32 rows per program one state at a time since session 17). Here: ``blockings``' sweep;
 every result torch.equal to the routed merge's (no blocking changes a bit:
 kernels/triton/merge.py), CUDA-graph median us, and the bytes the merge must move (the present
 states' out rows and the merged out) over that time.
 Usage: [CHUNKS=640,768] python3 benchmarks/probe_train_merge.py OUT.json
 ONLY=name,..: those blockings only. (DEVICE=cpu TRITON_INTERPRET=1 CHUNKS=128
-ONLY=skip_b16_u2_w4,skip_b16_u2_w4_smaj_e1: a smoke run of the plumbing, not a measurement.)
+ONLY=skip_b16_u2_w4,skip_b32_u1_w4_e1: a smoke run of the plumbing, not a measurement.)
 """
 from __future__ import annotations
 
@@ -29,20 +29,18 @@ ONLY = [x for x in os.environ.get("ONLY", "").split(",") if x]   # some blocking
 
 
 def blockings(n: int) -> dict:
-    """name -> (config, vec) for merge_attn_states: the skipping walk (the route since session 12,
-    16-row programs, groups of 2) with eager state loads, its rows by position (s_major: one
-    head's consecutive positions per program, so the lse tile is 2 sectors a state instead of
-    one per row), other rows per program, groups and warps. (Sessions 11-12 measured the walk
-    without skipping on 8/16/32 rows, looped and 2D max, eager and not, and _merge_vec on 1-4
-    rows: results/h200/session11/train_merge.json, session12/train_merge.json.)"""
+    """name -> (config, vec) for merge_attn_states: the skipping walk with eager state loads or not,
+    on other rows per program, groups and warps. (Sessions 11-12 measured the walk without
+    skipping on 8/16/32 rows, looped and 2D max, eager and not, and _merge_vec on 1-4 rows:
+    results/h200/session11/train_merge.json, session12/train_merge.json; session 17 also rows by
+    position, one head's consecutive positions a program, code at a14e176: slower.)"""
     np2 = C.pow2(n)
     out = {}
     for block, unroll, warps in ((16, 2, 0), (16, 4, 0), (32, 2, 0), (32, 2, 8), (16, 2, 2), (16, 2, 8),
                                  (8, 2, 0), (64, 2, 8), (32, 1, 0), (32, 3, 0), (32, 2, 2), (64, 2, 4)):
-        for s_major in (0, 1):
-            for eager in (0, 1):
-                name = f"skip_b{block}_u{unroll}_w{warps or 4}{'_smaj' if s_major else ''}{'_e1' if eager else ''}"
-                out[name] = ((block, 1, min(unroll, n), np2, eager, 1, s_major, warps), 0)
+        for eager in (0, 1):
+            name = f"skip_b{block}_u{unroll}_w{warps or 4}{'_e1' if eager else ''}"
+            out[name] = ((block, 1, min(unroll, n), np2, eager, 1, warps), 0)
     return {k: x for k, x in out.items() if not ONLY or k in ONLY}
 
 

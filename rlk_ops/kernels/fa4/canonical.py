@@ -6,7 +6,8 @@ single-pass kernel. A partial is FA4's ordinary single pass (``num_splits=1``,
 ``pack_gqa=PACK_GQA``): bf16 out as returned, fp32 lse.
 
 Training (and chunked prefill): ``attend_into`` runs one FA4 call per state slot of the
-plan, in place (a full call over a dense batch: one dense call on strided views, DENSE_SLOTS): ``cu_seqlens_q``/``cu_seqlens_k`` are the pieces' first rows in the
+plan, in place (a full call over a dense batch: one dense call on strided views, DENSE_SLOTS;
+otherwise varlen): ``cu_seqlens_q``/``cu_seqlens_k`` are the pieces' first rows in the
 packed q/k, ``seqused_q``/``seqused_k`` their lengths, and ``out=``/``lse=`` the slot
 of the state buffer (FA4's private ``_flash_attn_fwd``, the entry point that takes
 output buffers; the public varlen function allocates its own). So no query row is

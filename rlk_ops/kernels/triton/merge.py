@@ -212,27 +212,16 @@ def _merge_step(o_ptr, l_ptr, lens_ptr, n, R, r, off, lead, n_lead, rmask, d, m2
 def _merge_fwd(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                LIBDEVICE: tl.constexpr, UNROLL: tl.constexpr, MAX2D: tl.constexpr, PDL: tl.constexpr,
-               EAGER: tl.constexpr = 0, SKIP: tl.constexpr = 0, S_MAJOR: tl.constexpr = 0):
+               EAGER: tl.constexpr = 0, SKIP: tl.constexpr = 0):
     """SKIP (MAX2D > 0, UNROLL > 0): the walk goes over the states below ``_live_below_last``'s
     bound, in groups of UNROLL, then state N - 1; the states it leaves out are skipped in every
-    row of the program, so the same states are merged in the same order. S_MAJOR: a program's
-    rows are BLOCK consecutive positions s of one (lead, h) (grid: lead * H * cdiv(S, BLOCK)),
-    so its lse loads and store are contiguous; else BLOCK consecutive rows of out."""
-    if S_MAJOR:
-        s = (tl.program_id(0).to(tl.int64) % tl.cdiv(S, BLOCK)) * BLOCK + tl.arange(0, BLOCK)
-        hl = tl.program_id(0).to(tl.int64) // tl.cdiv(S, BLOCK) + s * 0  # lead * H + h, in every row
-        h = hl % H
-        lead = hl // H
-        r = (lead * S + s) * H + h                                      # (lead, s, h) row of out
-        rmask = s < S
-        off = hl * S + s
-    else:
-        r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
-        rmask = r < R
-        h = r % H
-        s = (r // H) % S
-        lead = r // (H * S)
-        off = lead * (H * S) + h * S + s                                # its place in [..., H, S]
+    row of the program, so the same states are merged in the same order."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)   # (lead, s, h) row of out
+    rmask = r < R
+    h = r % H
+    s = (r // H) % S
+    lead = r // (H * S)
+    off = lead * (H * S) + h * S + s                                    # its place in [..., H, S]
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # this program's head_dim slice
     m2 = rmask[:, None] & (d < D)[None, :]
     if PDL:  # launched before the previous kernel finished: wait for it (and its writes) here
@@ -483,7 +472,8 @@ SKIP_UNROLL = 1   # one state at a time since session 17, with SKIP_BLOCK rows (
 # CUDA-graph medians, every blocking torch.equal to the routed one) 16 rows 347.2 us (2.65 TB/s of
 # the bytes it must move), 32 rows 301.6 (3.05 TB/s); 8 rows 460.2, 64 rows on 8 warps 359.4,
 # 32 rows on 8 warps 339.1, groups of 4 390.7, eager loads 345.6 / 341.1 (16 / 32 rows), rows by
-# position (S_MAJOR: contiguous lse) 385.0 / 367.9, 16 rows on 2 warps 345.2 (318.1 with eager loads).
+# position (one head's consecutive positions a program, contiguous lse; removed after this run, code
+# at a14e176) 385.0 / 367.9, 16 rows on 2 warps 345.2 (318.1 with eager loads).
 # A second run at 5e49797 (train_merge_more.json), 32 rows: states one at a time (SKIP_UNROLL = 1)
 # 285.2 us against 300.7 in groups of 2 and 344.1 in groups of 3; 2 warps 312.3, 64 rows 319.2.
 SKIP_BLOCK = 32
@@ -547,12 +537,11 @@ def vec_states(block: int, block_d: int) -> int:
 
 
 def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=None, pdl=None):
-    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip[, s_major[,
-    warps]]]]]) instead of ``merge_route``'s (benchmarks, tests); skip: the walk leaves out the
-    states no row of a program holds (``_merge_fwd`` SKIP; merge_route takes it past VEC_ROWS_MAX
-    rows); s_major: a program's rows are consecutive positions of one (lead, head) (``_merge_fwd``
-    S_MAJOR); warps: num_warps of the walk (0: the default; no reduction runs over head_dim or
-    rows, so no bit depends on it). ``vec``:
+    """``config``: (BLOCK, head_dim slices, unroll[, 2D max width[, eager loads[, skip[, warps]]]])
+    instead of ``merge_route``'s (benchmarks, tests); skip: the walk leaves out the states no row
+    of a program holds (``_merge_fwd`` SKIP; merge_route takes it past VEC_ROWS_MAX rows); warps:
+    num_warps of the walk (0: the default; no reduction runs over head_dim or rows, so no bit
+    depends on it). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
     of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
     (not unroll/eager/skip). ``pdl``: launched by programmatic dependent launch (waiting
@@ -574,8 +563,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     max2d = rest[0] if rest else 0
     eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     skip = rest[2] if len(rest) > 2 else 0
-    s_major = rest[3] if len(rest) > 3 else 0
-    warps = rest[4] if len(rest) > 4 else 0
+    warps = rest[3] if len(rest) > 3 else 0
     block_d = C.pow2(d) // split
     launch = _pdl(pdl)
     vec = vec_states(block, block_d) if vec is None else vec
@@ -592,13 +580,11 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     if skip and not (max2d and unroll):
         raise ValueError(f"merge_attn_states config: skipping absent states needs the 2D max and an unrolled walk "
                          f"(config[3] > 0 and config[2] > 0), got {config}")
-    grid = n_lead * h * triton.cdiv(s, block) if s_major else triton.cdiv(rows, block)
-    _merge_fwd[(grid, split)](
+    _merge_fwd[(triton.cdiv(rows, block), split)](
         C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
         _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
         D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
         UNROLL=unroll, MAX2D=max2d, PDL=bool(launch), EAGER=int(eager), **({"SKIP": 1} if skip else {}),
-        **({"S_MAJOR": 1} if s_major else {}),
         num_warps=warps or (NUM_WARPS if block * block_d >= 512 else 1), **C.LAUNCH, **launch)
     return out, lse
 
