@@ -138,6 +138,19 @@ class Bench(Report):
                 times[name].append((time.perf_counter() - t0) * 1e6 / iters[name])
         return {name: round(statistics.median(t), 1) for name, t in times.items()}
 
+    def alone_us(self, fns: dict, reps: int) -> dict:
+        """Median us per call of each fn, each call alone: synchronized before and after, the fns
+        alternating, ``reps`` rounds (no call overlaps another's host work or kernels)."""
+        times = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                self.sync()
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                times[name].append((time.perf_counter() - t0) * 1e6)
+        return {name: statistics.median(t) for name, t in times.items()}
+
     def fa4_single(self):
         from rlk_ops.kernels.fa4 import kernels as fa4_kernels
 
@@ -585,11 +598,17 @@ class Bench(Report):
         qq = q.reshape(bsz, hq, d)
         return lambda: w.run(qq, (kc, vc), return_lse=True)
 
+    def train_inputs(self) -> tuple:
+        """(q, k, v, dout) of the training shape: dense [B, S, H, D], causal."""
+        sh = self.sh
+        bsz, s = sh.train
+        return (self.rand(bsz, s, sh.hq, sh.d), self.rand(bsz, s, sh.hkv, sh.d), self.rand(bsz, s, sh.hkv, sh.d),
+                self.rand(bsz, s, sh.hq, sh.d))
+
     def training(self):
         sh = self.sh
         bsz, s = sh.train
-        q, k, v = self.rand(bsz, s, sh.hq, sh.d), self.rand(bsz, s, sh.hkv, sh.d), self.rand(bsz, s, sh.hkv, sh.d)
-        dout = self.rand(bsz, s, sh.hq, sh.d)
+        q, k, v, dout = self.train_inputs()
         fwd_op, bwd_op = torch.ops.rlk.attention_fwd, torch.ops.rlk.attention_bwd
         fns = {}
         for policy in ("disabled", *(f"canonical:{c}" for c in sh.train_chunks)):
@@ -649,15 +668,8 @@ class Bench(Report):
         # (synchronized before and after, the policies alternating); the line is judged on the larger.
         t = self.eager_us(policies)
         t.update(self.eager_us({name: fn for name, fn in fns.items() if name not in policies}))
-        alone = {name: [] for name in policies if name.endswith("/fwd_bwd")}
-        for _ in range(self.sh.synced_reps):
-            for name in alone:
-                self.sync()
-                t0 = time.perf_counter()
-                policies[name]()
-                self.sync()
-                alone[name].append((time.perf_counter() - t0) * 1e6)
-        alone = {name: statistics.median(x) for name, x in alone.items()}
+        alone = self.alone_us({name: fn for name, fn in policies.items() if name.endswith("/fwd_bwd")},
+                              self.sh.synced_reps)
         # host cost of a plan (what a forward pays when its shape is new: canonical.cached_plan misses)
         seqs = _dense_seqs(bsz, s)
         plan_ms = {}

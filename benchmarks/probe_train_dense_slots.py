@@ -17,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
@@ -50,8 +48,7 @@ def main():
     sh = cb.Shapes()
     b = cb.Bench("cuda", sh, None, False)
     bsz, s = sh.train
-    q, k, v = b.rand(bsz, s, sh.hq, sh.d), b.rand(bsz, s, sh.hkv, sh.d), b.rand(bsz, s, sh.hkv, sh.d)
-    dout = b.rand(bsz, s, sh.hq, sh.d)
+    q, k, v, dout = b.train_inputs()
     fwd_op, bwd_op = torch.ops.rlk.attention_fwd, torch.ops.rlk.attention_bwd
     qf, kf, vf = (t.reshape(-1, t.shape[2], t.shape[3]) for t in (q, k, v))
     seqs = tuple((i * s, s, i * s, s) for i in range(bsz))
@@ -91,17 +88,10 @@ def main():
             fns[f"{name}/fwd"], fns[f"{name}/fwd_bwd"] = fwd, fwd_bwd
         for fn in fns.values():  # compiles, plans, recordings
             fn()
-        synced = {name: [] for name in fns}
-        for _ in range(SYNCED_REPS):
-            for name, fn in fns.items():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                synced[name].append((time.perf_counter() - t0) * 1e6)
+        synced = b.alone_us(fns, SYNCED_REPS)
         table = b.eager_us(fns)
         for name in fns:
-            row[f"{name}_synced_us"] = round(statistics.median(synced[name]), 1)
+            row[f"{name}_synced_us"] = round(synced[name], 1)
             row[f"{name}_table_us"] = table[name]
         for name in ("varlen", "dense"):
             for ph in ("fwd", "fwd_bwd"):

@@ -25,8 +25,7 @@ def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     sh = cb.Shapes()
     b = cb.Bench("cuda", sh, None, False)
-    bsz, s = sh.train
-    q, k, v = b.rand(bsz, s, sh.hq, sh.d), b.rand(bsz, s, sh.hkv, sh.d), b.rand(bsz, s, sh.hkv, sh.d)
+    q, k, v, _ = b.train_inputs()
     rows = []
     for c in CHUNKS:
         fns = {f"streams_{n}": (lambda n=n: canonical.attention_fwd(q, k, v, True, b.scale, None, None, c,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import os
-import statistics
 import sys
 import time
 
@@ -46,9 +45,7 @@ def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     sh = cb.Shapes()
     b = cb.Bench("cuda", sh, None, False)
-    bsz, s = sh.train
-    q, k, v = b.rand(bsz, s, sh.hq, sh.d), b.rand(bsz, s, sh.hkv, sh.d), b.rand(bsz, s, sh.hkv, sh.d)
-    dout = b.rand(bsz, s, sh.hq, sh.d)
+    q, k, v, dout = b.train_inputs()
     fwd_op, bwd_op = torch.ops.rlk.attention_fwd, torch.ops.rlk.attention_bwd
     rows = []
     for policy in ("disabled", *(f"canonical:{c}" for c in CHUNKS)):
@@ -89,19 +86,12 @@ def main():
             out, lse = fwd_op(q, k, v, 1, b.scale, None, None, 0, 0, p)
             return bwd_op(dout, q, k, v, out, lse, None, 1, b.scale, None, None, 0, 0, p)
         fns[policy] = fwd_bwd
-    synced = {name: [] for name in fns}
-    for _ in range(SYNCED_REPS):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            synced[name].append((time.perf_counter() - t0) * 1e6)
+    synced = b.alone_us(fns, SYNCED_REPS)
     table = b.eager_us(fns)
     for name in fns:
-        row = {"policy": name, "phase": "fwd_bwd", "synced_us": round(statistics.median(synced[name]), 1),
+        row = {"policy": name, "phase": "fwd_bwd", "synced_us": round(synced[name], 1),
                "table_method_us": table[name]}
-        row["synced_over_single"] = round(row["synced_us"] / statistics.median(synced["disabled"]), 3)
+        row["synced_over_single"] = round(row["synced_us"] / synced["disabled"], 3)
         row["table_method_over_single"] = round(table[name] / table["disabled"], 3)
         print(row, flush=True)
         rows.append(row)
