@@ -735,6 +735,7 @@ def test_cuda_dense_slots_equal_the_varlen_calls():
     q, k, v = (torch.randn(bsz, s, h, D, generator=g, device=DEV).to(BF16) for h in (HQ, HKV, HKV))
     dout = torch.randn(bsz, s, HQ, D, generator=g, device=DEV).to(BF16)
     qf, kf, vf = (t.reshape(-1, t.shape[2], D) for t in (q, k, v))
+    routed = fa4_canonical.DENSE_SLOTS
     for chunk in CHUNKS:
         chunk_plan = canonical.plan([(b * s, s, b * s, s) for b in range(bsz)], chunk, True, DEV)
         assert any(c.strided_batch is not None for c in chunk_plan.calls if not c.causal)
@@ -748,7 +749,7 @@ def test_cuda_dense_slots_equal_the_varlen_calls():
                 res[on] = (out, lse, *torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, None, 1, D ** -0.5,
                                                                    None, None, 0, 0, f"canonical:{chunk}"))
             finally:
-                fa4_canonical.DENSE_SLOTS = False
+                fa4_canonical.DENSE_SLOTS = routed
         (out_a, lse_a), (out_b, lse_b) = states[False], states[True]
         assert bitwise_equal(lse_a, lse_b), chunk
         present = (lse_a != -math.inf).transpose(1, 2)
