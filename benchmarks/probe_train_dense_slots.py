@@ -14,7 +14,6 @@ Usage: [CHUNKS=768,1024] [SYNCED_REPS=15] python3 benchmarks/probe_train_dense_s
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -34,15 +33,6 @@ CHUNKS = tuple(int(c) for c in os.environ.get("CHUNKS", "768,1024").split(","))
 SYNCED_REPS = int(os.environ.get("SYNCED_REPS", "15"))
 
 
-@contextlib.contextmanager
-def dense(on: bool):
-    old, fa4_canonical.DENSE_SLOTS = fa4_canonical.DENSE_SLOTS, on
-    try:
-        yield
-    finally:
-        fa4_canonical.DENSE_SLOTS = old
-
-
 def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     sh = cb.Shapes()
@@ -60,7 +50,7 @@ def main():
                "strided_full_calls": sum(not x.causal and x.strided_batch is not None for x in plan.calls)}
         states = {}
         for on in (False, True):
-            with dense(on):
+            with fa4_canonical.dense_slots(on):
                 states[on] = canonical.run(plan, qf, kf, vf, b.scale, fa4_canonical.attend_into,
                                            lambda o, l: (o.clone(), l.clone()), streams=1)
         (o0, l0), (o1, l1) = states[False], states[True]
@@ -69,7 +59,7 @@ def main():
         row["state_out_equal"] = bool(torch.equal(o0[written], o1[written]))
         res = {}
         for on in (False, True):
-            with dense(on):
+            with fa4_canonical.dense_slots(on):
                 out, lse = fwd_op(q, k, v, 1, b.scale, None, None, 0, 0, pol)
                 res[on] = (out, lse, *bwd_op(dout, q, k, v, out, lse, None, 1, b.scale, None, None, 0, 0, pol))
         row["fwd_bwd_equal"] = all(cb.beq(x, y) for x, y in zip(res[False], res[True]))
@@ -78,11 +68,11 @@ def main():
         fns = {}
         for name, p, on in (("single", "disabled", False), ("varlen", pol, False), ("dense", pol, True)):
             def fwd(p=p, on=on):
-                with dense(on):
+                with fa4_canonical.dense_slots(on):
                     return fwd_op(q, k, v, 1, b.scale, None, None, 0, 0, p)
 
             def fwd_bwd(p=p, on=on):
-                with dense(on):
+                with fa4_canonical.dense_slots(on):
                     out, lse = fwd_op(q, k, v, 1, b.scale, None, None, 0, 0, p)
                     return bwd_op(dout, q, k, v, out, lse, None, 1, b.scale, None, None, 0, 0, p)
             fns[f"{name}/fwd"], fns[f"{name}/fwd_bwd"] = fwd, fwd_bwd

@@ -116,7 +116,7 @@ def test_fa4_canonical_forward_replays_prepared_calls(fake):
         assert bitwise_equal(got[0], first[0]) and bitwise_equal(got[1], first[1])
 
 
-def test_fa4_canonical_dense_slots_make_full_calls_dense(fake, monkeypatch):
+def test_fa4_canonical_dense_slots_make_full_calls_dense(fake):
     """DENSE_SLOTS (the default): a dense batch's full calls (equal lengths, evenly spaced pieces) run as dense
     FA4 calls on strided views of q/k/v and of the slot (no cu_seqlens), the diagonal call stays
     varlen; every state row and the merged result are the varlen route's bits (stand-in FA4), also
@@ -129,10 +129,10 @@ def test_fa4_canonical_dense_slots_make_full_calls_dense(fake, monkeypatch):
     prepared.clear()
     try:
         with rlk_ops.use_backend(attention_fwd="fa4"):
-            monkeypatch.setattr(fa4_canonical, "DENSE_SLOTS", False)
-            ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            with fa4_canonical.dense_slots(False):
+                ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
             assert all(c[2].get("cu_seqlens_q") is not None for c in fake.calls)   # varlen calls only
-            monkeypatch.setattr(fa4_canonical, "DENSE_SLOTS", True)
+            assert fa4_canonical.DENSE_SLOTS   # restored: the route
             n = len(fake.calls)
             got = rlk_ops.attention(q, k, v, split_kv="canonical:128")
             calls = [c[2] for c in fake.calls[n:]]
@@ -735,21 +735,17 @@ def test_cuda_dense_slots_equal_the_varlen_calls():
     q, k, v = (torch.randn(bsz, s, h, D, generator=g, device=DEV).to(BF16) for h in (HQ, HKV, HKV))
     dout = torch.randn(bsz, s, HQ, D, generator=g, device=DEV).to(BF16)
     qf, kf, vf = (t.reshape(-1, t.shape[2], D) for t in (q, k, v))
-    routed = fa4_canonical.DENSE_SLOTS
     for chunk in CHUNKS:
         chunk_plan = canonical.plan([(b * s, s, b * s, s) for b in range(bsz)], chunk, True, DEV)
         assert any(c.strided_batch is not None for c in chunk_plan.calls if not c.causal)
         states, res = {}, {}
         for on in (False, True):
-            fa4_canonical.DENSE_SLOTS = on
-            try:
+            with fa4_canonical.dense_slots(on):
                 states[on] = canonical.run(chunk_plan, qf, kf, vf, D ** -0.5, fa4_canonical.attend_into,
                                            lambda o, l: (o.clone(), l.clone()))
                 out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, D ** -0.5, None, None, 0, 0, f"canonical:{chunk}")
                 res[on] = (out, lse, *torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, None, 1, D ** -0.5,
                                                                    None, None, 0, 0, f"canonical:{chunk}"))
-            finally:
-                fa4_canonical.DENSE_SLOTS = routed
         (out_a, lse_a), (out_b, lse_b) = states[False], states[True]
         assert bitwise_equal(lse_a, lse_b), chunk
         present = (lse_a != -math.inf).transpose(1, 2)

@@ -95,6 +95,17 @@ def prepared_calls(enabled: bool = True):
 DENSE_SLOTS = True
 
 
+@contextlib.contextmanager
+def dense_slots(enabled: bool = True):
+    """DENSE_SLOTS inside the block (benchmarks, tests; process-wide, restored on exit)."""
+    global DENSE_SLOTS
+    old, DENSE_SLOTS = DENSE_SLOTS, bool(enabled)
+    try:
+        yield
+    finally:
+        DENSE_SLOTS = old
+
+
 def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) -> torch.Tensor:
     """Rows ``start + b * stride + [0, length)`` of a packed ``[T, H, D]`` t as ``[count, length, H, D]``."""
     _, h, d = t.shape
