@@ -21,10 +21,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
 from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
-from profile_training import kind  # noqa: E402  (benchmarks/profile_training.py)
+from profile_training import profiled  # noqa: E402  (benchmarks/profile_training.py)
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.fa4 import canonical as fa4_canonical  # noqa: E402
@@ -90,16 +89,7 @@ def main():
                 row[f"{name}_{ph}_table_over_single"] = round(row[f"{name}/{ph}_table_us"]
                                                               / row[f"single/{ph}_table_us"], 3)
         for name in ("single", "varlen", "dense"):  # kernel time per kind, forward
-            fn = fns[f"{name}/fwd"]
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-            per = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    per[kind(e.name)] = per.get(kind(e.name), 0.0) + e.time_range.elapsed_us() / 3
+            per = profiled(fns[f"{name}/fwd"], 3)[1]
             row[f"{name}_fwd_kernel_us"] = {x: round(y, 1) for x, y in sorted(per.items())}
         print(row, flush=True)
         rows.append(row)

@@ -41,6 +41,24 @@ def kind(name: str) -> str:
     return "other"
 
 
+def profiled(fn, reps: int) -> tuple[float, collections.Counter, collections.Counter]:
+    """``reps`` calls of fn under torch.profiler: (wall us per call, CUDA kernel us per call by
+    ``kind``, each kernel name's launch count over all calls)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e6 / reps
+    per_kind, names = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:   # a kernel (or a memset/copy)
+            per_kind[kind(e.name)] += e.time_range.elapsed_us() / reps
+            names[e.name[:90]] += 1
+    return wall, per_kind, names
+
+
 def main():
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     sh = cb.Shapes()
@@ -57,18 +75,7 @@ def main():
 
             for _ in range(2):  # compiles, plans, recordings
                 call()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                t0 = time.perf_counter()
-                for _ in range(REPS):
-                    call()
-                torch.cuda.synchronize()
-                wall = (time.perf_counter() - t0) * 1e6 / REPS
-            per_kind, names = collections.Counter(), collections.Counter()
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:   # a kernel (or a memset/copy)
-                    per_kind[kind(e.name)] += e.time_range.elapsed_us() / REPS
-                    names[e.name[:90]] += 1
+            wall, per_kind, names = profiled(call, REPS)
             row = {"policy": policy, "phase": phase, "wall_us": round(wall, 1),
                    "kernel_us": {k2: round(v2, 1) for k2, v2 in sorted(per_kind.items())},
                    "kernel_sum_us": round(sum(per_kind.values()), 1),
