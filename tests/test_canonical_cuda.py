@@ -159,6 +159,65 @@ def test_strided_batch_is_found_only_for_evenly_spaced_equal_pieces():
     assert one.calls[0].strided_batch == (300, 128)
 
 
+def _pieces(call):
+    return sorted(zip(call.seq, call.chunk, call.q_start, call.q_len, call.k_start, call.k_len))
+
+
+def test_strided_runs_cut_a_call_into_evenly_spaced_runs_of_equal_pieces():
+    """Call.strided_runs: every piece in exactly one run, each run one strided batch of the call's
+    kind and slot; a dense batch's diagonal call is a run per sequence plus one of the short last
+    pieces (S % C != 0), or a single run (S % C == 0)."""
+    dense = canonical.plan([(b * 300, 300, b * 300, 300) for b in range(3)], 128, True)
+    diag = dense.calls[0]
+    runs = diag.strided_runs
+    assert [(r.q_start, r.strided_batch) for r in runs] == [
+        ((0, 128), (128, 128)), ((256, 556, 856), (300, 300)), ((300, 428), (128, 128)), ((600, 728), (128, 128))]
+    assert sorted(p for r in runs for p in _pieces(r)) == _pieces(diag)
+    assert all(r.causal and r.slot == diag.slot for r in runs)
+    even = canonical.plan([(b * 256, 256, b * 256, 256) for b in range(3)], 128, True).calls[0]
+    assert even.strided_batch == (128, 128) and even.strided_runs == (even,)
+    ragged = canonical.plan([(0, 300, 0, 300), (300, 200, 300, 200)], 128, True).calls[0]
+    assert [(r.q_start, r.q_len) for r in ragged.strided_runs] == [
+        ((0, 128), (128, 128)), ((256,), (44,)), ((300,), (128,)), ((428,), (72,))]
+    # a spacing that changes mid-group cuts the run there
+    uneven = canonical.plan([(0, 256, 0, 256), (300, 256, 300, 256)], 128, True).calls[0]
+    assert [r.q_start for r in uneven.strided_runs] == [(0, 128), (300, 428)]
+
+
+def test_fa4_canonical_dense_diagonal_runs_give_the_varlen_bits(fake):
+    """DENSE_DIAGONAL_RUNS: the diagonal call of a dense batch as one dense causal FA4 call per
+    strided run (stand-in FA4): the state rows and the merged result are the varlen call's bits, also
+    replayed from the recordings; past the run cap the diagonal call stays one varlen call."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+    from rlk_ops.kernels.fa4 import prepared
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(3, 300, h, 16, generator=g).to(BF16) for h in (4, 2, 2))
+    prepared.clear()
+    try:
+        with rlk_ops.use_backend(attention_fwd="fa4"):
+            ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            n = len(fake.calls)
+            with fa4_canonical.dense_diagonal(8):
+                got = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+                calls = [c[2] for c in fake.calls[n:]]
+                again = rlk_ops.attention(q, k, v, split_kv="canonical:128")   # replayed: no FA4 Python
+                assert len(fake.calls) == n + len(calls)
+            m = len(fake.calls)
+            with fa4_canonical.dense_diagonal(3):                              # 4 runs: over the cap
+                capped = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            capped_calls = [c[2] for c in fake.calls[m:]]
+    finally:
+        prepared.clear()
+    assert fa4_canonical.DENSE_DIAGONAL_RUNS == 0   # restored
+    # four dense causal calls (sequences' 128-row pieces, the three 44-row last pieces), then the full calls
+    assert [(c["causal"], c.get("cu_seqlens_q") is None) for c in calls] == [(True, True)] * 4 + [(False, True)] * 2
+    assert [c["out"].shape[:2] for c in calls[:4]] == [(2, 128), (3, 44), (2, 128), (2, 128)]
+    assert [(c["causal"], c.get("cu_seqlens_q") is None) for c in capped_calls][0] == (True, False)
+    for res in (got, again, capped):
+        assert bitwise_equal(res[0], ref[0]) and bitwise_equal(res[1], ref[1])
+
+
 def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
     q, k, v = _cpu_qkv(seed=2)
     page_size, lens = 16, [300, 40]
@@ -726,8 +785,10 @@ def test_cuda_in_place_partials_equal_gathered(packed, causal):
 @pytest.mark.cuda
 def test_cuda_dense_slots_equal_the_varlen_calls():
     """DENSE_SLOTS: a dense batch's full calls as dense FA4 calls on strided views (FA4's
-    persistent schedule) write every state row with the varlen calls' bits; the merged forward
-    and the backward's gradients are equal too."""
+    dense grid) write every state row with the varlen calls' bits, and so do the diagonal call's
+    strided runs as dense causal calls (DENSE_DIAGONAL_RUNS; S % C != 0 here, so several runs);
+    the merged forward and the backward's gradients are
+    equal too."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
     g = torch.Generator(device=DEV).manual_seed(12)
@@ -738,20 +799,24 @@ def test_cuda_dense_slots_equal_the_varlen_calls():
     for chunk in CHUNKS:
         chunk_plan = canonical.plan([(b * s, s, b * s, s) for b in range(bsz)], chunk, True, DEV)
         assert any(c.strided_batch is not None for c in chunk_plan.calls if not c.causal)
+        assert len(chunk_plan.calls[0].strided_runs) > 1, chunk   # S % C != 0: several runs
         states, res = {}, {}
-        for on in (False, True):
-            with fa4_canonical.dense_slots(on):
-                states[on] = canonical.run(chunk_plan, qf, kf, vf, D ** -0.5, fa4_canonical.attend_into,
-                                           lambda o, l: (o.clone(), l.clone()))
+        for on, diag in ((False, 0), (True, 0), (True, 8)):
+            with fa4_canonical.dense_slots(on), fa4_canonical.dense_diagonal(diag):
+                states[on, diag] = canonical.run(chunk_plan, qf, kf, vf, D ** -0.5, fa4_canonical.attend_into,
+                                                 lambda o, l: (o.clone(), l.clone()))
                 out, lse = torch.ops.rlk.attention_fwd(q, k, v, 1, D ** -0.5, None, None, 0, 0, f"canonical:{chunk}")
-                res[on] = (out, lse, *torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, None, 1, D ** -0.5,
-                                                                   None, None, 0, 0, f"canonical:{chunk}"))
-        (out_a, lse_a), (out_b, lse_b) = states[False], states[True]
-        assert bitwise_equal(lse_a, lse_b), chunk
+                res[on, diag] = (out, lse, *torch.ops.rlk.attention_bwd(dout, q, k, v, out, lse, None, 1, D ** -0.5,
+                                                                         None, None, 0, 0, f"canonical:{chunk}"))
+        out_a, lse_a = states[False, 0]
         present = (lse_a != -math.inf).transpose(1, 2)
-        assert int(present.sum()) > 0 and bitwise_equal(out_a[present], out_b[present]), chunk
-        for a, b in zip(res[False], res[True]):
-            assert bitwise_equal(a, b), chunk
+        assert int(present.sum()) > 0, chunk
+        for key in ((True, 0), (True, 8)):
+            out_b, lse_b = states[key]
+            assert bitwise_equal(lse_a, lse_b), (chunk, key)
+            assert bitwise_equal(out_a[present], out_b[present]), (chunk, key)
+            for a, b in zip(res[False, 0], res[key]):
+                assert bitwise_equal(a, b), (chunk, key)
 
 
 @cuda

@@ -97,6 +97,38 @@ class Call:
         return qs.pop(), ks.pop()
 
     @functools.cached_property
+    def strided_runs(self) -> tuple["Call", ...]:
+        """The call cut into sub-calls (same kind and slot) that each form one strided batch:
+        the pieces grouped by (q_len, k_len), each group in row order cut where the spacing
+        changes. A dense ``[B, S]`` batch's diagonal call at S % C != 0 gives one run per
+        sequence (its full-length diagonal pieces, C apart) and one of the short last pieces (S
+        apart); at S % C == 0 one run. ``(self,)`` when the call is one strided batch."""
+        if self.strided_batch is not None:
+            return (self,)
+        groups: dict = {}
+        for j in range(len(self.q_start)):
+            groups.setdefault((self.q_len[j], self.k_len[j]), []).append(j)
+        runs = []
+        for idx in groups.values():
+            run = [idx[0]]
+            for j in idx[1:]:
+                if len(run) > 1 and (self.q_start[j] - self.q_start[run[-1]] != self.q_start[run[1]] - self.q_start[run[0]]
+                                     or self.k_start[j] - self.k_start[run[-1]]
+                                     != self.k_start[run[1]] - self.k_start[run[0]]):
+                    runs.append(run)
+                    run = []
+                run.append(j)
+            runs.append(run)
+        dev = self.cu_seqlens_q.device
+        out = []
+        for run in sorted(runs):
+            sub = _Call(self.causal, self.slot)
+            for j in run:
+                sub.add(self.seq[j], self.chunk[j], self.q_start[j], self.q_len[j], self.k_start[j], self.k_len[j])
+            out.append(sub.build(dev))
+        return tuple(out)
+
+    @functools.cached_property
     def tight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cu_seqlens_q, cu_seqlens_k) of the pieces packed back to back (for ``gathered``)."""
         dev = self.cu_seqlens_q.device

@@ -51,12 +51,18 @@ from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
 
 def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
     """One plan call: FA4 single pass over the call's pieces, written into ``out``/``lse``
-    (through kernels/fa4/prepared.py when PREPARED_CALLS)."""
+    (through kernels/fa4/prepared.py when PREPARED_CALLS); a diagonal call as dense calls, one
+    per strided run of its pieces, where DENSE_DIAGONAL_RUNS allows."""
+    runs = _diagonal_runs(q, k, v, call, out, lse)
+    if runs:
+        for run in runs:
+            attend_into(q, k, v, run, scale, out, lse)
+        return
     if PREPARED_CALLS:
         from rlk_ops.kernels.fa4 import prepared
         with torch.no_grad():
             prepared.run(loader.load().module, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale,
-                         lambda: _fa4_call(q, k, v, call, scale, out, lse), variant=(DENSE_SLOTS,))
+                         lambda: _fa4_call(q, k, v, call, scale, out, lse), variant=(DENSE_SLOTS, bool(DENSE_DIAGONAL_RUNS)))
         return
     _fa4_call(q, k, v, call, scale, out, lse)
 
@@ -84,10 +90,14 @@ def prepared_calls(enabled: bool = True):
 
 # A full (non-causal) call whose pieces form one strided batch (``Call.strided_batch``: a dense
 # [B, S] training batch) as a dense FA4 call on strided views of q/k/v and of the slot, instead
-# of a varlen one: FA4 schedules dense non-causal calls without seqused_q persistently (one
-# program per SM walking the tiles, the next tile's loads issued while the current one ends),
-# and a full call's tiles are short (C / 128 key blocks each). Same tiles, same rows: the bits
-# are the varlen call's. Measured on the H200 (results/h200/session17/train_dense_slots.json, B=4,
+# of a varlen one. On SM90 FA4 launches a dense call on its SingleTileScheduler (a grid of (query
+# tile, head, batch), each program's tile read from its block index) and a varlen one on its
+# SingleTileVarlenScheduler (a grid sized for the worst-case padding of every piece, each program
+# finding its piece by a warp prefix scan over the piece lengths); neither is persistent (session
+# 17's comment here said the dense one was: wrong, FA4's static persistent schedule is its SM100
+# kernel's). Why the dense grid is faster is our reading, not measured: a full call's tiles are
+# short (C / 128 key blocks each), so a program's scheduling work is a larger share of it. Same
+# tiles, same rows: the bits are the varlen call's. Measured on the H200 (results/h200/session17/train_dense_slots.json, B=4,
 # S=8k, every state row, the merged forward and the gradients torch.equal to the varlen calls):
 # FA4's forward kernels 2594 -> 2251 us at C = 768 (2458 -> 2070 at 1024), forward + backward over
 # single pass 1.200 -> 1.139 (each call alone) and 1.203 -> 1.088 (canonical.py's training method)
@@ -106,6 +116,40 @@ def dense_slots(enabled: bool = True):
         DENSE_SLOTS = old
 
 
+# The diagonal (causal) call of a dense batch as dense causal FA4 calls, one per strided run of
+# its pieces (``Call.strided_runs``: at B = 4, S = 8k, C = 768 one run of ten 768-row pieces per
+# sequence and one of the four 512-row last pieces; at S % C == 0 one run), each piece as many
+# queries as keys, so FA4's causal mask is the varlen call's (its bottom-right alignment is then
+# top-left too). Same tiles, same rows: the varlen call's bits. At most this many dense calls for
+# one diagonal call (a ragged batch has a run per length); 0: the varlen call.
+DENSE_DIAGONAL_RUNS = 0
+
+
+@contextlib.contextmanager
+def dense_diagonal(runs: int):
+    """DENSE_DIAGONAL_RUNS inside the block (benchmarks, tests; process-wide, restored on exit)."""
+    global DENSE_DIAGONAL_RUNS
+    old, DENSE_DIAGONAL_RUNS = DENSE_DIAGONAL_RUNS, int(runs)
+    try:
+        yield
+    finally:
+        DENSE_DIAGONAL_RUNS = old
+
+
+def _contiguous(*ts) -> bool:
+    return all(t.is_contiguous() for t in ts)
+
+
+def _diagonal_runs(q, k, v, call: canonical.Call, out, lse) -> tuple:
+    """The causal call's strided runs when they go as separate dense calls (DENSE_DIAGONAL_RUNS),
+    else () (also when the call is one strided batch: ``_dense_call`` makes it one dense call)."""
+    if not (DENSE_SLOTS and DENSE_DIAGONAL_RUNS and call.causal and call.strided_batch is None
+            and call.q_len == call.k_len and _contiguous(q, k, v, out, lse)):
+        return ()
+    runs = call.strided_runs
+    return runs if len(runs) <= DENSE_DIAGONAL_RUNS else ()
+
+
 def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) -> torch.Tensor:
     """Rows ``start + b * stride + [0, length)`` of a packed ``[T, H, D]`` t as ``[count, length, H, D]``."""
     _, h, d = t.shape
@@ -115,9 +159,9 @@ def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) 
 def _dense_call(q, k, v, call: canonical.Call, scale, out, lse) -> bool:
     """The call as one dense FA4 call on strided views (DENSE_SLOTS), if it can be: False if not."""
     batch = call.strided_batch
-    if not DENSE_SLOTS or call.causal or batch is None or not (q.is_contiguous() and k.is_contiguous()
-                                                                and v.is_contiguous() and out.is_contiguous()
-                                                                and lse.is_contiguous()):
+    if not DENSE_SLOTS or batch is None or not _contiguous(q, k, v, out, lse):
+        return False
+    if call.causal and not (DENSE_DIAGONAL_RUNS and call.q_len == call.k_len):
         return False
     (qs, ks), n, q0, k0 = batch, len(call.q_start), call.q_start[0], call.k_start[0]
     nq, nk = call.q_len[0], call.k_len[0]
@@ -125,7 +169,7 @@ def _dense_call(q, k, v, call: canonical.Call, scale, out, lse) -> bool:
     with torch.no_grad():
         loader.load().module._flash_attn_fwd(
             _strided(q, q0, n, nq, qs), _strided(k, k0, n, nk, ks), _strided(v, k0, n, nk, ks),
-            softmax_scale=scale, causal=False, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
+            softmax_scale=scale, causal=call.causal, num_splits=NUM_SPLITS, pack_gqa=PACK_GQA,
             return_lse=True, out=_strided(out, q0, n, nq, qs), lse=lse_view)
     return True
 
