@@ -189,10 +189,14 @@ def _fa4_call(q, k, v, call: canonical.Call, scale, out, lse):
 # Side streams for the training forward's per-slot calls (canonical.run): the calls of a
 # long sequence are many (C=1024, S=8k: 9) and each ends in a partial wave; on side
 # streams one call's tail overlaps the next one's work. Measured on the H200
-# (results/h200/canonical.json, training 'fwd, 4 side streams'): forward at B=4, S=8k
-# 2654 -> 2571 us at C=1024, 6417 -> 5684 at C=256, every state row bitwise equal
-# (in_place_streams cells); tests/test_canonical_cuda.py checks 3 streams. 1 turns it off.
-STREAMS = 4
+# (results/h200/canonical.json, training 'fwd, 4 side streams', varlen calls then): forward at
+# B=4, S=8k 2654 -> 2571 us at C=1024, 6417 -> 5684 at C=256, every state row bitwise equal
+# (in_place_streams cells); tests/test_canonical_cuda.py checks 3 streams. With the full calls
+# dense (DENSE_SLOTS), two streams beat four: forward at C = 768, us, streams 1 / 2 / 3 / 4 / 6,
+# two runs (results/h200/session18/train_streams.json, train_streams_run2.json, every forward
+# torch.equal to one stream's): 2623 / 2509 / 2537 / 2560 / 2547 and 2621 / 2519 / 2528 / 2573 /
+# 2556. 1 turns it off.
+STREAMS = 2
 
 
 # Decode pairs (one query token, C a multiple of the page size): "triton" computes every
