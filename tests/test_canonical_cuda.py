@@ -197,6 +197,7 @@ def test_fa4_canonical_dense_diagonal_runs_give_the_varlen_bits(fake):
     try:
         with rlk_ops.use_backend(attention_fwd="fa4"):
             ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            prepared.clear()   # the full calls' recordings: made again below, so every call shows
             n = len(fake.calls)
             with fa4_canonical.dense_diagonal(8):
                 got = rlk_ops.attention(q, k, v, split_kv="canonical:128")
@@ -209,13 +210,34 @@ def test_fa4_canonical_dense_diagonal_runs_give_the_varlen_bits(fake):
             capped_calls = [c[2] for c in fake.calls[m:]]
     finally:
         prepared.clear()
-    assert fa4_canonical.DENSE_DIAGONAL_RUNS == 0   # restored
+    assert fa4_canonical.DENSE_DIAGONAL_RUNS == 1   # restored: the route (one strided batch only)
     # four dense causal calls (sequences' 128-row pieces, the three 44-row last pieces), then the full calls
     assert [(c["causal"], c.get("cu_seqlens_q") is None) for c in calls] == [(True, True)] * 4 + [(False, True)] * 2
     assert [c["out"].shape[:2] for c in calls[:4]] == [(2, 128), (3, 44), (2, 128), (2, 128)]
     assert [(c["causal"], c.get("cu_seqlens_q") is None) for c in capped_calls][0] == (True, False)
     for res in (got, again, capped):
         assert bitwise_equal(res[0], ref[0]) and bitwise_equal(res[1], ref[1])
+
+
+def test_fa4_canonical_routes_a_diagonal_that_is_one_strided_batch_dense(fake):
+    """The route (DENSE_DIAGONAL_RUNS = 1): at S % C == 0 the diagonal call is one strided batch and
+    goes as one dense causal FA4 call; at S % C != 0 (several runs) it stays one varlen call. Same bits
+    as every call varlen (stand-in FA4)."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    g = torch.Generator().manual_seed(9)
+    for s, dense_diag in ((256, True), (300, False)):
+        q, k, v = (torch.randn(2, s, h, 16, generator=g).to(BF16) for h in (4, 2, 2))
+        with rlk_ops.use_backend(attention_fwd="fa4"):
+            with fa4_canonical.dense_slots(False):
+                ref = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+            n = len(fake.calls)
+            got = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+        diag = [c[2] for c in fake.calls[n:] if c[2]["causal"]]
+        assert len(diag) == 1 and (diag[0].get("cu_seqlens_q") is None) == dense_diag, s
+        if dense_diag:
+            assert diag[0]["out"].shape[:2] == (4, 128)     # 2 sequences x 2 chunks, C rows each
+        assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1]), s
 
 
 def test_fa4_canonical_decode_is_one_paged_call_over_pairs(fake):
@@ -786,20 +808,21 @@ def test_cuda_in_place_partials_equal_gathered(packed, causal):
 def test_cuda_dense_slots_equal_the_varlen_calls():
     """DENSE_SLOTS: a dense batch's full calls as dense FA4 calls on strided views (FA4's
     dense grid) write every state row with the varlen calls' bits, and so do the diagonal call's
-    strided runs as dense causal calls (DENSE_DIAGONAL_RUNS; S % C != 0 here, so several runs);
-    the merged forward and the backward's gradients are
+    strided runs as dense causal calls (DENSE_DIAGONAL_RUNS; S % C != 0: several runs, S % C ==
+    0: one, the route); the merged forward and the backward's gradients are
     equal too."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
     g = torch.Generator(device=DEV).manual_seed(12)
-    bsz, s = 2, LENS[0]
-    q, k, v = (torch.randn(bsz, s, h, D, generator=g, device=DEV).to(BF16) for h in (HQ, HKV, HKV))
-    dout = torch.randn(bsz, s, HQ, D, generator=g, device=DEV).to(BF16)
-    qf, kf, vf = (t.reshape(-1, t.shape[2], D) for t in (q, k, v))
-    for chunk in CHUNKS:
+    bsz = 2
+    for s, chunk in [(LENS[0], c) for c in CHUNKS] + [(2 * CHUNKS[-1], c) for c in CHUNKS]:
+        q, k, v = (torch.randn(bsz, s, h, D, generator=g, device=DEV).to(BF16) for h in (HQ, HKV, HKV))
+        dout = torch.randn(bsz, s, HQ, D, generator=g, device=DEV).to(BF16)
+        qf, kf, vf = (t.reshape(-1, t.shape[2], D) for t in (q, k, v))
         chunk_plan = canonical.plan([(b * s, s, b * s, s) for b in range(bsz)], chunk, True, DEV)
         assert any(c.strided_batch is not None for c in chunk_plan.calls if not c.causal)
-        assert len(chunk_plan.calls[0].strided_runs) > 1, chunk   # S % C != 0: several runs
+        # S % C != 0: several runs (separate dense calls); S % C == 0: one (the routed dense diagonal)
+        assert (len(chunk_plan.calls[0].strided_runs) > 1) == (s % chunk != 0), (s, chunk)
         states, res = {}, {}
         for on, diag in ((False, 0), (True, 0), (True, 8)):
             with fa4_canonical.dense_slots(on), fa4_canonical.dense_diagonal(diag):
@@ -813,10 +836,10 @@ def test_cuda_dense_slots_equal_the_varlen_calls():
         assert int(present.sum()) > 0, chunk
         for key in ((True, 0), (True, 8)):
             out_b, lse_b = states[key]
-            assert bitwise_equal(lse_a, lse_b), (chunk, key)
-            assert bitwise_equal(out_a[present], out_b[present]), (chunk, key)
+            assert bitwise_equal(lse_a, lse_b), (s, chunk, key)
+            assert bitwise_equal(out_a[present], out_b[present]), (s, chunk, key)
             for a, b in zip(res[False, 0], res[key]):
-                assert bitwise_equal(a, b), (chunk, key)
+                assert bitwise_equal(a, b), (s, chunk, key)
 
 
 @cuda

@@ -121,8 +121,15 @@ def dense_slots(enabled: bool = True):
 # sequence and one of the four 512-row last pieces; at S % C == 0 one run), each piece as many
 # queries as keys, so FA4's causal mask is the varlen call's (its bottom-right alignment is then
 # top-left too). Same tiles, same rows: the varlen call's bits. At most this many dense calls for
-# one diagonal call (a ragged batch has a run per length); 0: the varlen call.
-DENSE_DIAGONAL_RUNS = 0
+# one diagonal call (a ragged batch has a run per length); 0: the varlen call. Measured on the
+# H200 (results/h200/session18/train_dense_diag.json, B=4, S=8k, every state row, the forward and
+# the gradients torch.equal to the varlen diagonal; us, varlen -> dense diagonal): at C = 1024 (one
+# run) FA4's forward kernels 2107 -> 2082, forward 2555 -> 2388 (back to back) and 2888 -> 2776
+# (each call alone), forward + backward 7911 -> 7697 and 8051 -> 7853; at C = 768 (five runs)
+# mixed: kernels 2239 -> 2220, forward 2783 -> 2597 and 3005 -> 3111, forward + backward 8045 ->
+# 7912 and 8050 -> 8130, and on 2 side streams no faster (train_streams*.json: 2509 / 2519 ->
+# 2535 / 2528). So 1: only a diagonal call that is one strided batch goes dense (S % C == 0).
+DENSE_DIAGONAL_RUNS = 1
 
 
 @contextlib.contextmanager
