@@ -108,13 +108,14 @@ class Call:
         groups: dict = {}
         for j in range(len(self.q_start)):
             groups.setdefault((self.q_len[j], self.k_len[j]), []).append(j)
+        def gap(i, j):
+            return self.q_start[j] - self.q_start[i], self.k_start[j] - self.k_start[i]
+
         runs = []
         for idx in groups.values():
             run = [idx[0]]
             for j in idx[1:]:
-                if len(run) > 1 and (self.q_start[j] - self.q_start[run[-1]] != self.q_start[run[1]] - self.q_start[run[0]]
-                                     or self.k_start[j] - self.k_start[run[-1]]
-                                     != self.k_start[run[1]] - self.k_start[run[0]]):
+                if len(run) > 1 and gap(run[-1], j) != gap(run[0], run[1]):   # the spacing changes: cut
                     runs.append(run)
                     run = []
                 run.append(j)

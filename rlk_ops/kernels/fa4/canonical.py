@@ -62,7 +62,8 @@ def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
         from rlk_ops.kernels.fa4 import prepared
         with torch.no_grad():
             prepared.run(loader.load().module, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale,
-                         lambda: _fa4_call(q, k, v, call, scale, out, lse), variant=(DENSE_SLOTS, bool(DENSE_DIAGONAL_RUNS)))
+                         lambda: _fa4_call(q, k, v, call, scale, out, lse),
+                         variant=(DENSE_SLOTS, bool(DENSE_DIAGONAL_RUNS)))
         return
     _fa4_call(q, k, v, call, scale, out, lse)
 
@@ -97,8 +98,9 @@ def prepared_calls(enabled: bool = True):
 # 17's comment here said the dense one was: wrong, FA4's static persistent schedule is its SM100
 # kernel's). Why the dense grid is faster is our reading, not measured: a full call's tiles are
 # short (C / 128 key blocks each), so a program's scheduling work is a larger share of it. Same
-# tiles, same rows: the bits are the varlen call's. Measured on the H200 (results/h200/session17/train_dense_slots.json, B=4,
-# S=8k, every state row, the merged forward and the gradients torch.equal to the varlen calls):
+# tiles, same rows: the bits are the varlen call's. Measured on the H200
+# (results/h200/session17/train_dense_slots.json, B=4, S=8k, every state row, the merged forward
+# and the gradients torch.equal to the varlen calls):
 # FA4's forward kernels 2594 -> 2251 us at C = 768 (2458 -> 2070 at 1024), forward + backward over
 # single pass 1.200 -> 1.139 (each call alone) and 1.203 -> 1.088 (canonical.py's training method)
 # at C = 768, 1.154 -> 1.108 and 1.082 -> 1.045 at 1024. False: the varlen calls.
@@ -150,11 +152,12 @@ def _contiguous(*ts) -> bool:
 def _diagonal_runs(q, k, v, call: canonical.Call, out, lse) -> tuple:
     """The causal call's strided runs when they go as separate dense calls (DENSE_DIAGONAL_RUNS),
     else () (also when the call is one strided batch: ``_dense_call`` makes it one dense call)."""
-    if not (DENSE_SLOTS and DENSE_DIAGONAL_RUNS and call.causal and call.strided_batch is None
-            and call.q_len == call.k_len and _contiguous(q, k, v, out, lse)):
+    if not (DENSE_SLOTS and DENSE_DIAGONAL_RUNS > 1 and call.causal and call.strided_batch is None):
         return ()
     runs = call.strided_runs
-    return runs if len(runs) <= DENSE_DIAGONAL_RUNS else ()
+    if len(runs) > DENSE_DIAGONAL_RUNS or call.q_len != call.k_len or not _contiguous(q, k, v, out, lse):
+        return ()
+    return runs
 
 
 def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) -> torch.Tensor:
