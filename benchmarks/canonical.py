@@ -71,7 +71,7 @@ class Shapes:
     train_chunks: tuple = (512, 640, 768, 1024)
     target_ms: float = 8.0
     reps: int = 5
-    synced_reps: int = 15                   # training's fwd+bwd timed call by call
+    synced_reps: int = 41                   # training's fwd+bwd timed call by call (15 until session 18)
 
 
 DRY = Shapes(hq=4, hkv=1, d=128, lens=(300, 140, 129), chunks=(128, 256), pages=(16, 128), acc_s=300,
@@ -141,6 +141,10 @@ class Bench(Report):
     def alone_us(self, fns: dict, reps: int) -> dict:
         """Median us per call of each fn, each call alone: synchronized before and after, the fns
         alternating, ``reps`` rounds (no call overlaps another's host work or kernels)."""
+        return {name: statistics.median(t) for name, t in self.alone_samples(fns, reps).items()}
+
+    def alone_samples(self, fns: dict, reps: int) -> dict:
+        """``alone_us``'s samples: per fn, its us in each round (round i of every fn is one pass of the fns)."""
         times = {name: [] for name in fns}
         for _ in range(reps):
             for name, fn in fns.items():
@@ -149,7 +153,7 @@ class Bench(Report):
                 fn()
                 self.sync()
                 times[name].append((time.perf_counter() - t0) * 1e6)
-        return {name: statistics.median(t) for name, t in times.items()}
+        return times
 
     def fa4_single(self):
         from rlk_ops.kernels.fa4 import kernels as fa4_kernels
@@ -668,8 +672,9 @@ class Bench(Report):
         # (synchronized before and after, the policies alternating); the line is judged on the larger.
         t = self.eager_us(policies)
         t.update(self.eager_us({name: fn for name, fn in fns.items() if name not in policies}))
-        alone = self.alone_us({name: fn for name, fn in policies.items() if name.endswith("/fwd_bwd")},
-                              self.sh.synced_reps)
+        samples = self.alone_samples({name: fn for name, fn in policies.items() if name.endswith("/fwd_bwd")},
+                                     self.sh.synced_reps)
+        alone = {name: statistics.median(x) for name, x in samples.items()}
         # host cost of a plan (what a forward pays when its shape is new: canonical.cached_plan misses)
         seqs = _dense_seqs(bsz, s)
         plan_ms = {}
@@ -695,6 +700,9 @@ class Bench(Report):
             r["fwd_bwd_alone_us"] = round(alone[f"{policy}/fwd_bwd"], 1)
             r["fwd_bwd_alone_over_single"] = round(alone[f"{policy}/fwd_bwd"] / alone["disabled/fwd_bwd"], 3)
             r["fwd_bwd_line_ratio"] = max(r["fwd_bwd_over_single"], r["fwd_bwd_alone_over_single"])
+            # the spread (session 18): each round's call over the single pass call of the same round
+            r["fwd_bwd_alone_round_ratio_quartiles"] = _quartiles(
+                [a / b for a, b in zip(samples[f"{policy}/fwd_bwd"], samples["disabled/fwd_bwd"])])
             if r["fwd_bwd_us_own_calls"]:
                 r["fwd_bwd_own_calls_over_single"] = round(r["fwd_bwd_us_own_calls"] / t["disabled/fwd_bwd"], 3)
             rows.append(r)
@@ -703,7 +711,8 @@ class Bench(Report):
                                 "timing": "eager, CUDA-synchronized wall clock, interleaved repetitions, median; "
                                           "the policies in a group of their own, the other columns in another; "
                                           "'alone': each fwd+bwd call synchronized before and after, policies "
-                                          "alternating, median",
+                                          "alternating, median; its spread: the quartiles of each round's "
+                                          "ratio to that round's single pass call",
                                 "plan": "cached per shape (canonical.cached_plan); plan_build_ms is the host cost "
                                         "of a shape not seen before, paid once"}
 
@@ -807,15 +816,15 @@ def markdown(r: dict) -> str:
         alone = any("fwd_bwd_alone_us" in x for x in tr)
         lines += [f"## Training forward and forward+backward, B={r['training']['B']}, S={r['training']['S']} "
                   f"(us, {r['training']['timing']})", "",
-                  f"| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single"
-                  + (" | fwd+bwd alone | alone / single | the larger" if alone else "")
+                  "| policy | fwd | fwd+bwd | fwd / single | fwd+bwd / single"
+                  + (" | fwd+bwd alone | alone / single | per-round ratio quartiles | the larger" if alone else "")
                   + f" (target <= {TARGET_TRAIN_VS_SINGLE}) "
                   f"| {mem} | plan build ms (new shape) | fwd, gathering executor | fwd, 4 side streams "
-                  "| merge alone | fwd+bwd, FA4's own calls (/ single) |", "|---" * (14 if alone else 11) + "|"]
+                  "| merge alone | fwd+bwd, FA4's own calls (/ single) |", "|---" * (15 if alone else 11) + "|"]
         lines += [f"| {x['policy']} | {x['fwd_us']:.0f} | {x['fwd_bwd_us']:.0f} | {x['fwd_over_single']} | "
                   f"{x['fwd_bwd_over_single']} | "
                   + (f"{x.get('fwd_bwd_alone_us', '-')} | {x.get('fwd_bwd_alone_over_single', '-')} | "
-                     f"{x.get('fwd_bwd_line_ratio', '-')} | " if alone else "")
+                     f"{_spread(x)} | {x.get('fwd_bwd_line_ratio', '-')} | " if alone else "")
                   + f"{x.get(mem_key)} | {x.get('plan_build_ms', '-')} | "
                   f"{x.get('fwd_us_gathering_executor') or '-'} | {x.get('fwd_us_4_streams') or '-'} | "
                   f"{x.get('merge_alone_us') or '-'} | "
@@ -934,6 +943,19 @@ def _walk_cell(x: dict, c: int) -> str:
     key = f"canonical_{c}_walk"
     return (f"{x['batch']}x{x['context']} C{c} {x[key + '_us']:.1f} ({x.get(key + '_over_fa4_strict')}x, "
             f"equal {x.get(key + '_equal')})")
+
+
+def _quartiles(xs: list) -> list:
+    """[25th, 50th, 75th] percentile of xs, rounded (statistics.quantiles' exclusive method)."""
+    if len(xs) < 2:
+        return [round(x, 3) for x in xs * 3][:3]
+    q = statistics.quantiles(xs, n=4)
+    return [round(q[0], 3), round(statistics.median(xs), 3), round(q[2], 3)]
+
+
+def _spread(x: dict) -> str:
+    q = x.get("fwd_bwd_alone_round_ratio_quartiles")
+    return " / ".join(str(v) for v in q) if q else "-"
 
 
 def _own_calls_cell(x: dict) -> str:
