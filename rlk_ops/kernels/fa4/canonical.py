@@ -79,14 +79,19 @@ PREPARED_CALLS = True
 
 
 @contextlib.contextmanager
-def prepared_calls(enabled: bool = True):
-    """PREPARED_CALLS inside the block (benchmarks; process-wide, restored on exit)."""
-    global PREPARED_CALLS
-    old, PREPARED_CALLS = PREPARED_CALLS, bool(enabled)
+def _setting(name: str, value):
+    """This module's setting ``name`` is ``value`` inside the block (process-wide, restored on exit)."""
+    settings = globals()
+    old, settings[name] = settings[name], value
     try:
         yield
     finally:
-        PREPARED_CALLS = old
+        settings[name] = old
+
+
+def prepared_calls(enabled: bool = True):
+    """PREPARED_CALLS inside the block (benchmarks)."""
+    return _setting("PREPARED_CALLS", bool(enabled))
 
 
 # A full (non-causal) call whose pieces form one strided batch (``Call.strided_batch``: a dense
@@ -107,15 +112,9 @@ def prepared_calls(enabled: bool = True):
 DENSE_SLOTS = True
 
 
-@contextlib.contextmanager
 def dense_slots(enabled: bool = True):
-    """DENSE_SLOTS inside the block (benchmarks, tests; process-wide, restored on exit)."""
-    global DENSE_SLOTS
-    old, DENSE_SLOTS = DENSE_SLOTS, bool(enabled)
-    try:
-        yield
-    finally:
-        DENSE_SLOTS = old
+    """DENSE_SLOTS inside the block (benchmarks, tests)."""
+    return _setting("DENSE_SLOTS", bool(enabled))
 
 
 # The diagonal (causal) call of a dense batch as dense causal FA4 calls, one per strided run of
@@ -134,15 +133,9 @@ def dense_slots(enabled: bool = True):
 DENSE_DIAGONAL_RUNS = 1
 
 
-@contextlib.contextmanager
 def dense_diagonal(runs: int):
-    """DENSE_DIAGONAL_RUNS inside the block (benchmarks, tests; process-wide, restored on exit)."""
-    global DENSE_DIAGONAL_RUNS
-    old, DENSE_DIAGONAL_RUNS = DENSE_DIAGONAL_RUNS, int(runs)
-    try:
-        yield
-    finally:
-        DENSE_DIAGONAL_RUNS = old
+    """DENSE_DIAGONAL_RUNS inside the block (benchmarks, tests)."""
+    return _setting("DENSE_DIAGONAL_RUNS", int(runs))
 
 
 def _contiguous(*ts) -> bool:
