@@ -197,6 +197,14 @@ def write_rows(path: str | None, rows: list) -> None:
             json.dump(rows, f, indent=1)
 
 
+def add_row(path: str | None, rows: list, row: dict) -> None:
+    """A probe's new result row: printed, appended to ``rows`` and every row so far written to
+    ``path`` (so a run cut short keeps what it measured)."""
+    print(row, flush=True)
+    rows.append(row)
+    write_rows(path, rows)
+
+
 def rewrite_markdown(json_path: str, md_path: str, markdown, summary) -> int:
     """``--md-only``: the markdown table again from a saved report (no GPU needed)."""
     with open(json_path) as f:

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import add_row, write_rows  # noqa: E402  (benchmarks/_report.py)
 from profile_training import profiled  # noqa: E402  (benchmarks/profile_training.py)
 
 import torch  # noqa: E402
@@ -107,9 +107,7 @@ def main():
         for name in ("single", *VARIANTS):  # kernel time per kind, forward
             per = profiled(fns[f"{name}/fwd"], 3)[1]
             row[f"{name}_fwd_kernel_us"] = {x: round(y, 1) for x, y in sorted(per.items())}
-        print(row, flush=True)
-        rows.append(row)
-        write_rows(out_path, rows)
+        add_row(out_path, rows, row)
     write_rows(out_path, rows)
 
 

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import add_row  # noqa: E402  (benchmarks/_report.py)
 
 import torch  # noqa: E402
 
@@ -82,9 +82,7 @@ def main():
                 host.append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
             row[name + "_host_us"] = round(statistics.median(host), 1)
-        print(row, flush=True)
-        rows.append(row)
-        write_rows(out_path, rows)
+        add_row(out_path, rows, row)
 
 
 if __name__ == "__main__":

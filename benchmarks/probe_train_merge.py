@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import add_row, write_rows  # noqa: E402  (benchmarks/_report.py)
 
 from rlk_ops.kernels.triton import _common as C  # noqa: E402
 from rlk_ops.kernels.triton import merge as tm  # noqa: E402
@@ -73,9 +73,7 @@ def main():
             row[name + "_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
             row[name + "_us"] = round(b.graph_us(lambda cfg=cfg, vec=vec: tm.merge_attn_states(o, l, config=cfg,
                                                                                             vec=vec)), 1)
-        print(row, flush=True)
-        rows.append(row)
-        write_rows(out_path, rows)
+        add_row(out_path, rows, row)
     write_rows(out_path, rows)
 
 

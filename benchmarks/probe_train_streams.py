@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import add_row, write_rows  # noqa: E402  (benchmarks/_report.py)
 
 from rlk_ops.kernels.cpu import canonical  # noqa: E402
 from rlk_ops.kernels.fa4 import canonical as fa4_canonical  # noqa: E402
@@ -44,9 +44,7 @@ def main():
             row[name + "_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
         t = b.eager_us(fns)
         row.update({name + "_fwd_us": t[name] for name in fns})
-        print(row, flush=True)
-        rows.append(row)
-        write_rows(out_path, rows)
+        add_row(out_path, rows, row)
     write_rows(out_path, rows)
 
 

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import add_row, write_rows  # noqa: E402  (benchmarks/_report.py)
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -81,9 +81,7 @@ def main():
                    "kernel_sum_us": round(sum(per_kind.values()), 1),
                    "launches_per_call": round(sum(names.values()) / REPS, 1),
                    "kernels": {n: round(c / REPS, 2) for n, c in names.most_common(12)}}
-            print(row, flush=True)
-            rows.append(row)
-            write_rows(out_path, rows)
+            add_row(out_path, rows, row)
     # the same calls timed without the profiler, two ways in one run: each call alone (synchronized
     # before and after, the policies alternating, median of SYNCED_REPS), and benchmarks/canonical.py's
     # training method (each policy's calls back to back, interleaved repetitions, median)

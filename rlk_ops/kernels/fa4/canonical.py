@@ -160,7 +160,8 @@ def _strided(t: torch.Tensor, start: int, count: int, length: int, stride: int) 
 
 
 def _dense_call(q, k, v, call: canonical.Call, scale, out, lse) -> bool:
-    """The call as one dense FA4 call on strided views (DENSE_SLOTS), if it can be: False if not."""
+    """The call as one dense FA4 call on strided views (DENSE_SLOTS; a causal call also needs
+    DENSE_DIAGONAL_RUNS and as many queries as keys in every piece), if it can be: False if not."""
     batch = call.strided_batch
     if not DENSE_SLOTS or batch is None or not _contiguous(q, k, v, out, lse):
         return False
