@@ -197,6 +197,31 @@ def write_rows(path: str | None, rows: list) -> None:
             json.dump(rows, f, indent=1)
 
 
+def fits(rows: list[dict]) -> list[dict]:
+    """Per (page, batch) timed at two or more contexts, per implementation ``name`` (a ``name_us``
+    key in every such row): the least-squares line time_us = fixed_us + us_per_GB * kv_bytes / 1e9
+    over the contexts (``us_per_GB``, ``fixed_us``, ``points``)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["page"], r["batch"]), []).append(r)
+    res = []
+    for (page, batch), rs in sorted(groups.items()):
+        if len({r["kv_bytes"] for r in rs}) < 2:
+            continue
+        names = sorted(set.intersection(*({k[:-3] for k in r if k.endswith("_us")} for r in rs)))
+        x = [r["kv_bytes"] / 1e9 for r in rs]
+        mx = sum(x) / len(x)
+        sxx = sum((a - mx) ** 2 for a in x)
+        fit = {"page": page, "batch": batch, "contexts": [r["context"] for r in rs]}
+        for name in names:
+            y = [r[f"{name}_us"] for r in rs]
+            my = sum(y) / len(y)
+            slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
+            fit[name] = {"us_per_GB": round(slope, 3), "fixed_us": round(my - slope * mx, 2), "points": len(y)}
+        res.append(fit)
+    return res
+
+
 def add_row(path: str | None, rows: list, row: dict) -> None:
     """A probe's new result row: printed, appended to ``rows`` and every row so far written to
     ``path`` (so a run cut short keeps what it measured)."""

@@ -11,6 +11,12 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
 * sessions 14-16 also timed ``op_walk`` / ``op_walk_8x2`` (the op's work in one launch, one
   program per (sequence, KV head) walking all of its chunks and merging its own states), slower
   in every run and removed after session 16 (code at commit 6b83051);
+* ``pairs_evict_last`` / ``op_evict_last`` (session 19): the routed pair kernel storing its states
+  with the L2 policy evict_last (``pair_decode(state_evict=...)``, a hint), alone and with the
+  merge, which then may read them from L2 rather than memory after ~1 GB of K/V streamed past;
+  ``op_pdl``: the routed pairs + merge with the merge launched by programmatic dependent launch
+  (``pdl=True``, off past one wave since session 13: mixed there); ``evict_last_equal`` /
+  ``pdl_equal``: their merged out and lse torch.equal to the routed pairs + merge;
 * ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
   (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
 * ``read_flat``: a Triton kernel that reads every K and V byte of the cache once, contiguously
@@ -24,9 +30,13 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
   is meant to recover.
 
 Each time is also given as TB/s over the K/V bytes of the batch (2 * B * ctx * Hkv * D * 2), so
-the fraction of the read roofline each one reaches is in the same run. The two read kernels'
-sums are checked against torch (``read_*_rel``: relative error of the fp32 sum against a float64
-one), so they read every byte they should.
+the fraction of the read roofline each one reaches is in the same run. Where a page and batch
+were timed at two or more contexts, ``fits`` (_report.fits) gives each implementation's
+least-squares line over them, time = fixed + per_GB * K/V GB: its streaming rate and the cost it
+pays whatever the context (launch, first and last wave, the merge), so a tie at one context can
+be read as the sum of the two. The two read kernels' sums are checked against torch
+(``read_*_rel``: relative error of the fp32 sum against a float64 one), so they read every byte
+they should.
 
 Usage: [PAGES=16,128] [CASES=64x8192,64x32768] [CHUNK=768]
        python3 benchmarks/probe_decode_roofline.py OUT.json
@@ -43,7 +53,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
-from _report import write_rows  # noqa: E402  (benchmarks/_report.py)
+from _report import fits, write_rows  # noqa: E402  (benchmarks/_report.py)
 
 import rlk_ops  # noqa: E402
 from rlk_ops.kernels.triton import merge as tm  # noqa: E402
@@ -141,6 +151,20 @@ def main():
                    "read_flat": lambda: read_flat(kc, vc),
                    "read_paged": lambda: read_paged(kc, vc, pt, sl, c),
                    "read_paged_rows": lambda: read_paged(kc, vc, pt, sl, c, rows=True)}
+            def op_with(pair_kw, merge_kw=None):
+                o, l, pl, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **pair_kw)
+                return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
+                                            state_lens=pl.view(n, bsz), **(merge_kw or {}))
+
+            evict = {**routed, "state_evict": "evict_last"}
+            pdl = ({**routed, "pdl": True}, {"pdl": True})
+            ref = op_with(routed)
+            for key, args in (("evict_last", (evict,)), ("pdl", pdl)):
+                got = op_with(*args)
+                row[f"{key}_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
+            fns["pairs_evict_last"] = lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **evict)
+            fns["op_evict_last"] = lambda: op_with(evict)
+            fns["op_pdl"] = lambda: op_with(*pdl)
             if page % pd.BLOCK_N == 0:
                 tma = {**routed, "prefetch": 4}
 
@@ -172,6 +196,11 @@ def main():
             print(row, flush=True)
             res.append(row)
             write_rows(out, res)   # after every case: a later failure keeps the rows before it
+    for fit in fits(res):
+        print({k: (v if not isinstance(v, dict) else (v["us_per_GB"], v["fixed_us"])) for k, v in fit.items()},
+              flush=True)
+        res.append({"fit": fit})
+    write_rows(out, res)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def _transcribed(q, k, v, n_keys, scale):
 @pytest.mark.parametrize("layout,prefetch,extra", [
     ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
     ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True}),
-    ("keys", 3, {"slices": 4}), ("keys", 0, {"slices": 2, "ahead": True}), ("keys", 3, {"slices": 8, "heads_first": True})],
+    ("keys", 3, {"slices": 4}), ("keys", 0, {"slices": 2, "ahead": True}), ("keys", 3, {"slices": 8, "heads_first": True}),
+    ("keys", 3, {"state_evict": "evict_last", "heads_first": True})],
     ids=_option_id)
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers in [-12, 0], a 0 in every block, scale_log2 = 1) and small-integer
@@ -328,6 +329,9 @@ def test_the_op_route_hands_the_merge_its_launch(monkeypatch):
     assert len(calls) == len(merges) == 2
 
 
+NEED_KEYS = "merge, l2_prefetch, ahead, slices, seq_major, pdl and state_evict need layout='keys'"
+
+
 def test_bad_arguments_are_named():
     """Checked before any launch (wherever triton imports): the argument, what it must be and
     what it was."""
@@ -338,20 +342,25 @@ def test_bad_arguments_are_named():
         pair_decode(q, kc, vc, table, sl, 1.0, 200)
     with pytest.raises(ValueError, match=r"layout must be one of \['keys', 'rows', 'tile'\], got 'cols'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="cols")
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match=NEED_KEYS):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", merge=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match=NEED_KEYS):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", ahead=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match=NEED_KEYS):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", slices=2)
     with pytest.raises(ValueError, match="slices must be 1, 2, 4 or 8 with head_dim / slices >= 16, got 3"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", slices=3)
     with pytest.raises(ValueError, match="merge=True needs slices=1, got 2"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", merge=True, slices=2)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match=NEED_KEYS):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", seq_major=True)
-    with pytest.raises(ValueError, match="merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'"):
+    with pytest.raises(ValueError, match=NEED_KEYS):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", pdl=True)
+    with pytest.raises(ValueError, match=NEED_KEYS):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="tile", state_evict="evict_last")
+    with pytest.raises(ValueError, match=r"state_evict must be one of \('', 'evict_first', 'evict_last'\), "
+                                         r"got 'evict_normal'"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", state_evict="evict_normal")
     with pytest.raises(ValueError, match="prefetch must be 0, 1, 2, 3 or 4, got 5"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=5)
     with pytest.raises(ValueError, match=r"prefetch=4 \(TMA tiles\) needs contiguous caches with page_size a multiple "
@@ -401,7 +410,8 @@ def _fa4_ready():
     ("keys", 3, (8, 3), False, {"ahead": True}), ("keys", 3, (8, 3), False, {"l2_prefetch": True}),
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
     ("keys", 3, (4, 1, 128), True, {}), ("keys", 3, (8, 3), False, {"slices": 4}),
-    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True})],
+    ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True}),
+    ("keys", 3, (4, 2), True, {"state_evict": "evict_last"})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention

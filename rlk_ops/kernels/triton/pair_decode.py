@@ -255,11 +255,13 @@ def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_log2, M: tl.constexpr,
-            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first=None):
+            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first=None,
+            EVICT: tl.constexpr = ""):
     """Every layout's end of a pair: L = (s0 + s1) + (s2 + s3) from the thread sums, out =
     bf16(O * rcp(L)), lse = fma(m, scale_log2, lg2(L)) * ln 2 (an empty pair: out 0, lse -inf),
     stored for the query heads ``head`` and head-dim columns ``dd`` (row sums L too when SUMS);
-    lse and L only where ``first`` (one of a pair's head-dim slices)."""
+    lse and L only where ``first`` (one of a pair's head-dim slices). EVICT: the L2 eviction
+    policy of the out and lse stores (a cache hint: no value changes)."""
     even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
     s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
     total = s01 + s23
@@ -267,11 +269,11 @@ def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_l
     o = tl.where(empty, 0.0, acc * _approx(total, "rcp", EMU)[:, None])
     l = tl.where(empty, _NEG_INF, tl.math.fma(m, scale_log2, _approx(total, "lg2", EMU)) * _LN2)
     tl.store(out + pair.to(tl.int64) * (HQ * D) + head[:, None] * D + dd[None, :], _bf16(o, EMU),
-             mask=hmask[:, None])
+             mask=hmask[:, None], eviction_policy=EVICT)
     lmask = hmask
     if first is not None:
         lmask = tl.where(first, hmask, False)
-    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=lmask)
+    tl.store(lse + pair.to(tl.int64) * HQ + head, l, mask=lmask, eviction_policy=EVICT)
     if SUMS:
         tl.store(sums + pair.to(tl.int64) * HQ + head, total, mask=lmask)
 
@@ -485,7 +487,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0):
+                      PDL: tl.constexpr = 0, EVICT: tl.constexpr = ""):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -500,12 +502,12 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     as in the whole tile. PDL: the next launch (the merge, launched with programmatic dependent
     launch) may start once every program has started; it waits for this kernel's end and writes
     in-kernel (griddepcontrol.wait), so its programs take the SM slots that free up in the last
-    wave instead of launching after it."""
+    wave instead of launching after it. EVICT: the state stores' L2 eviction policy (``_finish``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
     _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
-               G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS)
+               G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS, EVICT)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
@@ -516,7 +518,7 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
                G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
                NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, L2PF: tl.constexpr, AHEAD: tl.constexpr,
-               DS: tl.constexpr):
+               DS: tl.constexpr, EVICT: tl.constexpr = ""):
     """One pair's walk in the "keys" layout (``_pair_decode_keys``): its state stored."""
     cols = tl.arange(0, M)
     cmask = cols < G
@@ -593,7 +595,7 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
                                           h, col0)
     head = h * G + cols
     _finish(out, lse, sums, pair, head, cmask, dv, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
-            (ds == 0) if DS > 1 else None)
+            (ds == 0) if DS > 1 else None, EVICT)
 
 
 @triton.jit
@@ -691,6 +693,7 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
 MAX_PRELOADED_BLOCKS = 16   # "keys", prefetch 2: a chunk's token rows held in registers up to 16 blocks
 VEC_TILE = 4096             # merge=True: elements of one [GP, DSL, NP] state tile (head_dim in DSL slices)
 MERGE_VEC_MAX = 128         # merge=True: chunks per sequence at most (DSL >= 8 at G = 4)
+STATE_EVICTIONS = ("", "evict_first", "evict_last")   # state_evict: Triton's store eviction policies
 
 LAYOUTS = {"rows": lambda g: (_pair_decode, ROWS),
            "keys": lambda g: (_pair_decode_keys, 8 if g <= 8 else 16),
@@ -767,7 +770,7 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, state_evict: str = ""):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -779,7 +782,10 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``merge``: the merge fused in (``_merge_last_vec``, up to MERGE_VEC_MAX chunks; not routed);
     ``seq_major``: programs in sequence-major order ("keys"; the states' layout is unchanged,
     same bits); ``pdl``: the "keys" kernel lets the next launch start early (its PDL; default:
-    merge.PDL, the switch that launches the merge that way; no effect on the interpreter)."""
+    merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
+    ``state_evict``: the "keys" kernel's L2 eviction policy for its out and lse stores, one of
+    STATE_EVICTIONS ("evict_last": keep the states in L2 for the merge that reads them next
+    while the cache streams past; a hint, same bits; probes, not routed)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -836,10 +842,15 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         if merge and slices > 1:
             raise ValueError(f"pair_decode merge=True needs slices=1, got {slices}")
         extra["DS"] = slices
+        if state_evict not in STATE_EVICTIONS:
+            raise ValueError(f"pair_decode state_evict must be one of {STATE_EVICTIONS}, got {state_evict!r}")
+        if state_evict:  # only then: the routed launch keeps its one compile
+            extra["EVICT"] = state_evict
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major and pdl need layout='keys'")
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or state_evict:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and state_evict need "
+                         "layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
