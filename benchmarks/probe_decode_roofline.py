@@ -14,9 +14,12 @@ probe times, in one interleaved run (_report.graph_times_us) and per case, what 
 * ``pairs_evict_last`` / ``op_evict_last`` (session 19): the routed pair kernel storing its states
   with the L2 policy evict_last (``pair_decode(state_evict=...)``, a hint), alone and with the
   merge, which then may read them from L2 rather than memory after ~1 GB of K/V streamed past;
-  ``op_pdl``: the routed pairs + merge with the merge launched by programmatic dependent launch
-  (``pdl=True``, off past one wave since session 13: mixed there); ``evict_last_equal`` /
-  ``pdl_equal``: their merged out and lse torch.equal to the routed pairs + merge;
+  ``pairs_no_evict`` / ``op_no_evict``: the same without the hint (since session 19 the routed
+  launch stores evict_last up to pair_decode.STATE_EVICT_MAX_BYTES of states, so one of the two
+  pairs is the routed one); ``op_pdl``: the routed pairs + merge with the merge launched by
+  programmatic dependent launch (``pdl=True``, off past one wave since session 13: mixed there);
+  ``evict_last_equal`` / ``no_evict_equal`` / ``pdl_equal``: their merged out and lse torch.equal
+  to the routed pairs + merge;
 * ``pairs_no_math``: the pair kernel with its softmax sums, exponentials and P @ V removed
   (``ablate`` 2 | 4 | 16: wrong bits on purpose) - the same loads, QK^T and launch;
 * ``read_flat``: a Triton kernel that reads every K and V byte of the cache once, contiguously
@@ -131,7 +134,7 @@ def main():
         for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
             c = CHUNK
             n = pd.pair_count(pt.shape[1], page, c)
-            launch = pd.decode_launch(n * bsz * kc.shape[2], q.device)
+            launch = pd.decode_launch(n * bsz * kc.shape[2], q.device, pd.state_bytes(q, n))
             routed = {"layout": "keys", **launch}
             o, lse, plens, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed)
             states = (o.view(n, bsz, 1, sh.hq, sh.d), lse.view(n, bsz, sh.hq, 1))
@@ -151,19 +154,22 @@ def main():
                    "read_flat": lambda: read_flat(kc, vc),
                    "read_paged": lambda: read_paged(kc, vc, pt, sl, c),
                    "read_paged_rows": lambda: read_paged(kc, vc, pt, sl, c, rows=True)}
+
             def op_with(pair_kw, merge_kw=None):
                 o, l, pl, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **pair_kw)
                 return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
                                             state_lens=pl.view(n, bsz), **(merge_kw or {}))
 
             evict = {**routed, "state_evict": "evict_last"}
+            plain = {**routed, "state_evict": ""}
             pdl = ({**routed, "pdl": True}, {"pdl": True})
             ref = op_with(routed)
-            for key, args in (("evict_last", (evict,)), ("pdl", pdl)):
+            for key, args in (("evict_last", (evict,)), ("no_evict", (plain,)), ("pdl", pdl)):
                 got = op_with(*args)
                 row[f"{key}_equal"] = cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1])
-            fns["pairs_evict_last"] = lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **evict)
-            fns["op_evict_last"] = lambda: op_with(evict)
+            for key, kw in (("evict_last", evict), ("no_evict", plain)):
+                fns[f"pairs_{key}"] = lambda kw=kw: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
+                fns[f"op_{key}"] = lambda kw=kw: op_with(kw)
             fns["op_pdl"] = lambda: op_with(*pdl)
             if page % pd.BLOCK_N == 0:
                 tma = {**routed, "prefetch": 4}

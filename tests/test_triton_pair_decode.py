@@ -206,16 +206,36 @@ def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
     from rlk_ops.kernels.triton import pair_decode as pd
 
     cpu = torch.device("cpu")   # 4 "SMs" off CUDA
-    assert pd.decode_launch(2, cpu) == {"config": (8, 3), "heads_first": False, "slices": 2, "pdl": True}
-    assert pd.decode_launch(3, cpu) == {"config": (8, 3), "heads_first": False, "slices": 1, "pdl": True}
+    one_wave = {"config": (8, 3), "heads_first": False, "pdl": True, "state_evict": ""}
+    assert pd.decode_launch(2, cpu) == {**one_wave, "slices": 2}
+    assert pd.decode_launch(3, cpu) == {**one_wave, "slices": 1}
     assert pd.decode_launch(4, cpu)["slices"] == 1
-    assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": False}
+    assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": False,
+                                        "state_evict": ""}
     monkeypatch.setattr(pd, "SLICES_ONE_WAVE", 1)
     assert pd.decode_launch(2, cpu)["slices"] == 1
     monkeypatch.setattr(pd, "PDL_ONE_WAVE", False)
     assert pd.decode_launch(2, cpu)["pdl"] is False and pd.decode_launch(5, cpu)["pdl"] is False
     monkeypatch.setattr(tm, "PDL", True)
     assert pd.decode_launch(2, cpu)["pdl"] is True and pd.decode_launch(5, cpu)["pdl"] is True
+
+
+def test_decode_launch_keeps_small_states_in_l2_past_one_wave(monkeypatch):
+    """STATE_EVICT_MAX_BYTES: past one wave, states of at most that many bytes are stored
+    evict_last; larger ones, unknown sizes (0) and one-wave launches store plainly; 0 turns it
+    off. ``state_bytes`` counts out and lse of every pair."""
+    from rlk_ops.kernels.triton import pair_decode as pd
+
+    cpu = torch.device("cpu")   # 4 "SMs" off CUDA
+    q = torch.zeros((64, 1, 16, 128), dtype=torch.bfloat16)
+    assert pd.state_bytes(q, 11) == 11 * 64 * 16 * (128 * 2 + 4)
+    limit = pd.STATE_EVICT_MAX_BYTES
+    assert pd.decode_launch(5, cpu, limit)["state_evict"] == "evict_last"
+    assert pd.decode_launch(5, cpu, limit + 1)["state_evict"] == ""
+    assert pd.decode_launch(5, cpu)["state_evict"] == ""
+    assert pd.decode_launch(4, cpu, 1)["state_evict"] == ""
+    monkeypatch.setattr(pd, "STATE_EVICT_MAX_BYTES", 0)
+    assert pd.decode_launch(5, cpu, 1)["state_evict"] == ""
 
 
 def test_launch_constants_do_not_depend_on_the_chunk_count(monkeypatch):

@@ -744,9 +744,28 @@ SLICES_ONE_WAVE = 2
 # batch 8 and 64 x 8k noise, 64 x 32k 2-3 us slower), so there it follows merge.PDL (off). False:
 # merge.PDL decides everywhere.
 PDL_ONE_WAVE = True
+# Past one wave, the pair kernel stores its states with the L2 policy evict_last (``state_evict``)
+# when they take at most this many bytes (out and lse of every pair; ``state_bytes``): the merge
+# right after then reads them from L2 instead of memory, though ~1 GB of K/V streamed past them.
+# A hint: same bits (evict_last_equal in every cell). Measured on the H200, C = 768, op = pairs +
+# merge, us, plain -> evict_last, two runs (results/h200/session19/roofline_02547de.json,
+# roofline_02547de_run2.json; states in MB): page 16, 64 x 8k (2.9) 258.75 -> 256.05 and 257.0 ->
+# 253.62 (FA4 single pass 256.79, 254.83), 8 x 32k (1.4) 136.84 -> 135.54, 8 x 8k (0.36) 41.9 ->
+# 42.26; page 128, 64 x 8k 255.83 -> 252.75 and 256.08 -> 253.49, 8 x 32k 135.75 -> 133.74; but
+# 64 x 16k (5.8) 499.52 -> 500.59 and 498.88 -> 500.0, 64 x 32k (11.3) 987.5 -> 992.85 (page 16),
+# 980.31 -> 985.27 (page 128): the fitted streaming rate grows with the states kept (226.4 ->
+# 228.8 us/GB at page 16) while the fixed cost falls (14.8 -> 9.9 us). So up to 4 MiB. Not
+# measured in one wave (there the merge's launch already overlaps by PDL): off. 0 turns it off.
+STATE_EVICT_MAX_BYTES = 4 << 20
 
 
-def decode_launch(programs: int, device: torch.device) -> dict:
+def state_bytes(q: torch.Tensor, n: int) -> int:
+    """Bytes of the states of a decode step's ``n`` chunks per sequence: out and lse per pair."""
+    bsz, _, hq, d = q.shape
+    return n * bsz * hq * (d * q.element_size() + 4)
+
+
+def decode_launch(programs: int, device: torch.device, states: int = 0) -> dict:
     """``pair_decode`` launch arguments for ``programs`` (pair, KV head) programs, as measured on
     the H200 (no bit depends on them). Up to one program per SM, latency decides: 8 warps with
     two K/V blocks in flight (results/h200/pair_decode/configs_run5_split.json: 1 x 8k C=1024
@@ -757,12 +776,17 @@ def decode_launch(programs: int, device: torch.device) -> dict:
     at batch 1 it was no faster). Where even SLICES_ONE_WAVE times the programs fit one per SM,
     the head dim of V and O is split over that many programs (``slices``; see SLICES_ONE_WAVE).
     Up to one wave the merge is also launched by PDL (``pdl``, for the pair kernel and the merge
-    op alike; see PDL_ONE_WAVE); past it, and where PDL_ONE_WAVE is off, merge.PDL decides."""
+    op alike; see PDL_ONE_WAVE); past it, and where PDL_ONE_WAVE is off, merge.PDL decides.
+    Past one wave, states of at most STATE_EVICT_MAX_BYTES (``states``: ``state_bytes``) are
+    stored evict_last (``state_evict``; see STATE_EVICT_MAX_BYTES). A step whose states grow past
+    that bound compiles the kernel once more (the hint is a compile-time constant)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
         slices = SLICES_ONE_WAVE if SLICES_ONE_WAVE > 1 and programs * SLICES_ONE_WAVE <= sms else 1
-        return {"config": (8, 3), "heads_first": False, "slices": slices, "pdl": PDL_ONE_WAVE or merge_mod.PDL}
-    return {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": merge_mod.PDL}
+        return {"config": (8, 3), "heads_first": False, "slices": slices, "pdl": PDL_ONE_WAVE or merge_mod.PDL,
+                "state_evict": ""}
+    evict = "evict_last" if 0 < states <= STATE_EVICT_MAX_BYTES else ""
+    return {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": merge_mod.PDL, "state_evict": evict}
 
 
 
@@ -785,7 +809,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     merge.PDL, the switch that launches the merge that way; no effect on the interpreter);
     ``state_evict``: the "keys" kernel's L2 eviction policy for its out and lse stores, one of
     STATE_EVICTIONS ("evict_last": keep the states in L2 for the merge that reads them next
-    while the cache streams past; a hint, same bits; probes, not routed)."""
+    while the cache streams past; a hint, same bits; decode_launch routes it, see
+    STATE_EVICT_MAX_BYTES)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
