@@ -755,7 +755,9 @@ PDL_ONE_WAVE = True
 # 64 x 16k (5.8) 499.52 -> 500.59 and 498.88 -> 500.0, 64 x 32k (11.3) 987.5 -> 992.85 (page 16),
 # 980.31 -> 985.27 (page 128): the fitted streaming rate grows with the states kept (226.4 ->
 # 228.8 us/GB at page 16) while the fixed cost falls (14.8 -> 9.9 us). So up to 4 MiB. Not
-# measured in one wave (there the merge's launch already overlaps by PDL): off. 0 turns it off.
+# measured in one wave (there the merge's launch already overlaps by PDL): off. The speed table with
+# it routed (results/h200/session19/decode_p16_7bb0117*.md, page 16): 64 x 8k 0.990x / 0.994x FA4
+# single pass (1.000-1.014x without it in sessions 11-19). 0 turns it off.
 STATE_EVICT_MAX_BYTES = 4 << 20
 
 
