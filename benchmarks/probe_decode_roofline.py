@@ -134,7 +134,7 @@ def main():
         for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
             c = CHUNK
             n = pd.pair_count(pt.shape[1], page, c)
-            launch = pd.decode_launch(n * bsz * kc.shape[2], q.device, pd.state_bytes(q, n))
+            launch = pd.step_launch(q, kc, n)
             routed = {"layout": "keys", **launch}
             o, lse, plens, n = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed)
             states = (o.view(n, bsz, 1, sh.hq, sh.d), lse.view(n, bsz, sh.hq, 1))

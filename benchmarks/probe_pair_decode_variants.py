@@ -122,7 +122,7 @@ def main():
         for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
             for c in CHUNKS.get(bsz, (1024,)):
                 n = pd.pair_count(pt.shape[1], page, c)
-                launch = pd.decode_launch(n * bsz * kc.shape[2], q.device, pd.state_bytes(q, n))
+                launch = pd.step_launch(q, kc, n)
                 cfg = launch["config"]
 
                 def pairs(kw, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):

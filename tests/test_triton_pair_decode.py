@@ -234,6 +234,8 @@ def test_decode_launch_keeps_small_states_in_l2_past_one_wave(monkeypatch):
     assert pd.decode_launch(5, cpu, limit + 1)["state_evict"] == ""
     assert pd.decode_launch(5, cpu)["state_evict"] == ""
     assert pd.decode_launch(4, cpu, 1)["state_evict"] == ""
+    assert pd.step_launch(q, torch.zeros((1, 16, 4, 128)), 11) == pd.decode_launch(11 * 64 * 4, cpu,
+                                                                                   pd.state_bytes(q, 11))
     monkeypatch.setattr(pd, "STATE_EVICT_MAX_BYTES", 0)
     assert pd.decode_launch(5, cpu, 1)["state_evict"] == ""
 

@@ -240,7 +240,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
-        launch = triton_pairs.decode_launch(n * bsz * k_cache.shape[2], q.device, triton_pairs.state_bytes(q, n))
+        launch = triton_pairs.step_launch(q, k_cache, n)
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
         # the merge dispatch hands over is the Triton backend's wrapper (kernels/triton/__init__.py), which

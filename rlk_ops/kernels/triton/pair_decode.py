@@ -767,6 +767,12 @@ def state_bytes(q: torch.Tensor, n: int) -> int:
     return n * bsz * hq * (d * q.element_size() + 4)
 
 
+def step_launch(q: torch.Tensor, k_cache: torch.Tensor, n: int) -> dict:
+    """``decode_launch`` for a decode step of ``n`` chunks per sequence: its (pair, KV head)
+    programs and its states' bytes taken from q and the cache."""
+    return decode_launch(n * q.shape[0] * k_cache.shape[2], q.device, state_bytes(q, n))
+
+
 def decode_launch(programs: int, device: torch.device, states: int = 0) -> dict:
     """``pair_decode`` launch arguments for ``programs`` (pair, KV head) programs, as measured on
     the H200 (no bit depends on them). Up to one program per SM, latency decides: 8 warps with
