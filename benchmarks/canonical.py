@@ -949,8 +949,7 @@ def _quartiles(xs: list) -> list:
     """[25th, 50th, 75th] percentile of xs, rounded (statistics.quantiles' exclusive method)."""
     if len(xs) < 2:
         return [round(x, 3) for x in xs * 3][:3]
-    q = statistics.quantiles(xs, n=4)
-    return [round(q[0], 3), round(statistics.median(xs), 3), round(q[2], 3)]
+    return [round(q, 3) for q in statistics.quantiles(xs, n=4)]   # the exclusive method's middle cut is the median
 
 
 def _spread(x: dict) -> str:
