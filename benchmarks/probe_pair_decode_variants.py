@@ -10,11 +10,11 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
-(keys_{warps}x{stages}_r{maxnreg}); (sessions 14-16: each program walking 2, 4 or all chunks of
+(keys_{warps}x{stages}_r{maxnreg}) and other (warps, stages) uncapped (keys_{warps}x{stages}); (sessions 14-16: each program walking 2, 4 or all chunks of
 a sequence, keys_walk*, and keys_walk_fused*, which merged in the same program; slower, removed
 after session 16, code at commit 6b83051);
 "keys" with the head dim of V and O split over 2, 4 or 8 programs per (pair, KV head), each
-scoring the block itself (keys_ds{slices}) (VARIANT_PDL=1 also times every variant's op with
+scoring the block itself (keys_ds{slices}; keys_ds1: none where the launch splits it) (VARIANT_PDL=1 also times every variant's op with
 the merge launched by PDL, *_op_pdl_*); the merge alone
 with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
@@ -63,6 +63,11 @@ for _ds in (2, 4, 8):
 for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
+ALL_VARIANTS["keys_ds1"] = {"layout": "keys", "slices": 1}
+# other (warps, stages) on the routed launch otherwise (session 20: in one wave only (8, 3) had been
+# timed with 2 head-dim slices)
+for _w, _st in ((8, 2), (8, 4), (4, 2), (4, 3)):
+    ALL_VARIANTS[f"keys_{_w}x{_st}"] = {"layout": "keys", "config": (_w, _st)}
 # K/V tiles by TMA (prefetch 4; pages a multiple of 128 only: elsewhere the row records the refusal);
 # uncapped it takes 188 registers at 4 warps (two programs per SM), capped at the routed 168 it spills
 ALL_VARIANTS["keys_tma"] = {"layout": "keys", "prefetch": 4}
