@@ -5,7 +5,7 @@ copies (TTGIR).
 
     python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
                                                   [--prefetch 3] [--split 8] [--merge] [--ahead] [--l2]
-                                                  [--slices 4] [--pdl]
+                                                  [--slices 4] [--pdl] [--ablate BITS]
                                                   [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
     ap.add_argument("--pdl", action="store_true", help="keys: let the next launch start early (PDL)")
+    ap.add_argument("--ablate", type=int, default=0, help="keys: ABL, pieces of the loop removed (wrong bits; "
+                                                           "what each costs offline: pair_decode's ablate)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
     args = ap.parse_args()
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
@@ -109,7 +111,7 @@ def main():
     sig = {**POINTERS, **SCALARS}
     if args.layout == "keys":
         sig.update(FUSED)
-        consts.update(PF=args.prefetch, NBC=args.blocks, ABL=0, SPLIT=args.warps if args.split is None else args.split,
+        consts.update(PF=args.prefetch, NBC=args.blocks, ABL=args.ablate, SPLIT=args.warps if args.split is None else args.split,
                       FUSE=int(args.merge), LIBDEVICE=1, NMAX=args.nmax,
                       SEQ_MAJOR=int(args.seq_major), GP=triton.next_power_of_2(CONSTS["G"]),
                       LOG_NP=max(args.nmax, 1).bit_length() - 1,
