@@ -6,6 +6,28 @@ import json
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int > 0 (the message names the expected and the given value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def _split_kv(text: str) -> str:
+    """argparse type: a split-KV policy string SplitKVPolicy.parse accepts (canonical:C checked here)."""
+    from rlk_ops.meta.contract import SplitKVPolicy
+
+    try:
+        SplitKVPolicy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _demo(args) -> int:
     import rlk_ops
     from rlk_ops.rollout import demo
@@ -86,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train-vs-rollout bitwise check")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--sequences", type=int, default=8)
-    p.add_argument("--split-kv", default="disabled",
+    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--sequences", type=_positive_int, default=8)
+    p.add_argument("--split-kv", type=_split_kv, default="disabled",
                    help="disabled | canonical (= canonical:768) | canonical:C (training and rollout must share "
                         "the policy; fixed:N and auto are rollout-only lanes that no training forward computes)")
-    p.add_argument("--chunk", type=int, default=96, help="prefill chunk size (tokens)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-running", type=int, default=4, help="sequences decoding at once")
+    p.add_argument("--chunk", type=_positive_int, default=96, help="prefill chunk size (tokens)")
+    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--max-running", type=_positive_int, default=4, help="sequences decoding at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--greedy", action="store_true", help="greedy instead of the seeded sampler")
     p.add_argument("--no-backward", action="store_true", help="skip the training backward check")
@@ -113,16 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side", required=True, choices=["train", "rollout"])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=_positive_int, default=2)
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--model-id", default=None, help="checkpoint id (default: sha256 of the weights)")
-    p.add_argument("--split-kv", default="disabled")
+    p.add_argument("--split-kv", type=_split_kv, default="disabled")
     p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--rms-norm-eps", type=float, default=1e-6)
-    p.add_argument("--page-size", type=int, default=16, help="rollout only")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="rollout only")
     p.add_argument("--entries", default="prefill,decode", help="rollout only: prefill, decode or both")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--tp", type=_positive_int, default=1)
+    p.add_argument("--cp", type=_positive_int, default=1)
     p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
     p.set_defaults(func=_describe)
     args = parser.parse_args(argv)

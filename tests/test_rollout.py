@@ -189,3 +189,42 @@ def test_batch_reservation_is_all_or_nothing():
 def test_demo_refuses_policies_training_does_not_compute():
     with pytest.raises(ValueError, match=r"split_kv must be 'disabled' or 'canonical:C'.*got 'fixed:256'"):
         demo.run(split_kv="fixed:256", sequences=2, progress=False)
+
+
+@pytest.mark.parametrize("name", ["layers", "sequences", "chunk", "page_size", "max_running"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_demo_rejects_non_positive_counts_before_any_work(name, value):
+    with pytest.raises(ValueError, match=rf"demo: {name} must be a positive int, got {value}"):
+        demo.run(progress=False, **{name: value})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--page-size", "0"], "argument --page-size: expected a positive int, got 0"),
+    (["--sequences", "x"], "argument --sequences: expected a positive int, got 'x'"),
+    (["--layers", "-1"], "argument --layers: expected a positive int, got -1"),
+    (["--split-kv", "canonical:100"], "argument --split-kv: split_kv canonical:C needs C a positive multiple "
+                                      "of 128, got 100"),
+    (["--split-kv", "bogus"], "argument --split-kv: split_kv must be 'disabled'"),
+])
+def test_demo_cli_bad_options_are_usage_errors(args, message, capsys):
+    from rlk_ops.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--quiet", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_model_configs_reject_non_positive_sizes():
+    from rlk_ops.compile.block import Qwen3AttentionConfig
+    from rlk_ops.meta import probe
+
+    with pytest.raises(ValueError, match="TinyQwen3Config num_layers must be a positive int, got 0"):
+        TinyQwen3Config(num_layers=0)
+    with pytest.raises(ValueError, match="Qwen3AttentionConfig num_kv_heads must be a positive int, got 0"):
+        TinyQwen3Config(num_kv_heads=0)
+    with pytest.raises(ValueError, match="Qwen3AttentionConfig head_dim must be a positive int, got -8"):
+        Qwen3AttentionConfig(head_dim=-8)
+    with pytest.raises(ValueError, match="describe_rollout page_size must be a positive int, got 0"):
+        probe.describe_rollout(_tiny(), page_size=0)

@@ -39,6 +39,10 @@ class Qwen3AttentionConfig:
     split_kv: str = "disabled"
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Qwen3AttentionConfig {name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

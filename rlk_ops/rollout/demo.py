@@ -139,6 +139,10 @@ def _backward_check(model, results, device) -> dict:
 def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
         page_size: int = 16, max_running: int = 4, seed: int = 0, greedy: bool = False, backward: bool = True,
         negative_control: bool = True, progress: bool = True) -> dict:
+    for name, value in (("layers", layers), ("sequences", sequences), ("chunk", chunk), ("page_size", page_size),
+                        ("max_running", max_running)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"demo: {name} must be a positive int, got {value!r}")
     policy = SplitKVPolicy.parse(split_kv)
     if not policy.strict and rlk_ops.strict_mode():
         raise rlk_ops.StrictModeError(f"split_kv {split_kv!r} is not batch-invariant; strict mode (the default) "

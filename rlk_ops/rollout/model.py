@@ -39,6 +39,13 @@ class TinyQwen3Config:
     rms_norm_eps: float = 1e-6
     split_kv: str = "disabled"
 
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TinyQwen3Config {name} must be a positive int, got {value!r}")
+        self.attention()  # the attention block's own checks, at construction
+
     def attention(self) -> Qwen3AttentionConfig:
         return Qwen3AttentionConfig(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.rope_theta, self.rms_norm_eps, split_kv=self.split_kv)
