@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import rlk_ops
+from rlk_ops.ops._validate import positive_ints
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,8 @@ class Qwen3AttentionConfig:
     split_kv: str = "disabled"
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Qwen3AttentionConfig {name} must be a positive int, got {value!r}")
+        positive_ints("Qwen3AttentionConfig", hidden_size=self.hidden_size, num_heads=self.num_heads,
+                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 

@@ -253,11 +253,10 @@ def describe_rollout(model, *, page_size: int = 16, prompt: int = 5, batch: int 
     still reserves the prompt's slots (their cache rows stay zero: valid keys).
     ``forward(model, ...)``: another rollout forward with that signature (e.g. the plain
     PyTorch negative control, rollout/plain.py)."""
+    from rlk_ops.ops._validate import positive_ints
     from rlk_ops.rollout.cache import PagedKVCache
 
-    for name, value in (("page_size", page_size), ("prompt", prompt), ("batch", batch)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"describe_rollout {name} must be a positive int, got {value!r}")
+    positive_ints("describe_rollout", page_size=page_size, prompt=prompt, batch=batch)
     fn = model.forward_rollout if forward is None else functools.partial(forward, model)
     cfg = model.config
     device = next(model.parameters()).device

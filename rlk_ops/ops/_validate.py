@@ -45,6 +45,14 @@ def value_checks(enabled: bool = True) -> Iterator[None]:
         VALUE_CHECKS = old
 
 
+def positive_ints(owner: str, **values) -> None:
+    """Sizes and counts outside the ops (configs, the demo's options): each an int > 0, or a
+    ValueError "``owner`` ``name`` must be a positive int, got ``value``"."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner} {name} must be a positive int, got {value!r}")
+
+
 def fail(op: str, msg: str) -> None:
     raise RlkInputError(f"rlk::{op}: {msg}")
 

@@ -25,6 +25,7 @@ import rlk_ops
 from rlk_ops.meta import binding, provenance
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.drift import drift_stats
+from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
 from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, token_logprobs
 from rlk_ops.rollout.plain import plain_forward_rollout, plain_log_softmax
@@ -139,10 +140,8 @@ def _backward_check(model, results, device) -> dict:
 def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
         page_size: int = 16, max_running: int = 4, seed: int = 0, greedy: bool = False, backward: bool = True,
         negative_control: bool = True, progress: bool = True) -> dict:
-    for name, value in (("layers", layers), ("sequences", sequences), ("chunk", chunk), ("page_size", page_size),
-                        ("max_running", max_running)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"demo: {name} must be a positive int, got {value!r}")
+    positive_ints("demo:", layers=layers, sequences=sequences, chunk=chunk, page_size=page_size,
+                  max_running=max_running)
     policy = SplitKVPolicy.parse(split_kv)
     if not policy.strict and rlk_ops.strict_mode():
         raise rlk_ops.StrictModeError(f"split_kv {split_kv!r} is not batch-invariant; strict mode (the default) "

@@ -24,6 +24,7 @@ from torch import nn
 import rlk_ops
 from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.kernels.cpu import numerics as nx
+from rlk_ops.ops._validate import positive_ints
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,8 @@ class TinyQwen3Config:
     split_kv: str = "disabled"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TinyQwen3Config {name} must be a positive int, got {value!r}")
+        positive_ints("TinyQwen3Config", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                      intermediate_size=self.intermediate_size, num_layers=self.num_layers)
         self.attention()  # the attention block's own checks, at construction
 
     def attention(self) -> Qwen3AttentionConfig:
