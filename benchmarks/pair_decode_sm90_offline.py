@@ -5,7 +5,7 @@ copies (TTGIR).
 
     python benchmarks/pair_decode_sm90_offline.py [--layout keys] [--warps 8] [--stages 3]
                                                   [--prefetch 3] [--split 8] [--merge] [--ahead] [--l2]
-                                                  [--slices 4] [--pdl] [--ablate BITS]
+                                                  [--slices 4] [--pdl] [--early] [--ablate BITS]
                                                   [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 makes other choices, e.g. wgmma for the
@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (Triton's maxnreg)")
     ap.add_argument("--slices", type=int, default=1, help="keys: head-dim slices of V and O (DS)")
     ap.add_argument("--pdl", action="store_true", help="keys: let the next launch start early (PDL)")
+    ap.add_argument("--early", action="store_true", help="keys: page-table loads not waiting for seq_lens (EARLY)")
     ap.add_argument("--ablate", type=int, default=0, help="keys: ABL, pieces of the loop removed (wrong bits; "
                                                            "what each costs offline: pair_decode's ablate)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
@@ -120,7 +121,7 @@ def main():
         consts.update(OFF32=int(not args.off64), HEADS_FIRST=int(args.heads_first), PAGE=args.page)
     elif args.layout == "keys":
         consts.update(HEADS_FIRST=int(args.heads_first), AHEAD=int(args.ahead), L2PF=int(args.l2), DS=args.slices,
-                      PDL=int(args.pdl))
+                      PDL=int(args.pdl), EVICT="", EARLY=int(args.early))
     if args.layout == "keys" and args.prefetch == 4:   # K/V tiles by TMA: host-side tensor descriptors
         sig.update(kc=f"tensordesc<bf16[{pd.BLOCK_N},1,{CONSTS['D']}]>",
                    vc=f"tensordesc<bf16[{pd.BLOCK_N},1,{CONSTS['D'] // args.slices}]>")

@@ -10,7 +10,8 @@ Variants: "keys" with one pair's KV heads on adjacent programs (heads_first) and
 with and without heads_first, at 2 stages; "keys" with every K/V line of the pair prefetched
 into L2 up front (keys_l2), with the next block's scores issued before this block's softmax
 (keys_ahead), and both; "keys" under a register cap, so that four programs fit an SM
-(keys_{warps}x{stages}_r{maxnreg}) and other (warps, stages) uncapped (keys_{warps}x{stages}); (sessions 14-16: each program walking 2, 4 or all chunks of
+(keys_{warps}x{stages}_r{maxnreg}) and other (warps, stages) uncapped (keys_{warps}x{stages});
+"keys" with the page-table loads issued without waiting for the sequence length (keys_early); (sessions 14-16: each program walking 2, 4 or all chunks of
 a sequence, keys_walk*, and keys_walk_fused*, which merged in the same program; slower, removed
 after session 16, code at commit 6b83051);
 "keys" with the head dim of V and O split over 2, 4 or 8 programs per (pair, KV head), each
@@ -64,6 +65,8 @@ for _w, _st, _r in ((4, 1, 128), (8, 1, 64)):
     ALL_VARIANTS[f"keys_{_w}x{_st}_r{_r}"] = {"layout": "keys", "config": (_w, _st, _r)}
 ALL_VARIANTS["keys_seq"] = {"layout": "keys", "seq_major": True}
 ALL_VARIANTS["keys_ds1"] = {"layout": "keys", "slices": 1}
+# the page-table loads not waiting for seq_lens (pair_decode early_table; session 20, not yet timed)
+ALL_VARIANTS["keys_early"] = {"layout": "keys", "early_table": True}
 # other (warps, stages) on the routed launch otherwise (session 20: in one wave only (8, 3) had been
 # timed with 2 head-dim slices)
 for _w, _st in ((8, 2), (8, 4), (4, 2), (4, 3)):

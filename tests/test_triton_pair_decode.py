@@ -89,7 +89,8 @@ def _transcribed(q, k, v, n_keys, scale):
     ("rows", None, {}), ("keys", 0, {}), ("keys", 1, {}), ("keys", 2, {}), ("keys", 3, {}), ("tile", None, {}),
     ("keys", 0, {"ahead": True}), ("keys", 3, {"ahead": True}), ("keys", 3, {"ahead": True, "l2_prefetch": True}),
     ("keys", 3, {"slices": 4}), ("keys", 0, {"slices": 2, "ahead": True}), ("keys", 3, {"slices": 8, "heads_first": True}),
-    ("keys", 3, {"state_evict": "evict_last", "heads_first": True})],
+    ("keys", 3, {"state_evict": "evict_last", "heads_first": True}), ("keys", 3, {"early_table": True}),
+    ("keys", 2, {"early_table": True, "slices": 2, "heads_first": True})],
     ids=_option_id)
 def test_interpreter_matches_the_transcribed_steps(ps, chunk, lens, layout, prefetch, extra):
     """Exact scores (integers in [-12, 0], a 0 in every block, scale_log2 = 1) and small-integer
@@ -351,7 +352,7 @@ def test_the_op_route_hands_the_merge_its_launch(monkeypatch):
     assert len(calls) == len(merges) == 2
 
 
-NEED_KEYS = "merge, l2_prefetch, ahead, slices, seq_major, pdl and state_evict need layout='keys'"
+NEED_KEYS = "merge, l2_prefetch, ahead, slices, seq_major, pdl, state_evict and early_table need layout='keys'"
 
 
 def test_bad_arguments_are_named():
@@ -383,6 +384,10 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"state_evict must be one of \('', 'evict_first', 'evict_last'\), "
                                          r"got 'evict_normal'"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", state_evict="evict_normal")
+    with pytest.raises(ValueError, match=NEED_KEYS):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="rows", early_table=True)
+    with pytest.raises(ValueError, match="early_table=True needs prefetch 2 or 3, got 0"):
+        pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=0, early_table=True)
     with pytest.raises(ValueError, match="prefetch must be 0, 1, 2, 3 or 4, got 5"):
         pair_decode(q, kc, vc, table, sl, 1.0, 128, layout="keys", prefetch=5)
     with pytest.raises(ValueError, match=r"prefetch=4 \(TMA tiles\) needs contiguous caches with page_size a multiple "
@@ -433,7 +438,9 @@ def _fa4_ready():
     ("keys", 3, (4, 2), True, {"ahead": True, "l2_prefetch": True}), ("keys", 0, (4, 2), False, {"ahead": True}),
     ("keys", 3, (4, 1, 128), True, {}), ("keys", 3, (8, 3), False, {"slices": 4}),
     ("keys", 3, (4, 2), True, {"slices": 2}), ("keys", 0, (8, 3), False, {"slices": 8, "ahead": True}),
-    ("keys", 3, (4, 2), True, {"state_evict": "evict_last"})],
+    ("keys", 3, (4, 2), True, {"state_evict": "evict_last"}), ("keys", 3, (8, 3), False, {"early_table": True,
+                                                                                       "slices": 2}),
+    ("keys", 3, (4, 2), True, {"early_table": True})],
     ids=_option_id)
 def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch, config, heads_first, extra):
     from rlk_ops.kernels.fa4.kernels import pair_attention

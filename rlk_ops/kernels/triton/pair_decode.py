@@ -215,14 +215,15 @@ def _thread_sums(prev, r, p, M: tl.constexpr, INIT_FMA: tl.constexpr):
 
 @triton.jit
 def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: tl.constexpr = 0,
-          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1):
+          DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0, n_chunks=1, STORE_LENS: tl.constexpr = 1):
     """This program's (chunk, sequence) pair, KV head and head-dim slice (of DS), the pair's key
     count (written once). HEADS_FIRST: a 1-D grid whose consecutive programs are one pair's KV
     heads (and their slices; they read the same cache rows at about the same time) instead of
     a (pair, head, slice) grid. SEQ_MAJOR: programs in sequence-major order (a sequence's
     chunks on consecutive pair slots, so its states are done early and, with the fused merge,
     merged while later sequences stream) instead of chunk-major; the pair index (where the
-    state is stored) stays chunk-major, c * bsz + b."""
+    state is stored) stays chunk-major, c * bsz + b. STORE_LENS off: the caller stores the
+    key count (``_store_lens``) later, so no store waits here for the seq_lens load."""
     if HEADS_FIRST:
         pid = tl.program_id(0)
         ds = pid % DS
@@ -241,9 +242,16 @@ def _pair(seq_lens, pair_lens, bsz, chunk, HKV: tl.constexpr = 1, HEADS_FIRST: t
         c = pair // bsz
         b = pair % bsz
     n_keys = tl.minimum(tl.maximum(tl.load(seq_lens + b) - c * chunk, 0), chunk)
-    if (h == 0) & (ds == 0):                                             # written once
-        tl.store(pair_lens + pair, n_keys)
+    if STORE_LENS:
+        _store_lens(pair_lens, pair, h, ds, n_keys)
     return pair, h, c, b, n_keys, ds
+
+
+@triton.jit
+def _store_lens(pair_lens, pair, h, ds, n_keys):
+    """The pair's key count, written once (by its first KV head's first head-dim slice)."""
+    if (h == 0) & (ds == 0):
+        tl.store(pair_lens + pair, n_keys)
 
 
 @triton.jit
@@ -487,7 +495,7 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
                       NMAX: tl.constexpr = 0, HEADS_FIRST: tl.constexpr = 0, L2PF: tl.constexpr = 0,
                       AHEAD: tl.constexpr = 0, DS: tl.constexpr = 1, SEQ_MAJOR: tl.constexpr = 0,
                       GP: tl.constexpr = 4, LOG_NP: tl.constexpr = 0, DSL: tl.constexpr = 128,
-                      PDL: tl.constexpr = 0, EVICT: tl.constexpr = ""):
+                      PDL: tl.constexpr = 0, EVICT: tl.constexpr = "", EARLY: tl.constexpr = 0):
     """``_pair_decode`` with the scores transposed: keys on the MMA's M axis, the G query heads
     (padded to M = 8 or 16) on its N axis, S^T = K @ Q^T; then P^T is turned back and
     O = P @ V as usual (V the natural B operand, so it is copied to shared memory
@@ -502,12 +510,20 @@ def _pair_decode_keys(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
     as in the whole tile. PDL: the next launch (the merge, launched with programmatic dependent
     launch) may start once every program has started; it waits for this kernel's end and writes
     in-kernel (griddepcontrol.wait), so its programs take the SM slots that free up in the last
-    wave instead of launching after it. EVICT: the state stores' L2 eviction policy (``_finish``)."""
+    wave instead of launching after it. EVICT: the state stores' L2 eviction policy (``_finish``).
+    EARLY (prefetch 2 and 3): the chunk's page-table entries are loaded without waiting for the
+    sequence length (bounded by the table's width; entries past the pair then zeroed, the same
+    values as the masked load) and the pair's key count is stored at the end, so the seq_lens
+    and page-table loads are in flight together instead of one after the other (a program's
+    start at batch 1 is a chain of dependent loads: seq_lens, page table, the first K/V block)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks)
+    pair, h, c, b, n_keys, ds = _pair(seq_lens, pair_lens, bsz, chunk, HKV, HEADS_FIRST, DS, SEQ_MAJOR, n_chunks,
+                                      STORE_LENS=not EARLY)
     _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page, pair, h, c, b, n_keys, ds,
-               G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS, EVICT)
+               G, HQ, HKV, D, M, BN, EMU, SUMS, INIT_FMA, PF, NBC, ABL, SPLIT, L2PF, AHEAD, DS, EVICT, EARLY)
+    if EARLY:
+        _store_lens(pair_lens, pair, h, ds, n_keys)
     if FUSE:  # the last program of (sequence, KV head) to finish merges its chunks' states
         _merge_last_vec(out, lse, counts + b * HKV + h, merged_out, merged_lse, log_c, b, h, bsz, n_chunks, G, GP,
                         HQ, D, LIBDEVICE, NMAX, LOG_NP, DSL)
@@ -518,7 +534,7 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
                G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
                NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, L2PF: tl.constexpr, AHEAD: tl.constexpr,
-               DS: tl.constexpr, EVICT: tl.constexpr = ""):
+               DS: tl.constexpr, EVICT: tl.constexpr = "", EARLY: tl.constexpr = 0):
     """One pair's walk in the "keys" layout (``_pair_decode_keys``): its state stored."""
     cols = tl.arange(0, M)
     cmask = cols < G
@@ -543,7 +559,11 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
         tok_all = tl.load(row + starts // page, mask=blk * BN < n_keys, other=0) * page + starts % page
     if (PF == 2) | (PF == 3):  # every block's token rows up front (NBC = chunk / BN blocks): no load feeds an address
         at = blk[:, None] * BN + kk[None, :]
-        pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
+        if EARLY:  # not waiting for n_keys: every entry of the chunk in the table, then those past the pair 0
+            entry = (c * chunk + at) // page
+            pg_all = tl.where(at < n_keys, tl.load(row + entry, mask=(at < chunk) & (entry < width), other=0), 0)
+        else:
+            pg_all = tl.load(row + (c * chunk + at) // page, mask=at < n_keys, other=0)
         tok_all = pg_all * page + (c * chunk + at) % page                # [NBC, BN] cache rows (int32)
         if L2PF:  # both 128-byte lines of every K and V row (keys past the pair: page 0's rows)
             lines = (tok_all * (HKV * D) + h * D)[:, :, None] + (tl.arange(0, 2) * (D // 2))[None, None, :]
@@ -802,7 +822,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                 sums: bool = False, init_fma: bool = True, config: tuple[int, int] | None = None,
                 layout: str = "rows", prefetch: int | None = None, ablate: int = 0, split: int | None = None,
                 merge: bool = False, heads_first: bool = False, l2_prefetch: bool = False, ahead: bool = False,
-                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, state_evict: str = ""):
+                slices: int = 1, seq_major: bool = False, pdl: bool | None = None, state_evict: str = "",
+                early_table: bool = False):
     """``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N[, row sums])`` of every
     (chunk, sequence) pair of a decode step; ``chunk_size % page_size == 0``. ``sums``: also
     the final row sums L (tests); ``init_fma=False``: the unfused rescale (probes only);
@@ -818,7 +839,8 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``state_evict``: the "keys" kernel's L2 eviction policy for its out and lse stores, one of
     STATE_EVICTIONS ("evict_last": keep the states in L2 for the merge that reads them next
     while the cache streams past; a hint, same bits; decode_launch routes it, see
-    STATE_EVICT_MAX_BYTES)."""
+    STATE_EVICT_MAX_BYTES); ``early_table``: the "keys" kernel's EARLY, prefetch 2 or 3 (the
+    page-table loads not waiting for seq_lens; same bits; not routed, not yet timed)."""
     bsz, _, hq, d = q.shape
     page = k_cache.shape[1]
     hkv = k_cache.shape[2]
@@ -879,11 +901,15 @@ def pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
             raise ValueError(f"pair_decode state_evict must be one of {STATE_EVICTIONS}, got {state_evict!r}")
         if state_evict:  # only then: the routed launch keeps its one compile
             extra["EVICT"] = state_evict
+        if early_table and prefetch not in (2, 3):
+            raise ValueError(f"pair_decode early_table=True needs prefetch 2 or 3, got {prefetch}")
+        if early_table:
+            extra["EARLY"] = 1
         if merge_mod._pdl(pdl):  # PDL launches only (never on the interpreter): else one compile either way
             extra["PDL"] = 1
-    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or state_evict:
-        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl and state_evict need "
-                         "layout='keys'")
+    elif pdl or merge or l2_prefetch or ahead or slices != 1 or seq_major or state_evict or early_table:
+        raise ValueError("pair_decode merge, l2_prefetch, ahead, slices, seq_major, pdl, state_evict and early_table "
+                         "need layout='keys'")
     if heads_first and layout == "rows":
         raise ValueError("pair_decode heads_first=True needs layout 'keys' or 'tile'")
     if layout == "tile" and not init_fma:
