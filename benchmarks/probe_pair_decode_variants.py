@@ -17,7 +17,8 @@ after session 16, code at commit 6b83051);
 "keys" with the head dim of V and O split over 2, 4 or 8 programs per (pair, KV head), each
 scoring the block itself (keys_ds{slices}; keys_ds1: none where the launch splits it) (VARIANT_PDL=1 also times every variant's op with
 the merge launched by PDL, *_op_pdl_*); the merge alone
-with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*).
+with and without eager state loads (merge.EAGER_LOADS) and on _merge_vec (merge_vec*; merge_vec_eager and
+routed_op_vec_eager: its first group loaded before the max, session 20).
 variants_run3_split.json and variants_run4_phased.json timed two layouts since removed,
 "split" and "phased", session12/variants_persist.json persistent programs (keys_persist*) and
 session 13 the early merge (EARLY=1), both removed after (pair_decode's docstring).
@@ -104,7 +105,18 @@ def merge_row(tm, states, lens, cfg, b):
             "merge_vec_equal": cb.beq(vec[0], ref[0]) and cb.beq(vec[1], ref[1]),
             "merge_vec_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens, config=vcfg,
                                                                           vec=VEC_WIDTH)), 2),
-            **{k: v for split in (1, 2) for k, v in vec_blocking(tm, states, lens, ref, (1, split, *vcfg[2:]), b).items()}}
+            **{k: v for split in (1, 2) for k, v in vec_blocking(tm, states, lens, ref, (1, split, *vcfg[2:]), b).items()},
+            **vec_eager(tm, states, lens, ref, vcfg, b)}
+
+
+def vec_eager(tm, states, lens, ref, vcfg, b):
+    """_merge_vec with its first group's loads before the max (config eager; session 20, not
+    yet timed): one round trip after the wait instead of two."""
+    cfg = (*vcfg, True)
+    got = tm.merge_attn_states(*states, state_lens=lens, config=cfg, vec=VEC_WIDTH)
+    return {"merge_vec_eager_equal": cb.beq(got[0], ref[0]) and cb.beq(got[1], ref[1]),
+            "merge_vec_eager_us": round(b.graph_us(lambda: tm.merge_attn_states(*states, state_lens=lens, config=cfg,
+                                                                                vec=VEC_WIDTH)), 2)}
 
 
 def vec_blocking(tm, states, lens, ref, cfg, b):
@@ -136,9 +148,9 @@ def main():
                 def pairs(kw, q=q, kc=kc, vc=vc, pt=pt, sl=sl, c=c):
                     return pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **kw)
 
-                def merged(kw, bsz=bsz, vec=None):
+                def merged(kw, bsz=bsz, vec=None, eager=False):
                     o, l, pl, n = pairs(kw)
-                    vkw = {} if vec is None else {"vec": vec, "config": tm.vec_config(n, sh.d)}
+                    vkw = {} if vec is None else {"vec": vec, "config": (*tm.vec_config(n, sh.d), eager)}
                     return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), l.view(n, bsz, sh.hq, 1),
                                                 state_lens=pl.view(n, bsz), pdl=kw.get("pdl"), **vkw)
 
@@ -156,6 +168,10 @@ def main():
                 op_vec = merged(routed, vec=VEC_WIDTH)
                 row["routed_op_vec_equal"] = cb.beq(op_vec[0], ref_op[0]) and cb.beq(op_vec[1], ref_op[1])
                 row["routed_op_vec_us"] = round(b.graph_us(lambda: merged(routed, vec=VEC_WIDTH)), 2)
+                # the routed op with the merge's first group loaded before its max (merge_vec EAGER)
+                op_eager = merged(routed, vec=VEC_WIDTH, eager=True)
+                row["routed_op_vec_eager_equal"] = cb.beq(op_eager[0], ref_op[0]) and cb.beq(op_eager[1], ref_op[1])
+                row["routed_op_vec_eager_us"] = round(b.graph_us(lambda: merged(routed, vec=VEC_WIDTH, eager=True)), 2)
                 on = {**routed, "pdl": True}   # the merge by PDL, the pair kernel letting it start early
                 try:
                     got = merged(on)

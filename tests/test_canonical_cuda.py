@@ -453,14 +453,16 @@ def test_merge_skip_needs_the_2d_max_and_an_unrolled_walk():
     (1, 1, 32, False, BF16), (2, 2, 8, False, BF16),
     (1, 4, 4, True, torch.float32), (4, 1, 1, False, BF16)])
 @pytest.mark.parametrize("n", [5, 37])
-def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n):
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_merge_vec_changes_no_bit(block, split, vec, two_d_max, dtype, n, eager):
     """_merge_vec (states side by side in groups of vec, the last group partly past N; skipped
     states' NaN rows loaded and never selected; a row with no state): the CPU reference's
-    bits, with and without the 2D max, and with pair lengths in place of -inf lse."""
+    bits, with and without the 2D max, with the first group's loads before the max or not
+    (EAGER), and with pair lengths in place of -inf lse."""
     from rlk_ops.kernels.triton import merge as triton_merge
 
     out_parts, lse_parts = _with_empty(*_states(n, 37, 3, 128, dtype, seed=13))
-    config = (block, split, 0, triton_merge.C.pow2(n) if two_d_max else 0)
+    config = (block, split, 0, triton_merge.C.pow2(n) if two_d_max else 0, eager)
     got = triton_merge.merge_attn_states(out_parts, lse_parts, config=config, vec=vec)
     ref = _cpu_merge(out_parts, lse_parts)
     assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])

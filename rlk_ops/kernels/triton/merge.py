@@ -274,17 +274,50 @@ def _pick(x, k: tl.constexpr, B: tl.constexpr, BD: tl.constexpr, LOG_NP: tl.cons
 
 
 @triton.jit
+def _vec_loads(o_ptr, l_ptr, lens_ptr, g, N, R, r, off, lead, n_lead, rmask, d, dmask, ks, D: tl.constexpr,
+               NP: tl.constexpr, HAS_LENS: tl.constexpr):
+    """Group g's states (NP of them from state g * NP): their lse [BLOCK, NP] and out rows
+    [BLOCK, BLOCK_D, NP] (fp32); states past N: lse -inf, out 0."""
+    st = g * NP + ks
+    live = rmask[:, None] & (st < N)[None, :]                           # past N: lse -inf, skipped
+    lse = _state_lse(l_ptr, lens_ptr, st[None, :], R, off[:, None], lead[:, None], n_lead, live, HAS_LENS, "")
+    o = tl.load(o_ptr + ((st[None, None, :] * R + r[:, None, None]) * D + d[None, :, None]),
+                mask=live[:, None, :] & dmask[None, :, None], other=0.0).to(tl.float32)
+    return lse, o
+
+
+@triton.jit
+def _vec_group(lse, o, m_safe, total, acc, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, NP: tl.constexpr,
+               LOG_NP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One group's steps: the weights w = exp(lse - M) side by side, the products w * out in one
+    tile op, then the two sums walking the group's states in ascending order."""
+    w = _exp(lse - m_safe[:, None], LIBDEVICE)        # [BLOCK, NP], a state per lane
+    present = tl.where(lse != _NEG_INF, 1, 0)
+    w3 = tl.broadcast_to(w[:, None, :], [BLOCK, BLOCK_D, NP])
+    p3 = tl.broadcast_to(present[:, None, :], [BLOCK, BLOCK_D, NP])
+    wo = w3 * o
+    for k in tl.static_range(NP):
+        pk = _pick(p3, k, BLOCK, BLOCK_D, LOG_NP) != 0
+        total = tl.where(pk, total + _pick(w3, k, BLOCK, BLOCK_D, LOG_NP), total)
+        acc = tl.where(pk, acc + _pick(wo, k, BLOCK, BLOCK_D, LOG_NP), acc)
+    return total, acc
+
+
+@triton.jit
 def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_lead,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
                LIBDEVICE: tl.constexpr, NP: tl.constexpr, LOG_NP: tl.constexpr, MAX2D: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, EAGER: tl.constexpr = 0):
     """``_merge_fwd``'s formula with the per-state scalar work side by side: NP states at a time,
     their lse loaded in one [BLOCK, NP] load, their weights w = exp(lse - M) computed as one
     [BLOCK, NP] tensor and their out rows in one [BLOCK, BLOCK_D, NP] load; the products
     w * out are formed for all NP at once (one IEEE multiply each, as in the reference) and
     only the two sums walk the states in ascending order, L + w and acc + w * out, each a
     where() on the state being present. L is carried per (row, column) (the same value in
-    every column) so that no step reduces across threads."""
+    every column) so that no step reduces across threads. EAGER: the first group's lse and out
+    rows are loaded before the max over the states (they do not depend on it), so after the
+    wait for the kernel before (PDL) one round trip to memory precedes the sums instead of two
+    (the lse for the max, then the group's loads); the same steps in the same order."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < R
     h = r % H
@@ -293,35 +326,31 @@ def _merge_vec(o_ptr, l_ptr, lens_ptr, c_ptr, out_ptr, lse_ptr, N, R, S, H, n_le
     off = lead * (H * S) + h * S + s
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
+    ks = tl.arange(0, NP)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if EAGER:
+        lse0, o0 = _vec_loads(o_ptr, l_ptr, lens_ptr, 0, N, R, r, off, lead, n_lead, rmask, d, dmask, ks, D, NP,
+                              HAS_LENS)
     m = _states_max(l_ptr, lens_ptr, N, R, off, lead, n_lead, rmask, BLOCK, HAS_LENS, MAX2D)
     m_safe = tl.where(m == _NEG_INF, 0.0, m)
-    ks = tl.arange(0, NP)
     total = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    for g in range(0, tl.cdiv(N, NP)):
-        st = g * NP + ks                                                    # this group's states
-        live = rmask[:, None] & (st < N)[None, :]                           # past N: lse -inf, skipped
-        lse = _state_lse(l_ptr, lens_ptr, st[None, :], R, off[:, None], lead[:, None], n_lead, live, HAS_LENS, "")
-        w = _exp(lse - m_safe[:, None], LIBDEVICE)        # [BLOCK, NP], a state per lane
-        present = tl.where(lse != _NEG_INF, 1, 0)
-        o = tl.load(o_ptr + ((st[None, None, :] * R + r[:, None, None]) * D + d[None, :, None]),
-                    mask=live[:, None, :] & dmask[None, :, None], other=0.0).to(tl.float32)
-        w3 = tl.broadcast_to(w[:, None, :], [BLOCK, BLOCK_D, NP])
-        p3 = tl.broadcast_to(present[:, None, :], [BLOCK, BLOCK_D, NP])
-        wo = w3 * o
-        for k in tl.static_range(NP):
-            pk = _pick(p3, k, BLOCK, BLOCK_D, LOG_NP) != 0
-            total = tl.where(pk, total + _pick(w3, k, BLOCK, BLOCK_D, LOG_NP), total)
-            acc = tl.where(pk, acc + _pick(wo, k, BLOCK, BLOCK_D, LOG_NP), acc)
+    first = 0
+    if EAGER:
+        total, acc = _vec_group(lse0, o0, m_safe, total, acc, BLOCK, BLOCK_D, NP, LOG_NP, LIBDEVICE)
+        first = 1
+    for g in range(first, tl.cdiv(N, NP)):
+        lse, o = _vec_loads(o_ptr, l_ptr, lens_ptr, g, N, R, r, off, lead, n_lead, rmask, d, dmask, ks, D, NP,
+                            HAS_LENS)
+        total, acc = _vec_group(lse, o, m_safe, total, acc, BLOCK, BLOCK_D, NP, LOG_NP, LIBDEVICE)
     res = tl.math.div_rn(acc, total)
     res = tl.where(total == 0.0, 0.0, res)
     m2 = rmask[:, None] & dmask[None, :]
     tl.store(out_ptr + r[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty), mask=m2)
     row_total = tl.max(total, axis=1)                                    # every column holds the row's L
-    first = (r * 0 + tl.program_id(1)) == 0
-    tl.store(lse_ptr + off, m + _log(row_total, c_ptr), mask=rmask & first)
+    first_slice = (r * 0 + tl.program_id(1)) == 0
+    tl.store(lse_ptr + off, m + _log(row_total, c_ptr), mask=rmask & first_slice)
 
 
 @triton.jit
@@ -426,7 +455,11 @@ PDL = False
 # Eager state loads: each state's out rows are loaded without waiting for its lse (a skipped
 # state's rows are read, in bounds, and never selected: same bits). Off: measured on the H200
 # (pair_decode/variants_run2.json, canonical:1024 decode merges) 8 x 32k 9.6 -> 7.2 us but
-# 1 x 32k 4.4 -> 5.5, elsewhere no change.
+# 1 x 32k 4.4 -> 5.5, elsewhere no change (those numbers are the walk kernel's). In _merge_vec
+# (session 20, not yet timed) eager means the first group's lse and out rows loaded before the
+# max over the states: offline sm90 (Triton 3.6, a batch-1 decode merge, 1 row, 32 columns, 32
+# states) every load of the first group then issues right after the PDL wait, where without it
+# the out rows wait for the max's lse (two round trips to memory after the pair kernel, not one).
 EAGER_LOADS = False
 
 
@@ -543,8 +576,8 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     num_warps of the walk (0: the default; no reduction runs over head_dim or rows, so no bit
     depends on it). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
-    of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices and the 2D max width from ``config``
-    (not unroll/eager/skip). ``pdl``: launched by programmatic dependent launch (waiting
+    of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices, the 2D max width and eager (its
+    EAGER: the first group's loads before the max) from ``config`` (not unroll/skip). ``pdl``: launched by programmatic dependent launch (waiting
     in-kernel for the kernel before it) or not, instead of the PDL switch (decode_launch's choice
     on the Triton pair route; same bits either way)."""
     _check_dtype(out_parts)
@@ -574,7 +607,7 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
             C.aligned(out_parts), C.aligned(lse_parts), state_lens if state_lens is not None else lse_parts,
             _log_constants(out_parts.device), out, lse, n, rows, s, h, n_lead,
             D=d, BLOCK_D=block_d, BLOCK=block, HAS_LENS=state_lens is not None, LIBDEVICE=not C.INTERPRET,
-            NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch),
+            NP=vec, LOG_NP=vec.bit_length() - 1, MAX2D=max2d, PDL=bool(launch), **({"EAGER": 1} if eager else {}),
             num_warps=NUM_WARPS if block * block_d >= 512 else 1, **C.LAUNCH, **launch)
         return out, lse
     if skip and not (max2d and unroll):
