@@ -28,6 +28,7 @@ or a section failed.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -770,6 +771,8 @@ def markdown(r: dict) -> str:
              f"GPU: {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"flash-attn-4 {env.get('flash_attn_4')}. Qwen3-8B TP=2 shard: Hq=16, Hkv=4, D=128, bf16, causal.", "",
              *([f"Runs: {r['runs']}", ""] if r.get("runs") else []),
+             *([f"Route switches set for this run (--route): "
+                f"{', '.join(f'{k}={v}' for k, v in r['routes_set'].items())}", ""] if r.get("routes_set") else []),
              f"**Bitwise cells: {sum(c['equal'] for c in cells)}/{len(cells)} true** (torch.equal).", ""]
     if cells:
         lines += ["| cell | equal | what |", "|---|---|---|"]
@@ -969,6 +972,45 @@ def chunk_list(flag: str, text: str) -> tuple:
     return cs
 
 
+# Route switches --route may set for one run (module, attribute, type): the decode op's launch
+# choices, so that a route not yet taken is timed against FlashInfer in the same run as the
+# routed one (session 21). The report records every switch's value under "routes".
+ROUTES = {"EARLY_TABLE_ONE_WAVE": ("rlk_ops.kernels.triton.pair_decode", bool),
+          "PDL_ONE_WAVE": ("rlk_ops.kernels.triton.pair_decode", bool),
+          "SLICES_ONE_WAVE": ("rlk_ops.kernels.triton.pair_decode", int),
+          "STATE_EVICT_MAX_BYTES": ("rlk_ops.kernels.triton.pair_decode", int),
+          "VEC_EAGER": ("rlk_ops.kernels.triton.merge", bool)}
+
+
+def route_setting(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` of --route: NAME one of ROUTES, VALUE 0/1 (true/false) for a switch or an
+    integer (argparse type: a bad one is a usage error naming the flag)."""
+    name, sep, value = text.partition("=")
+    if not sep or name not in ROUTES:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {sorted(ROUTES)}, got {text!r}")
+    kind = ROUTES[name][1]
+    if kind is bool:
+        if value.lower() not in ("0", "1", "true", "false"):
+            raise argparse.ArgumentTypeError(f"{name} takes 0, 1, true or false, got {text!r}")
+        return name, value.lower() in ("1", "true")
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} takes an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{name} takes an integer >= 0, got {text!r}")
+    return name, n
+
+
+def apply_routes(settings: list) -> dict:
+    """Set each (name, value) of --route; returns every ROUTES switch's value for the report."""
+    import importlib
+
+    for name, value in settings:
+        setattr(importlib.import_module(ROUTES[name][0]), name, value)
+    return {name: getattr(importlib.import_module(mod), name) for name, (mod, _) in ROUTES.items()}
+
+
 def main():
     ap = arguments(__doc__.split("\n")[0])
     ap.add_argument("--commit", default=None)
@@ -980,6 +1022,9 @@ def main():
     ap.add_argument("--bitwise-chunks", default=None,
                     help="C values of the bitwise sections, comma-separated multiples of 128 (default "
                          "256,768,1024,2048)")
+    ap.add_argument("--route", type=route_setting, action="append", default=[], metavar="NAME=VALUE",
+                    help=f"set a decode route switch for this run (repeatable; recorded under 'routes'): "
+                         f"{', '.join(ROUTES)}")
     args = ap.parse_args()
     if args.md_only:
         return rewrite_markdown(args.out, args.md, markdown, summary)
@@ -995,6 +1040,8 @@ def main():
     b = Bench(dev, sh, args.out, args.dry_run)
     b.res["commit"] = args.commit
     b.res["out_path"] = args.out
+    b.res["routes"] = apply_routes(args.route)
+    b.res["routes_set"] = dict(args.route)
     sections = [("environment", b.environment), ("merge", b.merge), ("fa4_equalities", b.fa4_equalities),
                 ("in_place", b.in_place), ("bitwise", b.bitwise), ("decode_profile", b.decode_profile),
                 ("decode", b.decode), ("training", b.training), ("accuracy", b.accuracy),

@@ -207,12 +207,16 @@ def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
     from rlk_ops.kernels.triton import pair_decode as pd
 
     cpu = torch.device("cpu")   # 4 "SMs" off CUDA
-    one_wave = {"config": (8, 3), "heads_first": False, "pdl": True, "state_evict": ""}
+    one_wave = {"config": (8, 3), "heads_first": False, "pdl": True, "state_evict": "",
+                "early_table": pd.EARLY_TABLE_ONE_WAVE}
     assert pd.decode_launch(2, cpu) == {**one_wave, "slices": 2}
     assert pd.decode_launch(3, cpu) == {**one_wave, "slices": 1}
     assert pd.decode_launch(4, cpu)["slices"] == 1
     assert pd.decode_launch(5, cpu) == {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": False,
-                                        "state_evict": ""}
+                                        "state_evict": "", "early_table": False}
+    for early in (True, False):   # the early page table follows EARLY_TABLE_ONE_WAVE, within one wave only
+        monkeypatch.setattr(pd, "EARLY_TABLE_ONE_WAVE", early)
+        assert pd.decode_launch(4, cpu)["early_table"] is early and pd.decode_launch(5, cpu)["early_table"] is False
     monkeypatch.setattr(pd, "SLICES_ONE_WAVE", 1)
     assert pd.decode_launch(2, cpu)["slices"] == 1
     monkeypatch.setattr(pd, "PDL_ONE_WAVE", False)
@@ -310,6 +314,35 @@ def test_the_merge_follows_its_pdl_argument(monkeypatch):
         tm.merge_attn_states(out, lse, pdl=pdl)
         tm.merge_attn_states(out, lse, config=(16, 1, 0), vec=0, pdl=pdl)
     assert seen == [(True, True)] * 2 + [(False, False)] * 2 + [(True, True)] * 2 + [(False, False)] * 2
+
+
+def test_the_merges_eager_default_is_per_kernel(monkeypatch):
+    """Without config[4], _merge_vec takes merge.VEC_EAGER and the walk merge.EAGER_LOADS (each
+    switch reaches only its own kernel); an explicit config[4] wins over both."""
+    from rlk_ops.kernels.triton import merge as tm
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((self.name, kw.get("EAGER", 0)))
+
+    monkeypatch.setattr(tm, "_merge_vec", Recorder("vec"))
+    monkeypatch.setattr(tm, "_merge_fwd", Recorder("walk"))
+    out = torch.zeros((3, 2, 1, HQ, D), dtype=torch.bfloat16)
+    lse = torch.zeros((3, 2, HQ, 1), dtype=torch.float32)
+    for vec_eager, walk_eager in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(tm, "VEC_EAGER", vec_eager)
+        monkeypatch.setattr(tm, "EAGER_LOADS", walk_eager)
+        seen.clear()
+        tm.merge_attn_states(out, lse)                                   # merge_route: _merge_vec
+        tm.merge_attn_states(out, lse, config=(16, 1, 0), vec=0)         # the walk
+        tm.merge_attn_states(out, lse, config=(1, 4, 0, 0, True))        # explicit eager on _merge_vec
+        tm.merge_attn_states(out, lse, config=(16, 1, 0, 0, False), vec=0)
+        assert seen == [("vec", int(vec_eager)), ("walk", int(walk_eager)), ("vec", 1), ("walk", 0)]
 
 
 def test_the_op_route_hands_the_merge_its_launch(monkeypatch):

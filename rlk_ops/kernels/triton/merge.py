@@ -461,6 +461,9 @@ PDL = False
 # states) every load of the first group then issues right after the PDL wait, where without it
 # the out rows wait for the max's lse (two round trips to memory after the pair kernel, not one).
 EAGER_LOADS = False
+# _merge_vec's default for eager (a config without config[4]: merge_route's decode merges), kept
+# apart from the walk's EAGER_LOADS (measured off above); False until timed on the H200.
+VEC_EAGER = False
 
 
 # States side by side in _merge_vec (a group's weights one exp per lane, its products w * out
@@ -577,7 +580,8 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
     depends on it). ``vec``:
     states side by side in ``_merge_vec`` (a power of two; 0: the walk, ``_merge_fwd``) instead
     of ``vec_states``'s; ``_merge_vec`` takes BLOCK, slices, the 2D max width and eager (its
-    EAGER: the first group's loads before the max) from ``config`` (not unroll/skip). ``pdl``: launched by programmatic dependent launch (waiting
+    EAGER: the first group's loads before the max) from ``config`` (not unroll/skip); without
+    config[4], eager is VEC_EAGER on ``_merge_vec`` and EAGER_LOADS on the walk. ``pdl``: launched by programmatic dependent launch (waiting
     in-kernel for the kernel before it) or not, instead of the PDL switch (decode_launch's choice
     on the Triton pair route; same bits either way)."""
     _check_dtype(out_parts)
@@ -594,12 +598,12 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
         config, vec = merge_route(rows, n, d, out_parts.device)
     block, split, unroll, *rest = config or merge_config(rows, n, d, out_parts.device)
     max2d = rest[0] if rest else 0
-    eager = rest[1] if len(rest) > 1 else EAGER_LOADS
     skip = rest[2] if len(rest) > 2 else 0
     warps = rest[3] if len(rest) > 3 else 0
     block_d = C.pow2(d) // split
     launch = _pdl(pdl)
     vec = vec_states(block, block_d) if vec is None else vec
+    eager = rest[1] if len(rest) > 1 else (VEC_EAGER if vec else EAGER_LOADS)
     if vec:
         if vec != C.pow2(vec):
             raise ValueError(f"merge_attn_states vec must be a power of two (states side by side), got {vec}")

@@ -764,6 +764,11 @@ SLICES_ONE_WAVE = 2
 # batch 8 and 64 x 8k noise, 64 x 32k 2-3 us slower), so there it follows merge.PDL (off). False:
 # merge.PDL decides everywhere.
 PDL_ONE_WAVE = True
+# The "keys" kernel's EARLY (``early_table``) while the pair programs are one wave (decode_launch):
+# a chunk's page-table entries are loaded without waiting for seq_lens, so a pair program's start
+# is one dependent load shorter (same bits: entries past the pair are zeroed, as the masked load
+# gave them). Built in session 20 for batch 1 / 8k, the latency-bound cell; False until timed.
+EARLY_TABLE_ONE_WAVE = False
 # Past one wave, the pair kernel stores its states with the L2 policy evict_last (``state_evict``)
 # when they take at most this many bytes (out and lse of every pair; ``state_bytes``): the merge
 # right after then reads them from L2 instead of memory, though ~1 GB of K/V streamed past them.
@@ -805,16 +810,18 @@ def decode_launch(programs: int, device: torch.device, states: int = 0) -> dict:
     the head dim of V and O is split over that many programs (``slices``; see SLICES_ONE_WAVE).
     Up to one wave the merge is also launched by PDL (``pdl``, for the pair kernel and the merge
     op alike; see PDL_ONE_WAVE); past it, and where PDL_ONE_WAVE is off, merge.PDL decides.
-    Past one wave, states of at most STATE_EVICT_MAX_BYTES (``states``: ``state_bytes``) are
+    Up to one wave EARLY_TABLE_ONE_WAVE decides ``early_table`` (the op's launches have prefetch 3,
+    see routable). Past one wave, states of at most STATE_EVICT_MAX_BYTES (``states``: ``state_bytes``) are
     stored evict_last (``state_evict``; see STATE_EVICT_MAX_BYTES). A step whose states grow past
     that bound compiles the kernel once more (the hint is a compile-time constant)."""
     sms = C.num_sms(0 if device.index is None else device.index) if device.type == "cuda" else 4
     if programs <= sms:
         slices = SLICES_ONE_WAVE if SLICES_ONE_WAVE > 1 and programs * SLICES_ONE_WAVE <= sms else 1
         return {"config": (8, 3), "heads_first": False, "slices": slices, "pdl": PDL_ONE_WAVE or merge_mod.PDL,
-                "state_evict": ""}
+                "state_evict": "", "early_table": EARLY_TABLE_ONE_WAVE}
     evict = "evict_last" if 0 < states <= STATE_EVICT_MAX_BYTES else ""
-    return {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": merge_mod.PDL, "state_evict": evict}
+    return {"config": (4, 2), "heads_first": True, "slices": 1, "pdl": merge_mod.PDL, "state_evict": evict,
+            "early_table": False}
 
 
 
