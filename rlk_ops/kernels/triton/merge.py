@@ -463,7 +463,7 @@ PDL = False
 EAGER_LOADS = False
 # _merge_vec's default for eager (a config without config[4]: merge_route's decode merges), kept
 # apart from the walk's EAGER_LOADS (measured off above); False until timed on the H200.
-VEC_EAGER = False
+VEC_EAGER = True
 
 
 # States side by side in _merge_vec (a group's weights one exp per lane, its products w * out
