@@ -462,7 +462,11 @@ PDL = False
 # the out rows wait for the max's lse (two round trips to memory after the pair kernel, not one).
 EAGER_LOADS = False
 # _merge_vec's default for eager (a config without config[4]: merge_route's decode merges), kept
-# apart from the walk's EAGER_LOADS (measured off above); False until timed on the H200.
+# apart from the walk's EAGER_LOADS (measured off above). On since session 21: measured on the
+# H200 at 2ece7f0 (results/h200/session21/d_*.log, page 16, C = 768, one run per setting, op us
+# routed -> eager, FlashInfer auto in the same run): 1 x 8k 13.91 -> 13.16 (1.150x -> 1.086x FI),
+# 1 x 32k 30.13 -> 30.15, 8 x 8k 42.55 -> 41.81, 8 x 32k 134.42 -> 133.19, 64 x 8k 249.49 ->
+# 249.6, 64 x 32k 971.8 -> 968.5; its bits equal the plain merge's (merge_vec eager CUDA tests).
 VEC_EAGER = True
 
 
