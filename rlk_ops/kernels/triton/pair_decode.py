@@ -769,8 +769,8 @@ PDL_ONE_WAVE = True
 # is one dependent load shorter (same bits: entries past the pair are zeroed, as the masked load
 # gave them). Built in session 20 for batch 1 / 8k, the latency-bound cell. Off: measured on the
 # H200 at 2ece7f0 (results/h200/session21/d_*.log, page 16, C = 768, op us) it made 1 x 8k slower,
-# 13.91 -> 15.43 alone and 13.16 -> 15.26 with the merge's eager loads (1 x 32k 30.13 -> 29.11,
-# no other cell slower by more than 0.2 us); bitwise equal to FA4's pair call in its CUDA tests.
+# 13.91 -> 15.43 alone (there 1 x 32k 30.13 -> 29.11, no other cell slower by more than 0.2 us)
+# and 13.16 -> 15.26 with the merge's eager loads; bitwise equal to FA4's pair call in its CUDA tests.
 EARLY_TABLE_ONE_WAVE = False
 # Past one wave, the pair kernel stores its states with the L2 policy evict_last (``state_evict``)
 # when they take at most this many bytes (out and lse of every pair; ``state_bytes``): the merge
