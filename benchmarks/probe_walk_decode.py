@@ -1,0 +1,85 @@
+"""Probe (H200): the TMA walk (rlk_ops/kernels/triton/walk_decode.py, one program per (sequence,
+KV head) streaming the whole sequence through a ring of TMA tiles) against the routed pair
+kernel and FA4 single pass, at pages a multiple of 128 (issue 8's open cell: page 128, batch 64).
+
+Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph replays):
+``fa4_strict`` (the line's reference), ``op`` (canonical:C through the op: routed pairs + merge),
+``pairs`` (the routed pair kernel alone), ``walk`` (the walk alone), ``op_walk`` (walk + the
+merge op on its states), ``merge`` (the merge alone) and ``read_flat`` (every K/V byte read once:
+probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
+every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
+torch.equal to the op's). A case whose walk fails to build or run records the error and goes on.
+
+Usage: [PAGES=128] [CASES=64x8192,64x32768,8x32768,1x32768] [CHUNK=768]
+       python3 benchmarks/probe_walk_decode.py OUT.json
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import canonical as cb  # noqa: E402  (benchmarks/canonical.py)
+from _report import write_rows  # noqa: E402
+from probe_decode_roofline import read_flat  # noqa: E402
+
+import rlk_ops  # noqa: E402
+from rlk_ops.kernels.triton import merge as tm  # noqa: E402
+from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
+
+PAGES = tuple(int(p) for p in os.environ.get("PAGES", "128").split(","))
+CASES = tuple(tuple(int(x) for x in c.split("x"))
+              for c in os.environ.get("CASES", "64x8192,64x32768,8x32768,1x32768").split(","))
+CHUNK = int(os.environ.get("CHUNK", "768"))
+
+
+def main():
+    from rlk_ops.kernels.fa4 import kernels as fa4
+    from rlk_ops.kernels.triton import walk_decode as wd
+
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    res = []
+    for page in PAGES:
+        sh = cb.replace(cb.Shapes(), decode_page=page, target_ms=2.0, reps=5)
+        b = cb.Bench("cuda", sh, None, False)
+        for bsz, ctx, q, kc, vc, pt, sl in b.decode_inputs(list(CASES)):
+            c = CHUNK
+            n = pd.pair_count(pt.shape[1], page, c)
+            routed = {"layout": "keys", **pd.step_launch(q, kc, n)}
+
+            def merged(st):
+                o, lse, plens, n = st
+                return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), lse.view(n, bsz, sh.hq, 1),
+                                            state_lens=plens.view(n, bsz))
+
+            row = {"page": page, "batch": bsz, "context": ctx, "C": c, "kv_bytes": 2 * bsz * ctx * sh.hkv * sh.d * 2}
+            ref = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed)
+            fns = {"fa4_strict": lambda: fa4.paged_attention(q, kc, vc, pt, sl, b.scale),
+                   "op": lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}"),
+                   "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed),
+                   "merge": lambda: merged(ref),
+                   "read_flat": lambda: read_flat(kc, vc)}
+            try:
+                got = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c)
+                row["walk_states_equal"] = all(cb.beq(x, y) for x, y in zip(got[:3], ref[:3])) and got[3] == ref[3]
+                mo, ml = merged(got)
+                ro, rl = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
+                row["op_walk_equal"] = cb.beq(mo.reshape(-1), ro.reshape(-1)) and cb.beq(ml.reshape(-1), rl.reshape(-1))
+                fns["walk"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c)
+                fns["op_walk"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c))
+            except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
+                row["walk"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+            for name, us in b.graph_us_many(fns).items():
+                row[f"{name}_us"] = round(us, 2)
+            for name in ("op", "pairs", "walk", "op_walk", "read_flat"):
+                if f"{name}_us" in row:
+                    row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
+            print(row, flush=True)
+            res.append(row)
+            write_rows(out, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""canonical:C decode states by one program per (sequence, KV head) that streams the whole
+sequence through a TMA ring (Gluon, SM90): the pair kernel's arithmetic (pair_decode.py,
+"keys" layout, FA4's steps) on every chunk, without one program per chunk.
+
+Why (issue 8, page 128, batch 64): there FA4's single pass streams the cache within ~3% of a
+flat read (its TMA path), while the pair kernel (cp.async, 5,632 programs of 6 blocks at 64 x
+8k, C = 768) streams ~1.5% slower than FA4 and the merge adds ~2%. The Triton whole-sequence walk
+(sessions 14-16, cp.async, removed) was slower still: each chunk's loop drained its pipeline.
+Here one ring of NS tiles (K and V of each key block, [BLOCK_N, D] each, 32 KB) runs across
+chunk boundaries: the next tiles are in flight while a chunk's state is finished.
+
+Per key block (blocks of a chunk from its last to its first, chunks in ascending order), the
+same operations as ``_keys_pair`` in the same order, so the same bits (checked on the H200
+against the pair kernel and FA4's pair call, tests/test_walk_decode.py):
+    S^T = K @ Q^T (mma.sync m16n8k16, keys on M, the G query heads padded to 8 on N)
+    keys past the chunk -inf;  m = max(m_prev, max S);  m' = 0 if m = -inf else m
+    P = ex2(fma(S, scale_log2, -(m' * scale_log2)));  r = ex2((m_prev - m') * scale_log2)
+    thread sums: fma(sum_t, r, P[first column]) then 31 adds in FA4's column order
+    O^T = O^T * r + V^T @ bf16(P)^T (mma.sync; the output element is the same tensor-core dot
+      as P @ V, operand roles swapped as for S)
+    chunk end: L = (s0 + s1) + (s2 + s3);  out = bf16(O * rcp(L));  lse = fma(m, scale_log2, lg2(L)) * ln 2
+The states (out, lse, pair_lens) are pair_decode's, chunk-major (pair c * B + b); the merge op
+merges them as it merges the pair kernel's.
+
+Needs page_size % BLOCK_N == 0 (a block never leaves its page: one TMA box per tile), a
+contiguous cache, Triton with Gluon (3.5+) and an SM90 GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from rlk_ops.kernels.cpu.canonical import pair_count
+
+BLOCK_N = 128      # FA4's key block on SM90 for head_dim 128
+COLS = 8           # the query heads of one KV head, padded: mma.sync's N
+NUM_WARPS = 4
+STAGES = 3         # tiles in the ring (32 KB each): two programs per SM
+_LN2 = gl.constexpr(math.log(2.0))
+_NEG_INF = gl.constexpr(float("-inf"))
+
+
+@gluon.jit
+def _approx(x, OP: gl.constexpr):
+    """FA4's PTX approximations: ex2 / lg2 / rcp ``.approx.ftz.f32``."""
+    return gl.inline_asm_elementwise(OP + ".approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _block(i, nc, last_keys, chunk, NB: gl.constexpr, BN: gl.constexpr):
+    """Walk step i's chunk c, block j (from the chunk's last to its first) and the keys of
+    block j inside the chunk (more than BN: all valid)."""
+    full = (nc - 1) * NB                       # blocks of the chunks before the last
+    nb_last = gl.cdiv(last_keys, BN)
+    in_full = i < full
+    c = gl.where(in_full, i // NB, nc - 1)
+    j = gl.where(in_full, NB - 1 - i % NB, nb_last - 1 - (i - full))
+    keys = gl.where(in_full, chunk, last_keys) - j * BN
+    return c, j, keys
+
+
+@gluon.jit
+def _entry(table_row, i, nc, last_keys, chunk, n_steps, NB: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr):
+    """The cache row of walk step i's first key (page-table entry * PAGE + offset); 0 past the walk."""
+    c, j, _ = _block(i, nc, last_keys, chunk, NB, BN)
+    pos = c * chunk + j * BN
+    live = i < n_steps
+    ent = gl.load(table_row + gl.where(live, pos // PAGE, 0), mask=live, other=0)
+    return ent * PAGE + pos % PAGE
+
+
+@gluon.jit
+def _issue(t, row, col, k_desc, v_desc, ring, bars, n_tiles, NS: gl.constexpr):
+    """Tile t of the walk (K of step t // 2 when t is even, else its V) into ring slot t % NS."""
+    if t < n_tiles:
+        slot = t % NS
+        bar = bars.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes)
+        if t % 2 == 0:
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, ring.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, ring.index(slot))
+
+
+@gluon.jit
+def _wait(t, bars, NS: gl.constexpr):
+    mbarrier.wait(bars.index(t % NS), (t // NS) & 1)
+
+
+@gluon.jit
+def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_log2, bsz, width, chunk,
+                 n_pairs, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                 BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr):
+    gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)          # [BN] keys / [D] head dim of a [*, M] tile
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)          # [M] query heads
+    # the thread sums: [M, t, 2j + e] with each (query, t) in one thread, its 32 columns in order
+    sums3: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+    sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
+    part_l: gl.constexpr = gl.SliceLayout(2, sums3)
+    ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    pid = gl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    seq = gl.load(seq_lens + b)
+    nc = gl.cdiv(seq, chunk)                                # chunks holding keys
+    last_keys = seq - (nc - 1) * chunk
+    n_steps = gl.where(nc > 0, (nc - 1) * NB + gl.cdiv(last_keys, BN), 0)
+    n_tiles = 2 * n_steps
+    table_row = table + b.to(gl.int64) * width
+    col = h * D
+
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], k_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(bars.index(s), count=1)
+    e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    _issue(0, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(1, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(2, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+
+    # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
+    qc = gl.arange(0, M, layout=cols_l)
+    dr = gl.arange(0, D, layout=rows_l)
+    cmask = qc < G
+    head = h * G + qc
+    for c in range(0, n_pairs):
+        pair = c * bsz + b
+        if h == 0:
+            gl.store(pair_lens + pair, gl.minimum(gl.maximum(seq - c * chunk, 0), chunk))
+        if c >= nc:
+            gl.store(out + pair.to(gl.int64) * (HQ * D) + head[None, :] * D + dr[:, None],
+                     gl.zeros([D, M], gl.bfloat16, mma), mask=cmask[None, :])
+            gl.store(lse + pair.to(gl.int64) * HQ + head, gl.full([M], _NEG_INF, gl.float32, cols_l), mask=cmask)
+
+    # Q^T [D, M] (query heads past G: 0), once
+    qd = gl.arange(0, D, layout=gl.SliceLayout(1, ld_q))
+    qq = gl.arange(0, M, layout=gl.SliceLayout(0, ld_q))
+    qt = gl.load(q + b.to(gl.int64) * (HQ * D) + (h * G + qq)[None, :] * D + qd[:, None], mask=(qq < G)[None, :],
+                 other=0.0)
+    qt = gl.convert_layout(qt, op_b)
+
+    psm = gl.allocate_shared_memory(gl.float32, [BN, M], flat)
+    kk = gl.arange(0, BN, layout=rows_l)
+    kv_keys = gl.arange(0, BN, layout=gl.SliceLayout(0, op_a))
+    first = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums3))) == 0
+    tq = gl.arange(0, 4, layout=gl.SliceLayout(0, part_l))
+
+    m = gl.full([M], _NEG_INF, gl.float32, cols_l)
+    part = gl.zeros([M, 4], gl.float32, part_l)
+    acc = gl.zeros([D, M], gl.float32, mma)
+    for i in range(0, n_steps):
+        c, j, keys = _block(i, nc, last_keys, chunk, NB, BN)
+        # K of step i: S^T = K @ Q^T
+        _wait(2 * i, bars, NS)
+        k = ring.index((2 * i) % NS).load(op_a)
+        gl.thread_barrier()
+        fence_async_shared()
+        _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)      # V of step i + 1
+        st = mma_v2(k, qt, gl.zeros([BN, M], gl.float32, mma))
+        st = gl.where((kk < keys)[:, None], st, _NEG_INF)
+        m_prev = m
+        m = gl.maximum(gl.max(st, axis=0), m_prev)
+        m_use = gl.where(m == _NEG_INF, 0.0, m)
+        p = _approx(gl.fma(st, scale_log2, -(m_use * scale_log2)[None, :]), "ex2")
+        r = _approx((m_prev - m_use) * scale_log2, "ex2")  # 0 before a chunk's first block: part and acc are 0
+        # thread sums: column 8j + 2t + e of query q is P^T[8j + 2t + e, q]
+        psm.store(p)
+        gl.thread_barrier()
+        x = psm.reshape([16, 4, 2, M]).permute([3, 1, 0, 2]).load(sums4)
+        gl.thread_barrier()
+        x = gl.convert_layout(gl.reshape(x, [M, 4, 32]), sums3)
+        r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
+        x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
+        part = gl.sum(x, axis=2)
+        # V of step i: O^T = O^T * r + V^T @ P^T
+        _wait(2 * i + 1, bars, NS)
+        v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
+        gl.thread_barrier()
+        fence_async_shared()
+        _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
+        e1 = e2
+        e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+        if keys < BN:  # rows past the chunk: 0 (P is 0 there, but 0 * a non-finite cache value is not)
+            v = gl.where((kv_keys < keys)[None, :], v, 0.0)
+        acc = acc * r[None, :]
+        acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
+        if j == 0:  # the chunk's first block: its state is done
+            s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
+            s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
+            s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
+            s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
+            total = gl.convert_layout((s0 + s1) + (s2 + s3), cols_l)
+            o = acc * _approx(total, "rcp")[None, :]
+            ls = gl.fma(m, scale_log2, _approx(total, "lg2")) * _LN2
+            pair = c * bsz + b
+            gl.store(out + pair.to(gl.int64) * (HQ * D) + head[None, :] * D + dr[:, None], o.to(gl.bfloat16),
+                     mask=cmask[None, :])
+            gl.store(lse + pair.to(gl.int64) * HQ + head, ls, mask=cmask)
+            m = gl.full([M], _NEG_INF, gl.float32, cols_l)
+            part = gl.zeros([M, 4], gl.float32, part_l)
+            acc = gl.zeros([D, M], gl.float32, mma)
+    for s in gl.static_range(NS):
+        mbarrier.invalidate(bars.index(s))
+
+
+def supported(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk_size: int) -> str | None:
+    """None where walk_decode can run these caches and chunk size, else why not (the caller
+    raises or routes)."""
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        return (f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} differs from k_cache {tuple(k_cache.shape)} "
+                f"{k_cache.dtype}")
+    pages, page, hkv, d = k_cache.shape
+    if page % BLOCK_N:
+        return f"page_size {page} is not a multiple of {BLOCK_N}"
+    if chunk_size % BLOCK_N:
+        return f"chunk_size {chunk_size} is not a multiple of {BLOCK_N}"
+    if d != 128:
+        return f"head_dim {d} is not 128"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "the cache is not contiguous"
+    if k_cache.dtype != torch.bfloat16:
+        return f"the cache dtype {k_cache.dtype} is not bfloat16"
+    return None
+
+
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """TMA descriptors of the caches as [rows, HKV * D]: a tile is BLOCK_N rows of one KV head's
+    D columns (column h * D)."""
+    pages, page, hkv, d = k_cache.shape
+    shape, strides = [pages * page, hkv * d], [hkv * d, 1]
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.bfloat16)
+    return tuple(TensorDescriptor(c.view(shape), shape, strides, [BLOCK_N, d], layout) for c in (k_cache, v_cache))
+
+
+def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int):
+    """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
+    step, by one program per (sequence, KV head) walking every chunk of the sequence."""
+    from rlk_ops.kernels.triton.pair_decode import scale_log2
+
+    why = supported(k_cache, v_cache, chunk_size)
+    if why is not None:
+        raise ValueError(f"walk_decode: {why}")
+    bsz, _, hq, d = q.shape
+    pages, page, hkv, _ = k_cache.shape
+    if hq % hkv or hq // hkv > COLS:
+        raise ValueError(f"walk_decode needs Hq / Hkv <= {COLS} query heads per KV head, got Hq {hq}, Hkv {hkv}")
+    if q.device.type != "cuda":
+        raise ValueError(f"walk_decode needs a CUDA device (SM90: TMA), got q on {q.device}")
+    width = page_table.shape[1]
+    n = pair_count(width, page, chunk_size)
+    dev = q.device
+    out = torch.empty((n * bsz, 1, hq, d), dtype=q.dtype, device=dev)
+    lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
+    pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
+    if bsz:
+        k_desc, v_desc = descriptors(k_cache, v_cache)
+        _walk_decode[(bsz * hkv,)](q, k_desc, v_desc, page_table, seq_lens, out, lse, pair_lens,
+                                   scale_log2(softmax_scale), bsz, width, chunk_size, n,
+                                   G=hq // hkv, HQ=hq, HKV=hkv, D=d, BN=BLOCK_N, M=COLS, NB=chunk_size // BLOCK_N,
+                                   PAGE=page, NS=STAGES, num_warps=NUM_WARPS)
+    return out, lse, pair_lens, n
