@@ -5,10 +5,12 @@ kernel and FA4 single pass, at pages a multiple of 128 (issue 8's open cell: pag
 Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph replays):
 ``fa4_strict`` (the line's reference), ``op`` (canonical:C through the op: routed pairs + merge),
 ``pairs`` (the routed pair kernel alone), ``walk`` (the walk alone), ``op_walk`` (walk + the
-merge op on its states), ``merge`` (the merge alone) and ``read_flat`` (every K/V byte read once:
+merge op on its states), ``walk_fused`` (the walk merging its own states in-program, ``merge=True``), ``merge`` (the merge
+alone) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
-torch.equal to the op's). A case whose walk fails to build or run records the error and goes on.
+torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
+the op's). A case whose walk fails to build or run records the error and goes on.
 
 Usage: [PAGES=128] [CASES=64x8192,64x32768,8x32768,1x32768] [CHUNK=768]
        python3 benchmarks/probe_walk_decode.py OUT.json
@@ -69,11 +71,15 @@ def main():
                 row["op_walk_equal"] = cb.beq(mo.reshape(-1), ro.reshape(-1)) and cb.beq(ml.reshape(-1), rl.reshape(-1))
                 fns["walk"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c)
                 fns["op_walk"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c))
+                fu = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True)
+                row["walk_fused_equal"] = cb.beq(fu[4].reshape(-1), ro.reshape(-1)) and cb.beq(fu[5].reshape(-1),
+                                                                                              rl.reshape(-1))
+                fns["walk_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True)
             except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
                 row["walk"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             for name, us in b.graph_us_many(fns).items():
                 row[f"{name}_us"] = round(us, 2)
-            for name in ("op", "pairs", "walk", "op_walk", "read_flat"):
+            for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

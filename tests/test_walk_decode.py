@@ -57,6 +57,8 @@ def test_refused_shapes_are_named():
         wd.walk_decode(q, torch.zeros(*kc.shape[:-1], 2 * D, dtype=kc.dtype)[..., :D], vc, table, sl, 1.0, 256)
     with pytest.raises(ValueError, match=r"Hq / Hkv <= 8 query heads per KV head, got Hq 48, Hkv 4"):
         wd.walk_decode(torch.zeros(1, 1, 48, D, dtype=torch.bfloat16), kc, vc, table, sl, 1.0, 256)
+    with pytest.raises(ValueError, match=r"merge=True takes up to 64 chunks per sequence, got 65"):
+        wd.walk_decode(q, kc, vc, torch.zeros(1, 65, dtype=torch.int32), sl, 1.0, 128, merge=True)
     with pytest.raises(ValueError, match="walk_decode needs a CUDA device"):
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256)
 
@@ -114,6 +116,24 @@ def test_cuda_equals_the_pair_kernel_with_empty_sequences_and_other_group_sizes(
     got = walk_decode(q, kc, vc, table, sl, D ** -0.5, 512)
     ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 512, layout="keys")
     assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("ps,chunk,lens", [(128, 768, [8192, 300, 0, 129, 768, 7000]), (128, 128, [1, 129, 5000]),
+                                           (256, 2048, [30000, 2048, 2049, 0])])
+def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens):
+    from rlk_ops.kernels.triton.merge import merge_attn_states
+    from rlk_ops.kernels.triton.walk_decode import walk_decode
+
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk, device="cuda")
+    _poison(kc, vc, table, lens, ps)
+    out, lse, plens, n, mo, ml = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True)
+    states = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk)
+    assert all(bitwise_equal(a, b) for a, b in zip((out, lse, plens), states[:3]))
+    ro, rl = merge_attn_states(out.view(n, len(lens), 1, HQ, D), lse.view(n, len(lens), HQ, 1),
+                               state_lens=plens.view(n, len(lens)))
+    assert bitwise_equal(mo, ro) and bitwise_equal(ml.view(-1), rl.reshape(-1))
 
 
 @pytest.mark.cuda

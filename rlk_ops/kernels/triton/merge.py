@@ -129,7 +129,7 @@ def _log(x, c_ptr):
     e = tl.where(small, e - 1, e).to(tl.float64)
     f = (m - 1.0) / (m + 1.0)                                           # fp64 division is IEEE
     f2 = f * f
-    p = tl.zeros_like(f) + tl.load(c_ptr)
+    p = tl.load(c_ptr)   # a scalar: the first step below makes it f's shape (no layout needed: Gluon callers)
     for k in tl.static_range(1, _LOG_TERMS):
         p = p * f2 + tl.load(c_ptr + k)
     y = (2.0 * f) * p + e * tl.load(c_ptr + _LOG_TERMS)

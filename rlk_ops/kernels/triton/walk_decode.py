@@ -38,11 +38,16 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from rlk_ops.kernels.cpu.canonical import pair_count
+from rlk_ops.kernels.triton import _common as C
+from rlk_ops.kernels.triton import merge as merge_mod
+from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
 
 BLOCK_N = 128      # FA4's key block on SM90 for head_dim 128
 COLS = 8           # the query heads of one KV head, padded: mma.sync's N
 NUM_WARPS = 4
 STAGES = 3         # tiles in the ring (32 KB each): two programs per SM
+MERGE_MAX = 64     # chunks per sequence the in-program merge takes (the state axis is in-thread)
+MERGE_DSL = 8      # head-dim columns per step of that merge (16 spilled 8 bytes offline)
 _LN2 = gl.constexpr(math.log(2.0))
 _NEG_INF = gl.constexpr(float("-inf"))
 
@@ -97,8 +102,9 @@ def _wait(t, bars, NS: gl.constexpr):
 
 @gluon.jit
 def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_log2, bsz, width, chunk,
-                 n_pairs, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                 BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr):
+                 n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
+                 D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
+                 NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
@@ -218,6 +224,54 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
             acc = gl.zeros([D, M], gl.float32, mma)
     for s in gl.static_range(NS):
         mbarrier.invalidate(bars.index(s))
+    if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
+        gl.thread_barrier()
+        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL)
+
+
+@gluon.jit
+def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: gl.constexpr, HQ: gl.constexpr,
+               D: gl.constexpr, M: gl.constexpr, NP: gl.constexpr, DSL: gl.constexpr):
+    """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, with
+    the merge op's steps (merge.py ``_merge_vec``: its exp, log and max, one IEEE op each):
+    M = max lse, w = exp(lse - M) per state, L and acc = sum of w and w * out over the present
+    states in ascending order, out = div_rn(acc, L) (0 where L = 0), lse = M + log(L). The
+    state axis is in-thread, so each sum is one thread's sequential reduction; a state that is
+    not present (lse -inf) adds +0 (its w is 0, its out loaded as 0), which leaves a sum other
+    than -0 unchanged, and the first term is added to +0 first, as the op's walk does, so no sum
+    is -0 where the op's is not."""
+    m3: gl.constexpr = gl.BlockedLayout([1, 1, NP], [8, 4, 1], [1, 4, 1], [2, 1, 0])
+    l2d: gl.constexpr = gl.SliceLayout(1, m3)                # [M, NP]
+    rows = bsz * HQ
+    g = gl.arange(0, M, layout=gl.SliceLayout(1, l2d))
+    ks = gl.arange(0, NP, layout=gl.SliceLayout(0, l2d))
+    r = b.to(gl.int64) * HQ + h * G + g
+    live = (g < G)[:, None] & (ks < n_pairs)[None, :]
+    l2 = gl.load(lse + ks[None, :] * rows + r[:, None], mask=live, other=_NEG_INF)
+    mx = _max_lse(l2, 1)
+    m_safe = gl.where(mx == _NEG_INF, 0.0, mx)
+    w = _mexp(l2 - m_safe[:, None], 1)
+    w = gl.where(l2 != _NEG_INF, w, 0.0)
+    first = (ks == 0)[None, :]
+    total = gl.sum(gl.where(first, 0.0 + w, w), axis=1)     # [M]
+    g3 = gl.arange(0, M, layout=gl.SliceLayout(1, gl.SliceLayout(2, m3)))
+    d3 = gl.arange(0, DSL, layout=gl.SliceLayout(0, gl.SliceLayout(2, m3)))
+    k3 = gl.arange(0, NP, layout=gl.SliceLayout(0, gl.SliceLayout(1, m3)))
+    r3 = b.to(gl.int64) * HQ + h * G + g3
+    live3 = (g3 < G)[:, None, None] & (k3 < n_pairs)[None, None, :]
+    w3 = gl.expand_dims(w, 1)
+    first3 = (k3 == 0)[None, None, :]
+    tot2 = gl.convert_layout(total, gl.SliceLayout(1, gl.SliceLayout(2, m3)))
+    for sl in gl.static_range(D // DSL):
+        d = sl * DSL + d3
+        o = gl.load(out + ((k3[None, None, :] * rows + r3[:, None, None]) * D + d[None, :, None]), mask=live3,
+                    other=0.0).to(gl.float32)
+        wo = w3 * o
+        acc = gl.sum(gl.where(first3, 0.0 + wo, wo), axis=2)  # [M, DSL]
+        res = gl.div_rn(acc, tot2[:, None] + gl.zeros([M, DSL], gl.float32, gl.SliceLayout(2, m3)))
+        res = gl.where(tot2[:, None] == 0.0, 0.0, res)
+        gl.store(merged_out + r3[:, None] * D + d[None, :], res.to(gl.bfloat16), mask=(g3 < G)[:, None])
+    gl.store(merged_lse + r, mx + _mlog(total, log_c), mask=g < G)
 
 
 def supported(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk_size: int) -> str | None:
@@ -249,9 +303,12 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
     return tuple(TensorDescriptor(c.view(shape), shape, strides, [BLOCK_N, d], layout) for c in (k_cache, v_cache))
 
 
-def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int):
+def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
+                merge: bool = False):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
-    step, by one program per (sequence, KV head) walking every chunk of the sequence."""
+    step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
+    each program then merges its own states with the merge op's steps (``_merge_own``; up to
+    MERGE_MAX chunks per sequence) and the merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])`` follow."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -261,18 +318,26 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     pages, page, hkv, _ = k_cache.shape
     if hq % hkv or hq // hkv > COLS:
         raise ValueError(f"walk_decode needs Hq / Hkv <= {COLS} query heads per KV head, got Hq {hq}, Hkv {hkv}")
-    if q.device.type != "cuda":
-        raise ValueError(f"walk_decode needs a CUDA device (SM90: TMA), got q on {q.device}")
     width = page_table.shape[1]
     n = pair_count(width, page, chunk_size)
+    if merge and n > MERGE_MAX:
+        raise ValueError(f"walk_decode merge=True takes up to {MERGE_MAX} chunks per sequence, got {n} "
+                         f"(page_table width {width} x page {page} / chunk_size {chunk_size})")
+    if q.device.type != "cuda":
+        raise ValueError(f"walk_decode needs a CUDA device (SM90: TMA), got q on {q.device}")
     dev = q.device
     out = torch.empty((n * bsz, 1, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
     pair_lens = torch.empty(n * bsz, dtype=torch.int32, device=dev)
+    merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
+              torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
+    extra = {"MERGE": 1, "NP": C.pow2(n), "DSL": MERGE_DSL} if merge else {}
     if bsz:
         k_desc, v_desc = descriptors(k_cache, v_cache)
-        _walk_decode[(bsz * hkv,)](q, k_desc, v_desc, page_table, seq_lens, out, lse, pair_lens,
-                                   scale_log2(softmax_scale), bsz, width, chunk_size, n,
+        _walk_decode[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out,
+                                   lse, pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
+                                   merge_mod._log_constants(dev) if merge else lse,
                                    G=hq // hkv, HQ=hq, HKV=hkv, D=d, BN=BLOCK_N, M=COLS, NB=chunk_size // BLOCK_N,
-                                   PAGE=page, NS=STAGES, num_warps=NUM_WARPS)
-    return out, lse, pair_lens, n
+                                   PAGE=page, NS=STAGES, **extra, num_warps=NUM_WARPS, **C.LAUNCH)
+    res = (out, lse, pair_lens, n)
+    return res + merged if merge else res
