@@ -117,6 +117,7 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
     part_l: gl.constexpr = gl.SliceLayout(2, sums3)
     ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # a [BN, D] tile, 16 bytes a thread
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     pid = gl.program_id(0)
@@ -164,7 +165,7 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
 
     psm = gl.allocate_shared_memory(gl.float32, [BN, M], flat)
     kk = gl.arange(0, BN, layout=rows_l)
-    kv_keys = gl.arange(0, BN, layout=gl.SliceLayout(0, op_a))
+    vk = gl.arange(0, BN, layout=gl.SliceLayout(1, ld_v))
     first = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums3))) == 0
     tq = gl.arange(0, 4, layout=gl.SliceLayout(0, part_l))
 
@@ -197,14 +198,16 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
         part = gl.sum(x, axis=2)
         # V of step i: O^T = O^T * r + V^T @ P^T
         _wait(2 * i + 1, bars, NS)
+        if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
+            vt = ring.index((2 * i + 1) % NS).load(ld_v)        # is not); a branch: the other blocks skip it
+            ring.index((2 * i + 1) % NS).store(gl.where((vk < keys)[:, None], vt, 0.0))
+            gl.thread_barrier()
         v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
         gl.thread_barrier()
         fence_async_shared()
         _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
         e1 = e2
         e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        if keys < BN:  # rows past the chunk: 0 (P is 0 there, but 0 * a non-finite cache value is not)
-            v = gl.where((kv_keys < keys)[None, :], v, 0.0)
         acc = acc * r[None, :]
         acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
         if j == 0:  # the chunk's first block: its state is done

@@ -1,0 +1,85 @@
+"""Compile rlk_ops/kernels/triton/walk_decode.py (Gluon) for sm90 on a machine without a GPU and
+report what the compiler made of it: the block loop's SASS (instructions per warp per key block,
+top opcodes), registers, spills and shared memory, TMA copies and CTA barriers in the PTX.
+
+    python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
+                                                  [--dsl 8] [--sass FILE]
+
+Use the Triton the GPU runs (the H200 has 3.6.0). Nothing here runs the kernel: bits and speed
+are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode.py).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from pair_decode_sm90_offline import bindir, loop_sass, ptxas  # noqa: E402
+from rlk_ops.kernels.triton import walk_decode as wd  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--merge", action="store_true", help="the in-program merge (MERGE)")
+    ap.add_argument("--chunk", type=int, default=768)
+    ap.add_argument("--page", type=int, default=128)
+    ap.add_argument("--np", type=int, default=64, help="merge: states side by side (a power of two)")
+    ap.add_argument("--dsl", type=int, default=wd.MERGE_DSL, help="merge: head-dim columns per step")
+    ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
+    args = ap.parse_args()
+    layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, 128], gl.bfloat16)
+    desc = f"tensordesc<bf16[{wd.BLOCK_N}, 128],{layout!r}>"
+    types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
+             "lse": "*fp32", "pair_lens": "*i32", "scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32",
+             "n_pairs": "i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}
+    consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
+              "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl}
+    names = list(wd._walk_decode.arg_names)
+    sig = {n: types.get(n, "constexpr") for n in names}
+    divisible = [n for n, t in types.items() if t.startswith("*")] + ["chunk"]
+    src = GluonASTSource(fn=wd._walk_decode, signature=sig,
+                         constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": wd.NUM_WARPS, "enable_fp_fusion": False})
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        sass = subprocess.run([os.path.join(bindir(), "nvdisasm"), "-c", cubin], capture_output=True,
+                              text=True).stdout if os.path.exists(cubin) else ""
+    usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
+             if "registers" in line or "spill" in line]
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+        with open(args.sass + ".ttgir", "w") as f:
+            f.write(ttgir)
+    body = loop_sass(sass)
+    ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
+    print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}")
+    print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
+    print(f"  PTX: TMA copies {len(re.findall(r'cp[.]async[.]bulk[.]tensor', ptx))}, CTA barriers "
+          f"{len(re.findall(r'bar[.]sync|barrier[.]sync', ptx))}, mma.sync {len(re.findall(r'mma[.]sync', ptx))}; "
+          f"TTGIR convert_layout {ttgir.count('convert_layout')}; shared memory {kernel.metadata.shared} bytes")
+    print("  ptxas:", "; ".join(usage) or out.stderr.strip()[-300:])
+
+
+if __name__ == "__main__":
+    main()
