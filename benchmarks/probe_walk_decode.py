@@ -12,7 +12,7 @@ every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the m
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
 the op's). A case whose walk fails to build or run records the error and goes on.
 
-Usage: [PAGES=128] [CASES=64x8192,64x32768,8x32768,1x32768] [CHUNK=768]
+Usage: [PAGES=128] [CASES=64x8192,64x32768] [CHUNK=768]
        python3 benchmarks/probe_walk_decode.py OUT.json
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 
 PAGES = tuple(int(p) for p in os.environ.get("PAGES", "128").split(","))
 CASES = tuple(tuple(int(x) for x in c.split("x"))
-              for c in os.environ.get("CASES", "64x8192,64x32768,8x32768,1x32768").split(","))
+              for c in os.environ.get("CASES", "64x8192,64x32768").split(","))
 CHUNK = int(os.environ.get("CHUNK", "768"))
 
 
