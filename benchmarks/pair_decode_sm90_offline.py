@@ -83,6 +83,32 @@ def loop_sass(sass: str) -> list[str]:
     return max(loops, key=len) if loops else []
 
 
+def assembled(kernel, sass_path: str | None = None):
+    """A compiled kernel's TTGIR and PTX, ptxas's register and spill lines, its block loop's
+    SASS (``loop_sass``) and that loop's opcode counts; ``sass_path``: the whole SASS written
+    there (the TTGIR to sass_path + ".ttgir")."""
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+        cubin = os.path.join(tmp, "k.cubin")
+        sass = subprocess.run([os.path.join(bindir(), "nvdisasm"), "-c", cubin], capture_output=True,
+                              text=True).stdout if os.path.exists(cubin) else ""
+    usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
+             if "registers" in line or "spill" in line] or [out.stderr.strip()[-300:]]
+    if sass_path:
+        with open(sass_path, "w") as f:
+            f.write(sass)
+        with open(sass_path + ".ttgir", "w") as f:
+            f.write(ttgir)
+    body = loop_sass(sass)
+    ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
+    return ttgir, ptx, usage, body, ops
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", choices=sorted(pd.LAYOUTS), default="keys")
@@ -134,32 +160,14 @@ def main():
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False,
                                      **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
-    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-        cubin = os.path.join(tmp, "k.cubin")
-        sass = subprocess.run([os.path.join(bindir(), "nvdisasm"), "-c", cubin], capture_output=True,
-                              text=True).stdout if os.path.exists(cubin) else ""
-    usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
-             if "registers" in line or "spill" in line]
-    if args.sass:
-        with open(args.sass, "w") as f:
-            f.write(sass)
-        with open(args.sass + ".ttgir", "w") as f:
-            f.write(ttgir)
-    body = loop_sass(sass)
-    ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
+    ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"pair_decode sm90 (Triton {triton.__version__}), layout {args.layout}, num_warps {args.warps}, "
           f"num_stages {args.stages}" + (f", prefetch {args.prefetch}, split {consts['SPLIT']}, merge {args.merge}"
                                          if args.layout == "keys" else ""))
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
     print(f"  TTGIR: convert_layout {ttgir.count('convert_layout')}, async copies "
           f"{ttgir.count('async_copy_global_to_local')}; shared memory {kernel.metadata.shared} bytes")
-    print("  ptxas:", "; ".join(usage) or out.stderr.strip()[-300:])
+    print("  ptxas:", "; ".join(usage))
 
 
 if __name__ == "__main__":

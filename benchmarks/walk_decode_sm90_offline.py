@@ -11,12 +11,9 @@ are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from pair_decode_sm90_offline import bindir, loop_sass, ptxas  # noqa: E402
+from pair_decode_sm90_offline import assembled  # noqa: E402
 from rlk_ops.kernels.triton import walk_decode as wd  # noqa: E402
 
 
@@ -54,31 +51,13 @@ def main():
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": wd.NUM_WARPS, "enable_fp_fusion": False})
-    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-        cubin = os.path.join(tmp, "k.cubin")
-        sass = subprocess.run([os.path.join(bindir(), "nvdisasm"), "-c", cubin], capture_output=True,
-                              text=True).stdout if os.path.exists(cubin) else ""
-    usage = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
-             if "registers" in line or "spill" in line]
-    if args.sass:
-        with open(args.sass, "w") as f:
-            f.write(sass)
-        with open(args.sass + ".ttgir", "w") as f:
-            f.write(ttgir)
-    body = loop_sass(sass)
-    ops = collections.Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in body)
+    ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}")
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
     print(f"  PTX: TMA copies {len(re.findall(r'cp[.]async[.]bulk[.]tensor', ptx))}, CTA barriers "
           f"{len(re.findall(r'bar[.]sync|barrier[.]sync', ptx))}, mma.sync {len(re.findall(r'mma[.]sync', ptx))}; "
           f"TTGIR convert_layout {ttgir.count('convert_layout')}; shared memory {kernel.metadata.shared} bytes")
-    print("  ptxas:", "; ".join(usage) or out.stderr.strip()[-300:])
+    print("  ptxas:", "; ".join(usage))
 
 
 if __name__ == "__main__":
