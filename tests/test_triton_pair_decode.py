@@ -22,7 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HQ, HKV, D, G = 16, 4, 128, 4
 
 
-def _inputs(lens, ps, seed, device, wide=False):
+def _inputs(lens, ps, seed, device, wide=False, hq=HQ):
     gen = torch.Generator().manual_seed(seed)
     bsz = len(lens)
     per = -(-max(lens) // ps) + 2                 # padding entries past every sequence
@@ -33,9 +33,19 @@ def _inputs(lens, ps, seed, device, wide=False):
     table = torch.randperm(pages, generator=gen)[:bsz * per].view(bsz, per).to(torch.int32)
     for b, n in enumerate(lens):
         table[b, -(-n // ps):] = -7               # never read
-    q = (torch.randn(bsz, 1, HQ, D, generator=gen) * (4.0 if wide else 1.0)).to(torch.bfloat16)
+    q = (torch.randn(bsz, 1, hq, D, generator=gen) * (4.0 if wide else 1.0)).to(torch.bfloat16)
     sl = torch.tensor(lens, dtype=torch.int32)
     return [t.to(device) for t in (q, kc, vc, table, sl)]
+
+
+def poison(kc, vc, table, lens, ps):
+    """NaN in every cache slot past a sequence in its last page (kernels that read whole tiles
+    must mask them)."""
+    for b, n in enumerate(lens):
+        if n % ps:
+            last = int(table[b, n // ps])
+            kc[last, n % ps:] = math.nan
+            vc[last, n % ps:] = math.nan
 
 
 def _option_id(value):
@@ -513,11 +523,7 @@ def test_cuda_tma_tiles_equal_fa4s_pair_call(ps, chunk, config, heads_first, ext
     scale = D ** -0.5
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
-    for b, n in enumerate(lens):
-        if n % ps:
-            last = int(table[b, n // ps])
-            kc[last, n % ps:] = math.nan
-            vc[last, n % ps:] = math.nan
+    poison(kc, vc, table, lens, ps)
     out, lse, plens, n = pair_decode(q, kc, vc, table, sl, scale, chunk, layout="keys", prefetch=4, config=config,
                                      heads_first=heads_first, **extra)
     assert n == n_ref and bitwise_equal(plens, ref_lens)

@@ -15,31 +15,7 @@ from conftest import bitwise_equal
 
 pytest.importorskip("triton.experimental.gluon")
 
-HQ, HKV, D, G = 16, 4, 128, 4
-
-
-def _inputs(lens, ps, seed, device, hq=HQ):
-    gen = torch.Generator().manual_seed(seed)
-    bsz = len(lens)
-    per = -(-max(max(lens), 1) // ps) + 2
-    pages = bsz * per + 3
-    kc = torch.randn(pages, ps, HKV, D, generator=gen).to(torch.bfloat16)
-    vc = torch.randn(pages, ps, HKV, D, generator=gen).to(torch.bfloat16)
-    table = torch.randperm(pages, generator=gen)[:bsz * per].view(bsz, per).to(torch.int32)
-    for b, n in enumerate(lens):
-        table[b, -(-n // ps):] = -7               # never read
-    q = torch.randn(bsz, 1, hq, D, generator=gen).to(torch.bfloat16)
-    sl = torch.tensor(lens, dtype=torch.int32)
-    return [t.to(device) for t in (q, kc, vc, table, sl)]
-
-
-def _poison(kc, vc, table, lens, ps):
-    """NaN in every cache slot past a sequence in its last page."""
-    for b, n in enumerate(lens):
-        if n % ps:
-            last = int(table[b, n // ps])
-            kc[last, n % ps:] = math.nan
-            vc[last, n % ps:] = math.nan
+from test_triton_pair_decode import D, HQ, _fa4_ready as _fa4_loads, _inputs, poison as _poison  # noqa: E402
 
 
 def test_refused_shapes_are_named():
@@ -68,15 +44,7 @@ def _sm90():
 
 
 def _fa4_ready():
-    if not _sm90():
-        return False
-    try:
-        from rlk_ops.kernels.fa4 import loader
-
-        loader.load()
-        return True
-    except Exception:  # noqa: BLE001 - no FA4 here: the comparison with it is skipped
-        return False
+    return _sm90() and _fa4_loads()
 
 
 @pytest.mark.cuda
