@@ -6,7 +6,9 @@ Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph repl
 ``fa4_strict`` (the line's reference), ``op`` (canonical:C through the op: routed pairs + merge),
 ``pairs`` (the routed pair kernel alone), ``walk`` (the walk alone), ``op_walk`` (walk + the
 merge op on its states), ``walk_fused`` (the walk merging its own states in-program, ``merge=True``), ``merge`` (the merge
-alone) and ``read_flat`` (every K/V byte read once:
+alone), ``walk_hmajor`` (a sequence's KV heads bsz programs apart, probe=2, bits checked:
+``walk_hmajor_equal``), ``walk_ring`` (the ring alone, no arithmetic: what the TMA ring streams
+at, probe=1) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
@@ -75,11 +77,15 @@ def main():
                 row["walk_fused_equal"] = cb.beq(fu[4].reshape(-1), ro.reshape(-1)) and cb.beq(fu[5].reshape(-1),
                                                                                               rl.reshape(-1))
                 fns["walk_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True)
+                hm = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=2)
+                row["walk_hmajor_equal"] = all(cb.beq(x, y) for x, y in zip(hm[:3], ref[:3]))
+                fns["walk_hmajor"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=2)
+                fns["walk_ring"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=1)
             except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
                 row["walk"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             for name, us in b.graph_us_many(fns).items():
                 row[f"{name}_us"] = round(us, 2)
-            for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "read_flat"):
+            for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

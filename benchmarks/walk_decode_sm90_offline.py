@@ -3,7 +3,7 @@ report what the compiler made of it: the block loop's SASS (instructions per war
 top opcodes), registers, spills and shared memory, TMA copies and CTA barriers in the PTX.
 
     python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
-                                                  [--dsl 8] [--sass FILE]
+                                                  [--dsl 8] [--probe 0] [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0). Nothing here runs the kernel: bits and speed
 are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode.py).
@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--page", type=int, default=128)
     ap.add_argument("--np", type=int, default=64, help="merge: states side by side (a power of two)")
     ap.add_argument("--dsl", type=int, default=wd.MERGE_DSL, help="merge: head-dim columns per step")
+    ap.add_argument("--probe", type=int, default=0, help="walk_decode's probe variant (PROBE)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
     args = ap.parse_args()
     layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, 128], gl.bfloat16)
@@ -42,7 +43,8 @@ def main():
              "lse": "*fp32", "pair_lens": "*i32", "scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32",
              "n_pairs": "i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}
     consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
-              "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl}
+              "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
+              "PROBE": args.probe}
     names = list(wd._walk_decode.arg_names)
     sig = {n: types.get(n, "constexpr") for n in names}
     divisible = [n for n, t in types.items() if t.startswith("*")] + ["chunk"]

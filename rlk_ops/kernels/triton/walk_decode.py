@@ -105,7 +105,8 @@ def _wait(t, bars, NS: gl.constexpr):
 def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_log2, bsz, width, chunk,
                  n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
-                 NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16):
+                 NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16,
+                 PROBE: gl.constexpr = 0):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
@@ -122,8 +123,12 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     pid = gl.program_id(0)
-    b = pid // HKV
-    h = pid % HKV
+    if PROBE == 2:  # probe: a sequence's KV heads bsz programs apart
+        b = pid % bsz
+        h = pid // bsz
+    else:
+        b = pid // HKV
+        h = pid % HKV
     seq = gl.load(seq_lens + b)
     nc = gl.cdiv(seq, chunk)                                # chunks holding keys
     last_keys = seq - (nc - 1) * chunk
@@ -177,55 +182,66 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
         c, j, keys = _block(i, nc, last_keys, chunk, NB, BN)
         # K of step i: S^T = K @ Q^T
         _wait(2 * i, bars, NS)
-        k = ring.index((2 * i) % NS).load(op_a)
-        gl.thread_barrier()
-        fence_async_shared()
-        _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)      # V of step i + 1
-        st = mma_v2(k, qt, gl.zeros([BN, M], gl.float32, mma))
-        st = gl.where((kk < keys)[:, None], st, _NEG_INF)
-        m_prev = m
-        m = gl.maximum(gl.max(st, axis=0), m_prev)
-        m_use = gl.where(m == _NEG_INF, 0.0, m)
-        p = _approx(gl.fma(st, scale_log2, -(m_use * scale_log2)[None, :]), "ex2")
-        r = _approx((m_prev - m_use) * scale_log2, "ex2")  # 0 before a chunk's first block: part and acc are 0
-        # thread sums: column 8j + 2t + e of query q is P^T[8j + 2t + e, q]
-        psm.store(p)
-        gl.thread_barrier()
-        x = psm.reshape([16, 4, 2, M]).permute([3, 1, 0, 2]).load(sums4)
-        gl.thread_barrier()
-        x = gl.convert_layout(gl.reshape(x, [M, 4, 32]), sums3)
-        r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
-        x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
-        part = gl.sum(x, axis=2)
-        # V of step i: O^T = O^T * r + V^T @ P^T
-        _wait(2 * i + 1, bars, NS)
-        if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
-            vt = ring.index((2 * i + 1) % NS).load(ld_v)        # is not); a branch: the other blocks skip it
-            ring.index((2 * i + 1) % NS).store(gl.where((vk < keys)[:, None], vt, 0.0))
+        if PROBE == 1:  # probe: the ring alone (every tile waited for and its slot refilled, no arithmetic)
             gl.thread_barrier()
-        v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
-        gl.thread_barrier()
-        fence_async_shared()
-        _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
-        e1 = e2
-        e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        acc = acc * r[None, :]
-        acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
-        if j == 0:  # the chunk's first block: its state is done
-            s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
-            s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
-            s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
-            s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
-            total = gl.convert_layout((s0 + s1) + (s2 + s3), cols_l)
-            o = acc * _approx(total, "rcp")[None, :]
-            ls = gl.fma(m, scale_log2, _approx(total, "lg2")) * _LN2
-            pair = c * bsz + b
-            gl.store(out + pair.to(gl.int64) * (HQ * D) + head[None, :] * D + dr[:, None], o.to(gl.bfloat16),
-                     mask=cmask[None, :])
-            gl.store(lse + pair.to(gl.int64) * HQ + head, ls, mask=cmask)
-            m = gl.full([M], _NEG_INF, gl.float32, cols_l)
-            part = gl.zeros([M, 4], gl.float32, part_l)
-            acc = gl.zeros([D, M], gl.float32, mma)
+            fence_async_shared()
+            _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+            _wait(2 * i + 1, bars, NS)
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+            e1 = e2
+            e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+        else:
+            k = ring.index((2 * i) % NS).load(op_a)
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)      # V of step i + 1
+            st = mma_v2(k, qt, gl.zeros([BN, M], gl.float32, mma))
+            st = gl.where((kk < keys)[:, None], st, _NEG_INF)
+            m_prev = m
+            m = gl.maximum(gl.max(st, axis=0), m_prev)
+            m_use = gl.where(m == _NEG_INF, 0.0, m)
+            p = _approx(gl.fma(st, scale_log2, -(m_use * scale_log2)[None, :]), "ex2")
+            r = _approx((m_prev - m_use) * scale_log2, "ex2")  # 0 before a chunk's first block: part and acc are 0
+            # thread sums: column 8j + 2t + e of query q is P^T[8j + 2t + e, q]
+            psm.store(p)
+            gl.thread_barrier()
+            x = psm.reshape([16, 4, 2, M]).permute([3, 1, 0, 2]).load(sums4)
+            gl.thread_barrier()
+            x = gl.convert_layout(gl.reshape(x, [M, 4, 32]), sums3)
+            r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
+            x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
+            part = gl.sum(x, axis=2)
+            # V of step i: O^T = O^T * r + V^T @ P^T
+            _wait(2 * i + 1, bars, NS)
+            if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
+                vt = ring.index((2 * i + 1) % NS).load(ld_v)        # is not); a branch: the other blocks skip it
+                ring.index((2 * i + 1) % NS).store(gl.where((vk < keys)[:, None], vt, 0.0))
+                gl.thread_barrier()
+            v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
+            e1 = e2
+            e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+            acc = acc * r[None, :]
+            acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
+            if j == 0:  # the chunk's first block: its state is done
+                s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
+                s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
+                s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
+                s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
+                total = gl.convert_layout((s0 + s1) + (s2 + s3), cols_l)
+                o = acc * _approx(total, "rcp")[None, :]
+                ls = gl.fma(m, scale_log2, _approx(total, "lg2")) * _LN2
+                pair = c * bsz + b
+                gl.store(out + pair.to(gl.int64) * (HQ * D) + head[None, :] * D + dr[:, None], o.to(gl.bfloat16),
+                         mask=cmask[None, :])
+                gl.store(lse + pair.to(gl.int64) * HQ + head, ls, mask=cmask)
+                m = gl.full([M], _NEG_INF, gl.float32, cols_l)
+                part = gl.zeros([M, 4], gl.float32, part_l)
+                acc = gl.zeros([D, M], gl.float32, mma)
     for s in gl.static_range(NS):
         mbarrier.invalidate(bars.index(s))
     if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
@@ -308,11 +324,13 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False):
+                merge: bool = False, probe: int = 0):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
-    MERGE_MAX chunks per sequence) and the merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])`` follow."""
+    MERGE_MAX chunks per sequence) and the merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])`` follow.
+    ``probe`` is for benchmarks/probe_walk_decode.py only: 1 runs the ring alone (no arithmetic,
+    the states are garbage), 2 places a sequence's KV heads bsz programs apart (same bits)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -336,6 +354,8 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     merged = (torch.empty((bsz, 1, hq, d), dtype=q.dtype, device=dev),
               torch.empty((bsz, hq, 1), dtype=torch.float32, device=dev)) if merge else (out, lse)
     extra = {"MERGE": 1, "NP": C.pow2(n), "DSL": MERGE_DSL} if merge else {}
+    if probe:
+        extra["PROBE"] = probe
     if bsz:
         k_desc, v_desc = descriptors(k_cache, v_cache)
         _walk_decode[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out,
