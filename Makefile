@@ -10,6 +10,12 @@ TORCH  ?= torch==2.13.0
 # and bad arguments there. 3.9: 3.6's interpreter (the Triton the H200 compiles with) fails on
 # these kernels (a scalar conversion TypeError).
 TRITON ?= triton==3.9.0
+# The Triton the GPU compiles with (the H200's torch 2.11+cu130 brings 3.6.0), beside the venv's:
+# the third pytest run of `make test` builds every decode kernel variant for sm90 with it
+# (tests/test_sm90_compile.py), so a kernel that 3.6 no longer compiles fails on CPU (session 24:
+# 'rows' and 'tile' had stopped compiling on the GPU while 3.9 still built them).
+TRITON_GPU ?= triton==3.6.0
+TRITON_GPU_DIR := .triton-gpu
 DEVICE ?= cpu
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
@@ -22,14 +28,19 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+$(TRITON_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
+	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_GPU_DIR) "$(TRITON_GPU)"
+	touch $@
+
 setup: $(VENV)/.stamp
 
 demo: setup
 	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
-test: setup
+test: setup $(TRITON_GPU_DIR)/.stamp
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py
+	PYTHONPATH=$(TRITON_GPU_DIR) RLK_SM90_TRITON=$(subst triton==,,$(TRITON_GPU)) $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_sm90_compile.py
 
 inspect: setup
 	$(PY) -m rlk_ops inspect
@@ -38,4 +49,4 @@ bench: setup
 	$(PY) benchmarks/dispatch.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_GPU_DIR) .pytest_cache .hypothesis

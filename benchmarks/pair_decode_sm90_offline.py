@@ -109,7 +109,7 @@ def assembled(kernel, sass_path: str | None = None):
     return ttgir, ptx, usage, body, ops
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", choices=sorted(pd.LAYOUTS), default="keys")
     ap.add_argument("--warps", type=int, default=pd.NUM_WARPS)
@@ -132,7 +132,13 @@ def main():
     ap.add_argument("--ablate", type=int, default=0, help="keys: ABL, pieces of the loop removed (wrong bits; "
                                                            "what each costs offline: pair_decode's ablate)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (to diff two builds; TTGIR to FILE.ttgir)")
-    args = ap.parse_args()
+    return ap
+
+
+def build(args: argparse.Namespace):
+    """The sm90 compile of the variant ``args`` names (``parser()``'s options): ``(kernel, consts)``.
+    tests/test_sm90_compile.py compiles every layout this way on CI's CPU machine, so a variant
+    that no longer builds is caught before a GPU run."""
     fn, rows = pd.LAYOUTS[args.layout](CONSTS["G"])
     consts = dict(CONSTS, M=rows)
     sig = {**POINTERS, **SCALARS}
@@ -160,6 +166,12 @@ def main():
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": args.warps, "num_stages": args.stages, "enable_fp_fusion": False,
                                      **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
+    return kernel, consts
+
+
+def main():
+    args = parser().parse_args()
+    kernel, consts = build(args)
     ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"pair_decode sm90 (Triton {triton.__version__}), layout {args.layout}, num_warps {args.warps}, "
           f"num_stages {args.stages}" + (f", prefetch {args.prefetch}, split {consts['SPLIT']}, merge {args.merge}"

@@ -5,7 +5,7 @@ top opcodes), registers, spills and shared memory, TMA copies and CTA barriers i
     python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
                                                   [--dsl 8] [--probe 0] [--sass FILE]
 
-Use the Triton the GPU runs (the H200 has 3.6.0). Nothing here runs the kernel: bits and speed
+Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 builds it too). Nothing here runs the kernel: bits and speed
 are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode.py).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pair_decode_sm90_offline import assembled  # noqa: E402
 from rlk_ops.kernels.triton import walk_decode as wd  # noqa: E402
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--merge", action="store_true", help="the in-program merge (MERGE)")
     ap.add_argument("--chunk", type=int, default=768)
@@ -36,7 +36,11 @@ def main():
     ap.add_argument("--dsl", type=int, default=wd.MERGE_DSL, help="merge: head-dim columns per step")
     ap.add_argument("--probe", type=int, default=0, help="walk_decode's probe variant (PROBE)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
-    args = ap.parse_args()
+    return ap
+
+
+def build(args: argparse.Namespace):
+    """The sm90 compile of the walk with ``parser()``'s options (tests/test_sm90_compile.py)."""
     layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, 128], gl.bfloat16)
     desc = f"tensordesc<bf16[{wd.BLOCK_N}, 128],{layout!r}>"
     types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
@@ -53,6 +57,12 @@ def main():
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": wd.NUM_WARPS, "enable_fp_fusion": False})
+    return kernel
+
+
+def main():
+    args = parser().parse_args()
+    kernel = build(args)
     ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}")
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")

@@ -332,7 +332,8 @@ def _pair_decode(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             acc = tl.dot(_bf16(p, EMU).to(tl.float32), v.to(tl.float32), acc)
         else:
             acc = tl.dot(_bf16(p, EMU), v, acc)
-    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
+    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
+            None, "")
 
 
 @triton.jit
@@ -705,7 +706,8 @@ def _pair_decode_tile(q, kc, vc, table, seq_lens, out, lse, pair_lens, sums,
             pos = c * chunk + (j - 1) * BN + kk
             pg = tl.load(row + pos // PAGE, mask=pos >= c * chunk, other=0)
             m, part, acc = _tile_block(qt, kc, vc, tok, kk < BN, dd, m, part, acc, scale_log2, M, EMU, False)
-    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS)
+    _finish(out, lse, sums, pair, h * G + rows, rmask, dd, part, acc, m, n_keys, scale_log2, M, HQ, D, EMU, SUMS,
+            None, "")
 
 
 # layout -> (kernel, query tile for G query heads per KV head): "rows" puts the queries on the

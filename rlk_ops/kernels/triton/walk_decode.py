@@ -49,6 +49,10 @@ NUM_WARPS = 4
 STAGES = 3         # tiles in the ring (32 KB each): two programs per SM
 MERGE_MAX = 64     # chunks per sequence the in-program merge takes (the state axis is in-thread)
 MERGE_DSL = 8      # head-dim columns per step of that merge (16 spilled 8 bytes offline)
+# Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared and the CTA barrier
+# thread_barrier; 3.9 renamed them async_load and barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _LN2 = gl.constexpr(math.log(2.0))
 _NEG_INF = gl.constexpr(float("-inf"))
 
@@ -91,9 +95,9 @@ def _issue(t, row, col, k_desc, v_desc, ring, bars, n_tiles, NS: gl.constexpr):
         bar = bars.index(slot)
         mbarrier.expect(bar, k_desc.block_type.nbytes)
         if t % 2 == 0:
-            tma.async_copy_global_to_shared(k_desc, [row, col], bar, ring.index(slot))
+            _tma_load(k_desc, [row, col], bar, ring.index(slot))
         else:
-            tma.async_copy_global_to_shared(v_desc, [row, col], bar, ring.index(slot))
+            _tma_load(v_desc, [row, col], bar, ring.index(slot))
 
 
 @gluon.jit
@@ -183,18 +187,18 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
         # K of step i: S^T = K @ Q^T
         _wait(2 * i, bars, NS)
         if PROBE == 1:  # probe: the ring alone (every tile waited for and its slot refilled, no arithmetic)
-            gl.thread_barrier()
+            _cta_barrier()
             fence_async_shared()
             _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
             _wait(2 * i + 1, bars, NS)
-            gl.thread_barrier()
+            _cta_barrier()
             fence_async_shared()
             _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)
             e1 = e2
             e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
         else:
             k = ring.index((2 * i) % NS).load(op_a)
-            gl.thread_barrier()
+            _cta_barrier()
             fence_async_shared()
             _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)      # V of step i + 1
             st = mma_v2(k, qt, gl.zeros([BN, M], gl.float32, mma))
@@ -206,9 +210,9 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
             r = _approx((m_prev - m_use) * scale_log2, "ex2")  # 0 before a chunk's first block: part and acc are 0
             # thread sums: column 8j + 2t + e of query q is P^T[8j + 2t + e, q]
             psm.store(p)
-            gl.thread_barrier()
+            _cta_barrier()
             x = psm.reshape([16, 4, 2, M]).permute([3, 1, 0, 2]).load(sums4)
-            gl.thread_barrier()
+            _cta_barrier()
             x = gl.convert_layout(gl.reshape(x, [M, 4, 32]), sums3)
             r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
             x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
@@ -218,9 +222,9 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
             if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
                 vt = ring.index((2 * i + 1) % NS).load(ld_v)        # is not); a branch: the other blocks skip it
                 ring.index((2 * i + 1) % NS).store(gl.where((vk < keys)[:, None], vt, 0.0))
-                gl.thread_barrier()
+                _cta_barrier()
             v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
-            gl.thread_barrier()
+            _cta_barrier()
             fence_async_shared()
             _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
             e1 = e2
@@ -245,7 +249,7 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     for s in gl.static_range(NS):
         mbarrier.invalidate(bars.index(s))
     if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
-        gl.thread_barrier()
+        _cta_barrier()
         _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL)
 
 

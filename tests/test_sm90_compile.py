@@ -1,0 +1,66 @@
+"""Every decode-pair kernel variant still builds for sm90, on a machine without a GPU.
+
+The interpreter tests (TRITON_INTERPRET=1) check the kernels' arithmetic but never compile them,
+and the CUDA tests run only where a GPU is lent. Session 24 found the 'rows' and 'tile' layouts
+broken on the GPU since session 19 (``_finish`` grew a constexpr parameter whose default the
+compiler rejected) while every interpreter test passed. Here Triton compiles each variant for
+sm90 down to a cubin (its bundled ptxas), as benchmarks/pair_decode_sm90_offline.py does;
+`make test` runs this file under the venv's Triton and again under the GPU's (3.6.0, from
+.triton-gpu, RLK_SM90_TRITON naming it).
+"""
+import os
+import shutil
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for sm90: not under the interpreter", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import pair_decode_sm90_offline as offline  # noqa: E402
+
+
+def _has_ptxas():
+    return any(os.path.exists(os.path.join(offline.bindir(), n)) for n in ("ptxas-blackwell", "ptxas")) or \
+        shutil.which("ptxas") is not None
+
+
+@pytest.mark.skipif("RLK_SM90_TRITON" not in os.environ, reason="no Triton version asked for (make test's "
+                    "third run asks for the GPU's)")
+def test_runs_under_the_triton_asked_for():
+    assert triton.__version__ == os.environ["RLK_SM90_TRITON"], (
+        f"RLK_SM90_TRITON asks for Triton {os.environ['RLK_SM90_TRITON']}, this run imports {triton.__version__} "
+        f"from {triton.__file__}")
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
+@pytest.mark.parametrize("argv", [
+    ["--layout", "rows"],
+    ["--layout", "tile"], ["--layout", "tile", "--page", "128", "--heads-first", "--off64"],
+    ["--layout", "keys", "--prefetch", "3", "--warps", "8"],               # the routed kernel (one wave)
+    ["--layout", "keys", "--prefetch", "3", "--warps", "4", "--stages", "2", "--heads-first"],  # past one wave
+    ["--layout", "keys", "--prefetch", "0", "--ahead", "--l2"],
+    ["--layout", "keys", "--prefetch", "4"],                                # K/V tiles by TMA
+    ["--layout", "keys", "--merge", "--slices", "2", "--pdl", "--early"],
+], ids=lambda a: "_".join(x.lstrip("-") for x in a))
+def test_variant_builds_for_sm90(argv):
+    kernel, consts = offline.build(offline.parser().parse_args(argv))
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90" in ptx and "mma" in ptx
+    assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
+@pytest.mark.parametrize("argv", [[], ["--merge"], ["--page", "256", "--chunk", "2048"]],
+                         ids=lambda a: "_".join(x.lstrip("-") for x in a) or "plain")
+def test_walk_builds_for_sm90(argv):
+    pytest.importorskip("triton.experimental.gluon")
+    import walk_decode_sm90_offline as walk_offline
+
+    kernel = walk_offline.build(walk_offline.parser().parse_args(argv))
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90" in ptx and "cp.async.bulk.tensor" in ptx and "mma.sync" in ptx
+    assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"
