@@ -10,15 +10,18 @@ Here one ring of NS tiles (K and V of each key block, [BLOCK_N, D] each, 32 KB) 
 chunk boundaries: the next tiles are in flight while a chunk's state is finished.
 
 Per key block (blocks of a chunk from its last to its first, chunks in ascending order), the
-same operations as ``_keys_pair`` in the same order, meant to give the same bits. NOT YET RUN
-on a GPU (no machine was lent in session 23): tests/test_walk_decode.py checks them against the
-pair kernel and FA4's pair call, and benchmarks/walk_h200.sh runs it with the probe. Not routed.
+same operations as ``_keys_pair`` in the same order, with the same bits: on an H100 (session 24,
+results/h100/session24) every state equals the pair kernel's and FA4's pair call
+(tests/test_walk_decode.py, 15/15; benchmarks/diag_walk_decode.py). NOT ROUTED: at page 128,
+64 x 8k / 32k, C = 768 it took 1.018-1.039x FA4 single pass against the routed pairs'
+1.008-1.013x, and its ring alone (``probe=1``, no arithmetic) 0.992-0.998x, so even without the
+merge it does not reach FA4 there (benchmarks/probe_walk_decode.py, three runs; README).
     S^T = K @ Q^T (mma.sync m16n8k16, keys on M, the G query heads padded to 8 on N)
     keys past the chunk -inf;  m = max(m_prev, max S);  m' = 0 if m = -inf else m
     P = ex2(fma(S, scale_log2, -(m' * scale_log2)));  r = ex2((m_prev - m') * scale_log2)
     thread sums: fma(sum_t, r, P[first column]) then 31 adds in FA4's column order
-    O^T = O^T * r + V^T @ bf16(P)^T (mma.sync; operand roles swapped as for S, where the H200
-      measured the output element the same dot in either role; for O that is unmeasured)
+    O^T = O^T * r + V^T @ bf16(P)^T (mma.sync; operand roles swapped as for S: the same element
+      in either role, measured on the H200 for S and by the walk's tests for O)
     chunk end: L = (s0 + s1) + (s2 + s3);  out = bf16(O * rcp(L));  lse = fma(m, scale_log2, lg2(L)) * ln 2
 The states (out, lse, pair_lens) are pair_decode's, chunk-major (pair c * B + b); the merge op
 merges them as it merges the pair kernel's.
