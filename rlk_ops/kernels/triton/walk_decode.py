@@ -343,6 +343,8 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     why = supported(k_cache, v_cache, chunk_size)
     if why is not None:
         raise ValueError(f"walk_decode: {why}")
+    if probe not in (0, 1, 2):
+        raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone) or 2 (KV heads apart), got {probe!r}")
     bsz, _, hq, d = q.shape
     pages, page, hkv, _ = k_cache.shape
     if hq % hkv or hq // hkv > COLS:
