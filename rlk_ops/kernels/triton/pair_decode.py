@@ -263,13 +263,14 @@ def _head_rows(pg, pos, page, h, HKV: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _finish(out, lse, sums, pair, head, hmask, dd, part, acc, m, n_keys, scale_log2, M: tl.constexpr,
-            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first=None,
-            EVICT: tl.constexpr = ""):
+            HQ: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, first,
+            EVICT: tl.constexpr):
     """Every layout's end of a pair: L = (s0 + s1) + (s2 + s3) from the thread sums, out =
     bf16(O * rcp(L)), lse = fma(m, scale_log2, lg2(L)) * ln 2 (an empty pair: out 0, lse -inf),
     stored for the query heads ``head`` and head-dim columns ``dd`` (row sums L too when SUMS);
     lse and L only where ``first`` (one of a pair's head-dim slices). EVICT: the L2 eviction
-    policy of the out and lse stores (a cache hint: no value changes)."""
+    policy of the out and lse stores (a cache hint: no value changes). No defaults: Triton 3.6
+    rejected this nested call's EVICT default of "" where a caller left it out (session 24)."""
     even_t, odd_t = tl.split(tl.reshape(part, [M, 2, 2]))  # (s0, s2), (s1, s3)
     s01, s23 = tl.split(even_t + odd_t)                     # s0 + s1, s2 + s3
     total = s01 + s23
@@ -535,7 +536,7 @@ def _keys_pair(q, kc, vc, table, out, lse, sums, scale_log2, width, chunk, page,
                G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
                BN: tl.constexpr, EMU: tl.constexpr, SUMS: tl.constexpr, INIT_FMA: tl.constexpr, PF: tl.constexpr,
                NBC: tl.constexpr, ABL: tl.constexpr, SPLIT: tl.constexpr, L2PF: tl.constexpr, AHEAD: tl.constexpr,
-               DS: tl.constexpr, EVICT: tl.constexpr = "", EARLY: tl.constexpr = 0):
+               DS: tl.constexpr, EVICT: tl.constexpr, EARLY: tl.constexpr):
     """One pair's walk in the "keys" layout (``_pair_decode_keys``): its state stored."""
     cols = tl.arange(0, M)
     cmask = cols < G
