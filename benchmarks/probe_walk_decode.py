@@ -8,7 +8,9 @@ Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph repl
 merge op on its states), ``walk_fused`` (the walk merging its own states in-program, ``merge=True``), ``merge`` (the merge
 alone), ``walk_hmajor`` (a sequence's KV heads bsz programs apart, probe=2, bits checked:
 ``walk_hmajor_equal``), ``walk_ring`` (the ring alone, no arithmetic: what the TMA ring streams
-at, probe=1) and ``read_flat`` (every K/V byte read once:
+at, probe=1), ``walk_ring_rows`` (the same ring over whole cache rows: each tile BLOCK_N / Hkv
+rows of every KV head, one contiguous 32 KB, probe=3; session 24 asked whether that streams
+nearer a flat read than one head's 256-byte slices) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
@@ -83,9 +85,15 @@ def main():
                 fns["walk_ring"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=1)
             except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
                 row["walk"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+            try:  # the whole-row ring on its own: a failure here leaves the others timed
+                wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
+                fns["walk_ring_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
+            except Exception as e:  # noqa: BLE001 - recorded
+                row["walk_ring_rows"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             for name, us in b.graph_us_many(fns).items():
                 row[f"{name}_us"] = round(us, 2)
-            for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "read_flat"):
+            for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "walk_ring_rows",
+                         "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

@@ -41,8 +41,9 @@ def parser() -> argparse.ArgumentParser:
 
 def build(args: argparse.Namespace):
     """The sm90 compile of the walk with ``parser()``'s options (tests/test_sm90_compile.py)."""
-    layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, 128], gl.bfloat16)
-    desc = f"tensordesc<bf16[{wd.BLOCK_N}, 128],{layout!r}>"
+    block = [wd.BLOCK_N // 4, 4 * 128] if args.probe == 3 else [wd.BLOCK_N, 128]   # whole rows of HKV = 4 heads
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    desc = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
              "lse": "*fp32", "pair_lens": "*i32", "scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32",
              "n_pairs": "i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}

@@ -54,7 +54,8 @@ def test_variant_builds_for_sm90(argv):
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
-@pytest.mark.parametrize("argv", [[], ["--merge"], ["--page", "256", "--chunk", "2048"]],
+@pytest.mark.parametrize("argv", [[], ["--merge"], ["--page", "256", "--chunk", "2048"], ["--probe", "2"],
+                                  ["--probe", "1"], ["--probe", "3"]],
                          ids=lambda a: "_".join(x.lstrip("-") for x in a) or "plain")
 def test_walk_builds_for_sm90(argv):
     pytest.importorskip("triton.experimental.gluon")
@@ -62,5 +63,7 @@ def test_walk_builds_for_sm90(argv):
 
     kernel = walk_offline.build(walk_offline.parser().parse_args(argv))
     ptx = kernel.asm["ptx"]
-    assert ".target sm_90" in ptx and "cp.async.bulk.tensor" in ptx and "mma.sync" in ptx
+    assert ".target sm_90" in ptx and "cp.async.bulk.tensor" in ptx
+    ring_only = argv[-1:] in (["1"], ["3"])          # probes 1 and 3: the ring without arithmetic
+    assert ("mma.sync" in ptx) != ring_only
     assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"

@@ -142,17 +142,22 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     n_steps = gl.where(nc > 0, (nc - 1) * NB + gl.cdiv(last_keys, BN), 0)
     n_tiles = 2 * n_steps
     table_row = table + b.to(gl.int64) * width
-    col = h * D
+    if PROBE == 3:  # probe: the ring over whole cache rows (all KV heads), a quarter-block per program
+        roff = h * (BN // HKV)
+        col = 0
+    else:
+        roff = 0
+        col = h * D
 
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D], k_desc.layout)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NS] + k_desc.block_type.shape, k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(bars.index(s), count=1)
     e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
     e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    _issue(0, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(1, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(2, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(0, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(1, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(2, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
     e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
 
     # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
@@ -189,14 +194,14 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
         c, j, keys = _block(i, nc, last_keys, chunk, NB, BN)
         # K of step i: S^T = K @ Q^T
         _wait(2 * i, bars, NS)
-        if PROBE == 1:  # probe: the ring alone (every tile waited for and its slot refilled, no arithmetic)
+        if PROBE == 1 or PROBE == 3:  # probe: the ring alone (every tile waited for and refilled, no arithmetic)
             _cta_barrier()
             fence_async_shared()
-            _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+            _issue(2 * i + NS, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
             _wait(2 * i + 1, bars, NS)
             _cta_barrier()
             fence_async_shared()
-            _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+            _issue(2 * i + 1 + NS, e2 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
             e1 = e2
             e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
         else:
@@ -321,13 +326,15 @@ def supported(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk_size: int) -> 
     return None
 
 
-def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool = False) -> tuple:
     """TMA descriptors of the caches as [rows, HKV * D]: a tile is BLOCK_N rows of one KV head's
-    D columns (column h * D)."""
+    D columns (column h * D); ``whole_rows`` (probe 3): BLOCK_N / HKV rows of every KV head, the
+    same bytes."""
     pages, page, hkv, d = k_cache.shape
     shape, strides = [pages * page, hkv * d], [hkv * d, 1]
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.bfloat16)
-    return tuple(TensorDescriptor(c.view(shape), shape, strides, [BLOCK_N, d], layout) for c in (k_cache, v_cache))
+    block = [BLOCK_N // hkv, hkv * d] if whole_rows else [BLOCK_N, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return tuple(TensorDescriptor(c.view(shape), shape, strides, block, layout) for c in (k_cache, v_cache))
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
@@ -337,14 +344,17 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
     MERGE_MAX chunks per sequence) and the merged ``(out [B, 1, Hq, D], lse [B, Hq, 1])`` follow.
     ``probe`` is for benchmarks/probe_walk_decode.py only: 1 runs the ring alone (no arithmetic,
-    the states are garbage), 2 places a sequence's KV heads bsz programs apart (same bits)."""
+    the states are garbage), 2 places a sequence's KV heads bsz programs apart (same bits), 3 runs
+    the ring alone over whole cache rows: program (b, h) reads rows h * BLOCK_N / Hkv onward of
+    each block, every KV head's columns, the same bytes per tile as 1 (garbage states)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
     if why is not None:
         raise ValueError(f"walk_decode: {why}")
-    if probe not in (0, 1, 2):
-        raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone) or 2 (KV heads apart), got {probe!r}")
+    if probe not in (0, 1, 2, 3):
+        raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
+                         f"whole rows), got {probe!r}")
     bsz, _, hq, d = q.shape
     pages, page, hkv, _ = k_cache.shape
     if hq % hkv or hq // hkv > COLS:
@@ -366,7 +376,7 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if probe:
         extra["PROBE"] = probe
     if bsz:
-        k_desc, v_desc = descriptors(k_cache, v_cache)
+        k_desc, v_desc = descriptors(k_cache, v_cache, whole_rows=probe == 3)
         _walk_decode[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out,
                                    lse, pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
                                    merge_mod._log_constants(dev) if merge else lse,
