@@ -41,6 +41,17 @@ def test_refused_shapes_are_named():
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_other_architectures_are_refused_by_name(monkeypatch):
+    from rlk_ops.kernels.triton import walk_decode as wd
+
+    q, kc, vc, table, sl = _inputs([300], 128, seed=0, device="cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"needs an SM90 GPU .* got compute capability 8\.0"):
+        wd.walk_decode(q, kc, vc, table, sl, 1.0, 256)
+
+
 def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 

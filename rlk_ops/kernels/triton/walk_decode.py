@@ -366,6 +366,10 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                          f"(page_table width {width} x page {page} / chunk_size {chunk_size})")
     if q.device.type != "cuda":
         raise ValueError(f"walk_decode needs a CUDA device (SM90: TMA), got q on {q.device}")
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap[0] != 9:
+        raise ValueError(f"walk_decode needs an SM90 GPU (Hopper: TMA with mma.sync), got compute capability "
+                         f"{cap[0]}.{cap[1]} for q on {q.device}")
     dev = q.device
     out = torch.empty((n * bsz, 1, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((n * bsz, hq, 1), dtype=torch.float32, device=dev)
