@@ -41,15 +41,16 @@ def parser() -> argparse.ArgumentParser:
 
 def build(args: argparse.Namespace):
     """The sm90 compile of the walk with ``parser()``'s options (tests/test_sm90_compile.py)."""
-    block = [wd.BLOCK_N // 4, 4 * 128] if args.probe == 3 else [wd.BLOCK_N, 128]   # whole rows of HKV = 4 heads
+    consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
+              "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
+              "PROBE": args.probe}
+    hkv, d = consts["HKV"], consts["D"]
+    block = [wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d]   # probe 3: whole cache rows
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     desc = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
              "lse": "*fp32", "pair_lens": "*i32", "scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32",
              "n_pairs": "i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}
-    consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
-              "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
-              "PROBE": args.probe}
     names = list(wd._walk_decode.arg_names)
     sig = {n: types.get(n, "constexpr") for n in names}
     divisible = [n for n, t in types.items() if t.startswith("*")] + ["chunk"]
