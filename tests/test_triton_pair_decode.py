@@ -208,6 +208,24 @@ def test_interpreter_sequence_major_order_changes_no_state():
         assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)")
+@pytest.mark.parametrize("ps,chunk", [(16, 128), (16, 256), (128, 256), (16, 1 << 20), (128, 1 << 20)])
+def test_interpreter_decode_layout_equals_the_cpu_layout(ps, chunk):
+    """merge.decode_pairs (one launch) lays out the pairs as cpu.canonical.decode_pairs: the
+    same pair table, lengths and N, the query copied per pair, kernel lengths max(len, 1);
+    a chunk wider than the table (C = 2^20) takes the table's width, not C / page_size."""
+    from rlk_ops.kernels.cpu import canonical
+    from rlk_ops.kernels.triton.merge import decode_pairs
+
+    q, _, _, table, sl = _inputs([300, 129, 1, 520, 0], ps, seed=ps + chunk % 1000, device="cpu")
+    qp, ptab, plens, klens, n = decode_pairs(q, table, sl, ps, chunk)
+    ref_tab, ref_lens, n_ref = canonical.decode_pairs(table, sl, ps, chunk)
+    assert n == n_ref and ptab.shape[1] == min(chunk // ps, table.shape[1])
+    assert bitwise_equal(ptab, ref_tab) and bitwise_equal(plens, ref_lens)
+    assert bitwise_equal(klens, ref_lens.clamp(min=1))
+    assert bitwise_equal(qp.view(n, *q.shape), q[None].expand(n, *q.shape))
+
+
 def test_decode_launch_splits_the_head_dim_only_within_one_wave(monkeypatch):
     """The measured rule (pair_decode.decode_launch, SLICES_ONE_WAVE, PDL_ONE_WAVE): 8 warps and
     2 head-dim slices while twice the programs fit one per SM, 8 warps up to one wave, then 4

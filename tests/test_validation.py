@@ -138,6 +138,27 @@ CASES = [
     ("linear bias shape", lin(b_shape=(5,)), r"bias must have shape \[4\] \(weight's out_features\), got \[5\]"),
     ("linear dtype mismatch", lin(w_dtype=torch.bfloat16), r"weight must have the dtype of x \(torch.float32\)"),
     ("linear 1-D weight", lin(w_shape=(8,)), r"weight must be 2-D \[out_features, in_features\], got shape \[8\]"),
+    # empty dimensions (session 25): each once crashed inside a kernel or the wrapper
+    ("no q heads", attn(qs=(2, 5, 0, 8)), r"q heads \(0\) must be a multiple of kv heads \(2\) for GQA, both >= 1"),
+    ("paged no q heads", lambda: rlk_ops.paged_attention(torch.randn(1, 1, 0, 8), *_paged()[1:]),
+     r"q heads \(0\) must be a multiple of kv heads \(2\) for GQA, both >= 1"),
+    ("head_dim 0", lambda: rlk_ops.attention(torch.randn(1, 2, 4, 0), torch.randn(1, 2, 2, 0), torch.randn(1, 2, 2, 0)),
+     r"q must have head_dim >= 1 \(its last dim\), got shape \[1, 2, 4, 0\]"),
+    ("head_dim 0 with a scale", lambda: rlk_ops.attention(torch.randn(1, 2, 4, 0), torch.randn(1, 2, 2, 0),
+                                                          torch.randn(1, 2, 2, 0), softmax_scale=1.0),
+     r"q must have head_dim >= 1"),
+    ("paged head_dim 0", lambda: rlk_ops.paged_attention(torch.randn(1, 1, 4, 0), *_cache(d=0), *_paged()[3:]),
+     r"q must have head_dim >= 1 \(its last dim\), got shape \[1, 1, 4, 0\]"),
+    ("page_size 0", lambda: rlk_ops.paged_kv_gather(*_cache(ps=0), *_paged()[3:]),
+     r"k_cache must have num_pages, page_size, H_kv and D >= 1, got shape \[8, 0, 2, 8\]"),
+    ("no pages", lambda: rlk_ops.paged_kv_gather(*_cache(num_pages=0), torch.zeros(1, 3, dtype=torch.int32),
+                                                 torch.zeros(1, dtype=torch.int32)),
+     r"k_cache must have num_pages, page_size, H_kv and D >= 1, got shape \[0, 4, 2, 8\]"),
+    ("append to no pages", append(slots=(0, 1, 2), cache_kw={"num_pages": 0}),
+     r"k_cache must have num_pages, page_size, H_kv and D >= 1"),
+    ("softmax_scale not a number", attn(softmax_scale="x"), r"softmax_scale must be a float or None, got 'x'"),
+    ("paged softmax_scale not a number", lambda: rlk_ops.paged_attention(*_paged(), softmax_scale=[1.0]),
+     r"softmax_scale must be a float or None, got \[1.0\]"),
     # devices
     ("mixed devices", lambda: rlk_ops.attention(torch.randn(1, 2, 2, 4, device="meta"), torch.randn(1, 2, 2, 4),
                                                 torch.randn(1, 2, 2, 4)),
@@ -193,6 +214,31 @@ def test_split_kv_policy_errors():
         rlk_ops.attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), split_kv="canonical:100")
     with pytest.raises(RlkInputError, match=r"split_kv 'fixed:256' is not allowed here"):
         rlk_ops.attention(*(torch.randn(1, 2, 2, 4) for _ in range(3)), split_kv="fixed:256")
+    # a sign reaches the size message, not the generic one
+    with pytest.raises(RlkInputError, match=r"canonical:C needs C a positive multiple of 128, got -128"):
+        rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="canonical:-128")
+    with pytest.raises(RlkInputError, match=r"fixed:N needs N > 0, got -1"):
+        rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="fixed:-1")
+    # C is bounded: the decode layout allocates C / page_size table columns per pair
+    with pytest.raises(RlkInputError, match=r"canonical:C needs C <= 1048576 \(MAX_CANONICAL_CHUNK\), got 128000"):
+        rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=f"canonical:{128 * 10**15}")
+    # a backend that lacks a policy says so as an input error
+    with pytest.raises(RlkInputError, match=r"split_kv 'fixed:4' is not implemented by the cpu backend"):
+        rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="fixed:4")
+
+
+def test_chunk_wider_than_the_table_decodes_without_padding_to_c():
+    """canonical:C with C far past the table's capacity: one chunk, whose pair table is the
+    page table itself (not C / page_size columns), and the single-pass bits where the
+    policy's one state is merged (decode rows equal under the two largest C)."""
+    from rlk_ops.kernels.cpu.canonical import decode_pairs
+
+    q, kc, vc, table, lens = _paged()
+    pair_table, pair_lens, n = decode_pairs(table, lens, 4, 1 << 20)
+    assert n == 1 and torch.equal(pair_table, table) and torch.equal(pair_lens, lens)
+    big = rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="canonical:1048576")
+    small = rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="canonical:128")
+    assert all(torch.equal(a, b) for a, b in zip(big, small))  # 9 keys: one chunk under either C
 
 
 @pytest.mark.parametrize("name,call,pattern", CASES, ids=[c[0] for c in CASES])
@@ -224,9 +270,93 @@ def test_device_fast_path_accepts_valid_input(monkeypatch):
 def test_one_storage_for_k_and_v_cache_is_rejected():
     cache = torch.zeros(4, 4, 2, 8)
     before = cache.clone()
-    with pytest.raises(RlkInputError, match="k_cache and v_cache must be separate tensors"):
+    with pytest.raises(RlkInputError, match="k_cache and v_cache must not overlap in memory"):
         rlk_ops.paged_kv_append(cache, cache, torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), torch.tensor([3]))
     assert torch.equal(cache, before)
+    # overlapping views of one buffer (not the same tensor object)
+    buf = torch.zeros(6, 4, 2, 8)
+    with pytest.raises(RlkInputError, match="k_cache and v_cache must not overlap in memory"):
+        rlk_ops.paged_kv_append(buf[:4], buf[2:], torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.tensor([3]))
+    assert not buf.any()
+
+
+def test_k_and_v_halves_of_one_buffer_are_separate_caches():
+    """kv [2, num_pages, page_size, H, D] with k_cache = kv[0], v_cache = kv[1]: the halves do
+    not overlap, so the append writes each (session 25: the one-storage check refused them)."""
+    kv = torch.zeros(2, 4, 4, 2, 8)
+    rlk_ops.paged_kv_append(kv[0], kv[1], torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), torch.tensor([5]))
+    assert torch.equal(kv[0].view(-1, 2, 8)[5], torch.ones(2, 8))
+    assert torch.equal(kv[1].view(-1, 2, 8)[5], torch.full((2, 8), 2.0))
+    assert int(kv.ne(0).sum()) == 2 * 2 * 8  # nothing else written
+    k, v = rlk_ops.paged_kv_gather(kv[0], kv[1], torch.tensor([[1]], dtype=torch.int32),
+                                   torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(k[0, 1], torch.ones(2, 8)) and torch.equal(v[0, 1], torch.full((2, 8), 2.0))
+
+
+def test_k_and_v_halves_under_torch_compile():
+    """The same halves through torch.compile(fullgraph=True): the functionalized append
+    writes both views of the one base, as eager does."""
+    def step(kv, k, v, slots, table, lens):
+        rlk_ops.paged_kv_append(kv[0], kv[1], k, v, slots)
+        return rlk_ops.paged_kv_gather(kv[0], kv[1], table, lens)
+
+    kv, kv_eager = torch.zeros(2, 4, 4, 2, 8), torch.zeros(2, 4, 4, 2, 8)
+    args = (torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), torch.tensor([5]), torch.tensor([[1]], dtype=torch.int32),
+            torch.tensor([2], dtype=torch.int32))
+    got = torch.compile(step, fullgraph=True)(kv, *args)
+    want = step(kv_eager, *args)
+    assert torch.equal(kv, kv_eager) and int(kv.ne(0).sum()) == 2 * 2 * 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_append_to_a_cache_that_cannot_be_written_leaves_both_untouched(which):
+    """A cache that requires grad, or an inference tensor outside inference mode, cannot be
+    written in place: the append raises before writing either cache (it once wrote K, then
+    failed on V)."""
+    for make in ("requires_grad", "inference"):
+        k_cache, v_cache = _cache()
+        if make == "inference":
+            with torch.inference_mode():
+                bad = torch.randn(8, 4, 2, 8)
+        else:
+            bad = torch.randn(8, 4, 2, 8).requires_grad_()
+        if which == "k_cache":
+            k_cache = bad
+        else:
+            v_cache = bad
+        before = (k_cache.detach().clone(), v_cache.detach().clone())
+        pattern = "must not require grad" if make == "requires_grad" else "is an inference tensor"
+        with pytest.raises(RlkInputError, match=f"{which} {pattern}"):
+            rlk_ops.paged_kv_append(k_cache, v_cache, torch.ones(2, 2, 8), torch.ones(2, 2, 8), torch.tensor([0, 5]))
+        assert torch.equal(k_cache.detach(), before[0]) and torch.equal(v_cache.detach(), before[1])
+
+
+def test_linear_with_no_input_features_is_the_bias():
+    """K = 0: an empty sum, so y = bias (or 0), as torch.nn.functional.linear; its gradients
+    are empty (dx, dw) and the bias gradient the row count."""
+    x = torch.randn(3, 0, requires_grad=True)
+    w = torch.randn(4, 0, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    y = rlk_ops.linear(x, w, b)
+    assert torch.equal(y, b.detach().expand(3, 4))
+    assert torch.equal(rlk_ops.linear(x, w), torch.zeros(3, 4))
+    y.sum().backward()
+    assert x.grad.shape == (3, 0) and w.grad.shape == (4, 0) and torch.equal(b.grad, torch.full((4,), 3.0))
+
+
+def test_use_backend_names_an_unknown_op():
+    with pytest.raises(ValueError, match=r"use_backend: unknown op 'paged_atention'; known: \["):
+        with rlk_ops.use_backend(paged_atention="flashinfer"):
+            pass
+
+
+def test_collectives_name_a_bad_group(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(RlkInputError, match=r"group must be a torch.distributed ProcessGroup or None .*got str 'x'"):
+        rlk_ops.reduce_scatter(torch.zeros(2), 0, group="x")
 
 
 def test_zero_width_page_table_is_rejected():

@@ -92,7 +92,11 @@ def requested_backend(op: str, device_type: str) -> str:
 @contextlib.contextmanager
 def use_backend(**op_to_backend: str) -> Iterator[None]:
     """Request a backend per op for the block, e.g. ``use_backend(paged_attention="flashinfer")``."""
+    from rlk_ops.meta.specs import REGISTRY  # the op list (meta/specs.py imports nothing from here)
+
     for op, backend in op_to_backend.items():
+        if op not in REGISTRY:
+            raise ValueError(f"use_backend: unknown op {op!r}; known: {sorted(REGISTRY)}")
         if backend not in _BACKEND_MODULES:
             raise ValueError(f"use_backend: unknown backend {backend!r} for {op}; known: {sorted(_BACKEND_MODULES)}")
     old = dict(_overrides)

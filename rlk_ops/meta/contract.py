@@ -21,7 +21,7 @@ TP=2 shard): decode at batch 1 and 8 within 1.15x of FlashInfer's auto split (wo
 a margin; 32k 0.98x), training forward+backward 1.09x of single pass at B=4, S=8k. C = 1024
 (the default from session 6 to 11: the smallest power of two training within 1.15x) misses
 1 x 8k (1.35x in the same run); 640 misses training (1.16x) and 64 x 8k (1.01x). At page 128
-C = 768 misses 64 x 8k (1.03x; canonical_p128.md). Any C a multiple of 128 is accepted.
+C = 768 misses 64 x 8k (1.03x; canonical_p128.md). Any C a multiple of 128 up to MAX_CANONICAL_CHUNK (2^20) is accepted.
 """
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ import functools
 import re
 from dataclasses import asdict, dataclass
 
-_POLICY = re.compile(r"^(disabled|auto|fixed:(\d+)|canonical(?::(\d+))?)$")
+_POLICY = re.compile(r"^(disabled|auto|fixed:(-?\d+)|canonical(?::(-?\d+))?)$")
 DEFAULT_CANONICAL_CHUNK = 768
+# the largest C accepted: 2^20 tokens, past any context this package serves; the decode layout
+# allocates C / page_size page-table columns per pair, so C is bounded, not free
+MAX_CANONICAL_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class SplitKVPolicy:
             size = DEFAULT_CANONICAL_CHUNK
         if kind == "canonical" and (size <= 0 or size % 128):
             raise ValueError(f"split_kv canonical:C needs C a positive multiple of 128, got {size}")
+        if kind == "canonical" and size > MAX_CANONICAL_CHUNK:
+            raise ValueError(f"split_kv canonical:C needs C <= {MAX_CANONICAL_CHUNK} (MAX_CANONICAL_CHUNK), got {size}")
         if kind == "fixed" and size <= 0:
             raise ValueError(f"split_kv fixed:N needs N > 0, got {size}")
         return cls(kind, size)

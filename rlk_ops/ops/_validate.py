@@ -132,6 +132,25 @@ def all_clear(*bad: torch.Tensor) -> bool:
     return not bool(torch.stack([b.any() for b in bad]).any())
 
 
+def head_dim(op: str, name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] < 1:
+        fail(op, f"{name} must have head_dim >= 1 (its last dim), got shape {shape_str(t)}")
+
+
+def softmax_scale(op: str, q: torch.Tensor, value) -> float:
+    """A public function's ``softmax_scale`` as the op takes it: None is q's head_dim ** -0.5;
+    anything else must convert to a float (its finiteness is the op's check)."""
+    if value is None:
+        if q.dim() == 0:
+            fail(op, "q must have a head_dim (its last dim), got a 0-d tensor")
+        head_dim(op, "q", q)
+        return q.shape[-1] ** -0.5
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        fail(op, f"softmax_scale must be a float or None, got {value!r}")
+
+
 def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout: str) -> None:
     """positions: int64 with x's leading shape (all dims but the last two), >= 0."""
     if positions.dtype != torch.int64:

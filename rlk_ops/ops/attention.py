@@ -33,7 +33,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention; returns (out, lse)."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = V.softmax_scale("attention_fwd", q, softmax_scale)
     return torch.ops.rlk.attention_fwd(q, k, v, int(bool(causal)), scale, cu_seqlens_q, cu_seqlens_k,
                                        max_seqlen_q or 0, max_seqlen_k or 0, spell(split_kv))
 
@@ -110,8 +110,8 @@ def lse_dtype(q):
 
 
 def check_heads(op, hq, hkv):
-    if hkv == 0 or hq % hkv:
-        V.fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
+    if hq < 1 or hkv < 1 or hq % hkv:
+        V.fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA, both >= 1")
 
 
 def check_split_kv(op, split_kv, allowed=("disabled", "canonical")):
@@ -140,6 +140,7 @@ def check_attention(op, q, k, v, causal, softmax_scale, cu_q, cu_k, split_kv="di
         V.fail(op, f"v must have k's shape {V.shape_str(k)}, got {V.shape_str(v)}")
     if k.shape[-1] != q.shape[-1]:
         V.fail(op, f"k's head_dim ({k.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
+    V.head_dim(op, "q", q)
     check_heads(op, q.shape[-2], k.shape[-2])
     if not varlen:
         if k.shape[0] != q.shape[0]:

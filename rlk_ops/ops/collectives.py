@@ -30,6 +30,9 @@ def group_name(group=None) -> str:
             "torch.distributed.init_process_group (or rlk_ops.distributed.init_mesh) first")
     if group is None:
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise V.RlkInputError(f"rlk collectives: group must be a torch.distributed ProcessGroup or None (the "
+                              f"default group), got {type(group).__name__} {group!r}")
     return group.group_name
 
 

@@ -31,7 +31,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, softmax_scale: float | None = None,
                     split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest Sq tokens of each sequence over its paged KV; (out, lse)."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = V.softmax_scale("paged_attention", q, softmax_scale)
     return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale, spell(split_kv))
 
 
@@ -66,6 +66,7 @@ def check_paged_inputs(op, q, k_cache, v_cache, page_table, seq_lens, softmax_sc
     V.same_dtype(op, "k_cache", k_cache, "q", q)
     if k_cache.shape[-1] != q.shape[-1]:
         V.fail(op, f"k_cache's head_dim ({k_cache.shape[-1]}) must equal q's head_dim ({q.shape[-1]})")
+    V.head_dim(op, "q", q)
     check_heads(op, q.shape[2], k_cache.shape[2])
     check_page_table(op, k_cache, page_table, seq_lens)
     if page_table.shape[0] != q.shape[0]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rlk_ops.kernels.dispatch import StrictModeError, kernel_for, strict_mode
+from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import define, fake, impl
 from rlk_ops.ops.attention import lse_dtype
 from rlk_ops.ops.paged_attention import check_paged_inputs
@@ -29,7 +30,7 @@ def paged_attention_auto(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          seq_lens: torch.Tensor, softmax_scale: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Diagnostic lane: batch-dependent split-KV. Refused in strict mode."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = V.softmax_scale(OP, q, softmax_scale)
     return torch.ops.rlk.paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, scale)
 
 

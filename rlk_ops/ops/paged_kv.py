@@ -42,9 +42,14 @@ define("paged_kv_append")
 def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
     op = "paged_kv_append"
     _check_append(k_cache, v_cache, k, v, slot_mapping)
-    # views of one storage (not visible to a fake, which has no data pointer)
-    if k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+    # overlapping memory (not visible to a fake, which has no data pointer); two halves of
+    # one buffer, e.g. kv[0] and kv[1], are separate caches
+    if _overlap(k_cache, v_cache):
         V.fail(op, _SHARED_CACHE)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # both, before either is written
+        if c.is_inference() and not torch.is_inference_mode_enabled():
+            V.fail(op, f"{name} is an inference tensor, which cannot be written in place outside "
+                       f"torch.inference_mode(); create the cache outside inference mode or append inside it")
     if V.value_checks_enabled(slot_mapping, op):
         _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
@@ -78,7 +83,18 @@ def _paged_kv_gather_fake(k_cache, v_cache, page_table, seq_lens):
 
 
 # ------------------------------------------------------------------ validation
-_SHARED_CACHE = "k_cache and v_cache must be separate tensors, got one storage for both (V rows would overwrite K rows)"
+_SHARED_CACHE = "k_cache and v_cache must not overlap in memory, got overlapping tensors (V rows would overwrite K rows)"
+
+
+def _overlap(a, b):
+    """Whether two contiguous tensors share any byte."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
 
 def check_cache(op, k_cache, v_cache):
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, H_kv, D]")
@@ -88,6 +104,8 @@ def check_cache(op, k_cache, v_cache):
     V.float_dtype(op, "k_cache", k_cache)
     V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     V.same_device(op, {"k_cache": k_cache, "v_cache": v_cache})
+    if min(k_cache.shape) < 1:
+        V.fail(op, f"k_cache must have num_pages, page_size, H_kv and D >= 1, got shape {V.shape_str(k_cache)}")
 
 
 def _check_append(k_cache, v_cache, k, v, slot_mapping):
@@ -98,6 +116,8 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping):
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not c.is_contiguous():
             V.fail(op, f"{name} must be contiguous (slots address it as [num_pages * page_size, H_kv, D])")
+        if c.requires_grad:
+            V.fail(op, f"{name} must not require grad (it is written in place), got requires_grad=True")
     _, _, h, d = k_cache.shape
     for name, t in (("k", k), ("v", v)):
         V.ndim(op, name, t, 3, "[T, H_kv, D]")

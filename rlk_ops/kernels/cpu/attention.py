@@ -37,6 +37,7 @@ import torch
 from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.cpu import numerics as nx
 from rlk_ops.meta.contract import SplitKVPolicy
+from rlk_ops.ops._validate import RlkInputError
 
 BLOCK = 128
 # elements of the largest temporary product per step (fp32: 16 MiB)
@@ -220,7 +221,7 @@ def _varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, in
 def _policy(op: str, split_kv: str) -> SplitKVPolicy:
     policy = SplitKVPolicy.parse(split_kv)
     if policy.kind not in ("disabled", "canonical"):
-        raise ValueError(f"rlk::{op}: split_kv {split_kv!r} is not implemented by the cpu backend "
+        raise RlkInputError(f"rlk::{op}: split_kv {split_kv!r} is not implemented by the cpu backend "
                          f"(supported: disabled, canonical:C)")
     return policy
 

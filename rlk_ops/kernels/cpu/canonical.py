@@ -272,12 +272,20 @@ def pair_count(width: int, page_size: int, chunk_size: int) -> int:
     return max(1, math.ceil(width / (chunk_size // page_size)))
 
 
+def pair_columns(width: int, page_size: int, chunk_size: int) -> int:
+    """Page-table columns of a decode pair: the chunk's C / page_size pages, but no more than
+    the table's ``width`` (a chunk wider than the table holds the whole table: padding it
+    to C / page_size would allocate columns no sequence can use)."""
+    return min(chunk_size // page_size, width)
+
+
 def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Decode layout: pair ``c * B + b`` (chunk-major) is sequence b's chunk c as one row
-    of a single-pass paged call with one query. Returns ``(pair_table [N*B, C/page_size]
-    int32, pair_lens [N*B] int32, N)`` with ``pair_lens = clamp(seq_lens[b] - c*C, 0, C)``
-    and ``pair_table`` the page-table slice of the chunk (C % page_size == 0 needed). N
+    of a single-pass paged call with one query. Returns ``(pair_table [N*B, P] int32,
+    pair_lens [N*B] int32, N)`` with ``pair_lens = clamp(seq_lens[b] - c*C, 0, C)`` and
+    ``pair_table`` the page-table slice of the chunk (C % page_size == 0 needed), P =
+    ``pair_columns()``: C/page_size, or the table's width where one chunk covers it. N
     comes from the table width, so nothing is read back to the host; pairs of length 0
     must come back with lse = -inf (the merge skips them) and their table rows are zeroed
     (page 0), so even a kernel that touched them would read a valid page. Chunk-major
@@ -286,7 +294,7 @@ def decode_pairs(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: in
     if chunk_size % page_size:
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
-    per = chunk_size // page_size
+    per = pair_columns(width, page_size, chunk_size)
     n = pair_count(width, page_size, chunk_size)
     padded = torch.nn.functional.pad(page_table, (0, n * per - width))  # page 0: a valid id, never read
     pair_table = padded.view(bsz, n, per).transpose(0, 1).reshape(n * bsz, per)

@@ -5,6 +5,7 @@ depends on K alone, never on how many rows came with it (BLAS picks kernels by M
 """
 from __future__ import annotations
 
+import math
 import torch
 
 from rlk_ops.kernels.cpu import numerics as nx
@@ -34,7 +35,7 @@ def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear(x, weight, bias):
     acc = nx.acc_dtype(x.dtype)
     k = x.shape[-1]
-    x2 = x.reshape(-1, k).to(acc)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k).to(acc)
     y = _matmul_nt(x2, weight.to(acc).contiguous())
     if bias is not None:
         y = y + bias.to(acc)
@@ -45,8 +46,8 @@ def linear_bwd(dy, x, weight):
     """dx = dy @ w (reduce over N per row); dw = dy.T @ x (reduce over tokens M)."""
     acc = nx.acc_dtype(x.dtype)
     n, k = weight.shape
-    dy2 = dy.reshape(-1, n).to(acc)
-    x2 = x.reshape(-1, k).to(acc)
+    dy2 = dy.reshape(math.prod(dy.shape[:-1]), n).to(acc)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k).to(acc)
     dx = _matmul_nt(dy2, weight.to(acc).t().contiguous())
     dw = _matmul_nt(dy2.t().contiguous(), x2.t().contiguous())
     return dx.to(x.dtype).reshape(x.shape), dw.to(weight.dtype)
@@ -55,4 +56,4 @@ def linear_bwd(dy, x, weight):
 def linear_bias_bwd(dy):
     n = dy.shape[-1]
     acc = nx.acc_dtype(dy.dtype)
-    return nx.rowsum(dy.reshape(-1, n).to(acc).t()).to(dy.dtype)
+    return nx.rowsum(dy.reshape(math.prod(dy.shape[:-1]), n).to(acc).t()).to(dy.dtype)

@@ -20,6 +20,7 @@ split, no atomics: run-to-run deterministic); dbias is ``reduce.colsum``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +135,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tens
 def linear(x, weight, bias, config: GemmConfig | None = None):
     _check_dtype(x.dtype)
     k = x.shape[-1]
-    x2 = C.aligned(x.reshape(-1, k))
+    x2 = C.aligned(x.reshape(math.prod(x.shape[:-1]), k))
     w = C.aligned(weight)
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     matmul(x2, w.t(), y, None if bias is None else C.aligned(bias), config)
@@ -144,8 +145,8 @@ def linear(x, weight, bias, config: GemmConfig | None = None):
 def linear_bwd(dy, x, weight):
     _check_dtype(x.dtype)
     n, k = weight.shape
-    dy2 = C.aligned(dy.reshape(-1, n))
-    x2 = C.aligned(x.reshape(-1, k))
+    dy2 = C.aligned(dy.reshape(math.prod(dy.shape[:-1]), n))
+    x2 = C.aligned(x.reshape(math.prod(x.shape[:-1]), k))
     w = C.aligned(weight)
     dx = torch.empty((dy2.shape[0], k), dtype=x.dtype, device=x.device)
     matmul(dy2, w, dx)
@@ -159,4 +160,4 @@ def linear_bwd(dy, x, weight):
 
 def linear_bias_bwd(dy):
     n = dy.shape[-1]
-    return colsum(C.aligned(dy.reshape(-1, n)), dy.dtype)
+    return colsum(C.aligned(dy.reshape(math.prod(dy.shape[:-1]), n)), dy.dtype)

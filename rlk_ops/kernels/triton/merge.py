@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from rlk_ops.kernels.cpu.canonical import pair_count
+from rlk_ops.kernels.cpu.canonical import pair_columns, pair_count
 from rlk_ops.kernels.triton import _common as C
 
 BLOCK_R = 16     # (row, head) pairs per program at most (merge_config); any value gives the same bits
@@ -383,7 +383,7 @@ def _merge_bwd(do_ptr, dl_ptr, o_ptr, l_ptr, out_ptr, lse_ptr, dop_ptr, dlp_ptr,
 
 
 @triton.jit
-def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, kc_ptr, vc_ptr, B, width, chunk,
+def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr, kc_ptr, vc_ptr, B, width, chunk, ps,
                   PER: tl.constexpr, BLOCK_P: tl.constexpr, QN: tl.constexpr, BLOCK_Q: tl.constexpr,
                   PDL: tl.constexpr, PAGE_ELEMS: tl.constexpr = 0, PAGE_BYTES: tl.constexpr = 0):
     i = tl.program_id(0).to(tl.int64)        # pair c * B + b (chunk-major)
@@ -400,7 +400,7 @@ def _pairs_kernel(table_ptr, lens_ptr, q_ptr, pt_ptr, plen_ptr, klen_ptr, qp_ptr
     page = tl.load(table_ptr + b * width + col, mask=(j < PER) & (col < width) & ((j * 0 + plen) > 0), other=0)
     tl.store(pt_ptr + i * PER + j, page, mask=j < PER)
     if PAGE_BYTES > 0:  # the pair's K and V pages requested into L2 (lanes past its keys: page 0; the
-        used = j * (chunk // PER) < plen  # table's entries there may be anything, never an address)
+        used = j * ps < plen  # table's entries there may be anything, never an address)
         at = tl.where(used, page, 0).to(tl.int64) * PAGE_ELEMS
         size = tl.full([BLOCK_P], PAGE_BYTES, tl.int32)
         for cache in tl.static_range(2):
@@ -660,7 +660,8 @@ def prefetchable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefetch=None):
     """canonical:C decode layout in one launch: ``(q_pairs [N*B, 1, H, D], pair_table
-    [N*B, C/page_size] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)``.
+    [N*B, P] int32, pair_lens [N*B] int32, kernel_lens [N*B] int32, N)`` (P from
+    ``cpu.canonical.pair_columns``: C/page_size, at most the table's width).
     ``pair_table``/``pair_lens``/``N`` equal ``kernels/cpu/canonical.decode_pairs``;
     ``kernel_lens = max(pair_lens, 1)`` is what the attention kernel is given (an empty
     pair then reads one key of page 0 and the merge skips it through ``pair_lens``).
@@ -672,7 +673,7 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefe
     if chunk_size % page_size:
         raise ValueError(f"decode_pairs needs chunk_size % page_size == 0, got {chunk_size} % {page_size}")
     bsz, width = page_table.shape
-    per = chunk_size // page_size
+    per = pair_columns(width, page_size, chunk_size)
     n = pair_count(width, page_size, chunk_size)
     dev = q.device
     q_pairs = torch.empty((n * bsz, *q.shape[1:]), dtype=q.dtype, device=dev)
@@ -695,6 +696,6 @@ def decode_pairs(q, page_table, seq_lens, page_size: int, chunk_size: int, prefe
                 pf = {"PAGE_ELEMS": kc[0].numel(), "PAGE_BYTES": page_bytes}
         _pairs_kernel[(n * bsz,)](
             C.aligned(page_table), C.aligned(seq_lens), C.aligned(q), pair_table, pair_lens, kernel_lens, q_pairs,
-            kc, vc, bsz, width, chunk_size, PER=per, BLOCK_P=C.pow2(per), QN=qn,
+            kc, vc, bsz, width, chunk_size, page_size, PER=per, BLOCK_P=C.pow2(per), QN=qn,
             BLOCK_Q=min(C.pow2(qn), 4096), PDL=bool(launch), **pf, num_warps=NUM_WARPS, **C.LAUNCH, **launch)
     return q_pairs, pair_table, pair_lens, kernel_lens, n
