@@ -8,7 +8,7 @@ matches with an out that does not points at O (V^T @ P^T, the swapped operand ro
 masking); a lse off by a few ulp points at the thread sums; both far off at the tiles (ring,
 page table, layouts).
 
-Usage (GPU machine): python3 benchmarks/diag_walk_decode.py
+Usage (GPU machine): [WARPS=4,8] python3 benchmarks/diag_walk_decode.py
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ CASES = [("one block", [128], 128, 128, 16), ("partial block", [100], 128, 128, 
          ("two chunks", [256], 128, 128, 16), ("G 2", [256], 128, 256, 8), ("G 8", [256], 128, 256, 32),
          ("batch 3", [300, 128, 1000], 128, 256, 16), ("page 256", [700], 256, 256, 16),
          ("C 768 long", [8192], 128, 768, 16)]
+WARPS = tuple(int(w) for w in os.environ.get("WARPS", "4,8").split(","))  # walk_decode's warps per program
 
 
 def _where(a, b):
@@ -49,16 +50,21 @@ def _where(a, b):
 
 def main():
     for label, lens, ps, chunk, hq in CASES:
-        try:
-            q, kc, vc, table, sl = _inputs(lens, ps, seed=len(label), device="cuda", hq=hq)
-            got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk)
-            torch.cuda.synchronize()
-            ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys")
-            lens_ok = got[3] == ref[3] and torch.equal(got[2], ref[2])
-            print(f"{label}: lens {'equal' if lens_ok else (got[2].tolist(), ref[2].tolist())}; "
-                  f"lse {_where(got[1], ref[1])}; out {_where(got[0], ref[0])}", flush=True)
-        except Exception:  # noqa: BLE001 - printed: the diagnosis goes on to the next case
-            print(f"{label}: raised\n{traceback.format_exc()[-1500:]}", flush=True)
+        for warps in WARPS:
+            _case(label if warps == 4 else f"{label} ({warps} warps)", lens, ps, chunk, hq, warps)
+
+
+def _case(label, lens, ps, chunk, hq, warps):
+    try:
+        q, kc, vc, table, sl = _inputs(lens, ps, seed=len(label.split(" (")[0]), device="cuda", hq=hq)
+        got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, warps=warps)
+        torch.cuda.synchronize()
+        ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys")
+        lens_ok = got[3] == ref[3] and torch.equal(got[2], ref[2])
+        print(f"{label}: lens {'equal' if lens_ok else (got[2].tolist(), ref[2].tolist())}; "
+              f"lse {_where(got[1], ref[1])}; out {_where(got[0], ref[0])}", flush=True)
+    except Exception:  # noqa: BLE001 - printed: the diagnosis goes on to the next case
+        print(f"{label}: raised\n{traceback.format_exc()[-1500:]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ alone), ``walk_hmajor`` (a sequence's KV heads bsz programs apart, probe=2, bits
 ``walk_hmajor_equal``), ``walk_ring`` (the ring alone, no arithmetic: what the TMA ring streams
 at, probe=1), ``walk_ring_rows`` (the same ring over whole cache rows: each tile BLOCK_N / Hkv
 rows of every KV head, one contiguous 32 KB, probe=3; session 24 asked whether that streams
-nearer a flat read than one head's 256-byte slices) and ``read_flat`` (every K/V byte read once:
+nearer a flat read than one head's 256-byte slices), ``walk_w8`` / ``op_walk_w8`` /
+``walk_w8_fused`` / ``walk_w8_ring`` (the same at 8 warps per program, session 25; bits:
+``walk_w8_states_equal``, ``walk_w8_fused_equal``) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
@@ -85,6 +87,18 @@ def main():
                 fns["walk_ring"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=1)
             except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
                 row["walk"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+            try:  # the walk at 8 warps per program (session 25): same bits, twice the warps per SM
+                w8 = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, warps=8)
+                row["walk_w8_states_equal"] = all(cb.beq(x, y) for x, y in zip(w8[:3], ref[:3])) and w8[3] == ref[3]
+                fns["walk_w8"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, warps=8)
+                fns["op_walk_w8"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, warps=8))
+                fu8 = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, warps=8)
+                row["walk_w8_fused_equal"] = cb.beq(fu8[4].reshape(-1), ro.reshape(-1)) and cb.beq(
+                    fu8[5].reshape(-1), rl.reshape(-1))
+                fns["walk_w8_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, warps=8)
+                fns["walk_w8_ring"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=1, warps=8)
+            except Exception as e:  # noqa: BLE001 - recorded
+                row["walk_w8"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             try:  # the whole-row ring on its own: a failure here leaves the others timed
                 wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
                 fns["walk_ring_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
@@ -93,7 +107,7 @@ def main():
             for name, us in b.graph_us_many(fns).items():
                 row[f"{name}_us"] = round(us, 2)
             for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "walk_ring_rows",
-                         "read_flat"):
+                         "walk_w8", "op_walk_w8", "walk_w8_fused", "walk_w8_ring", "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

@@ -58,7 +58,8 @@ def test_variant_builds_for_sm90(argv):
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
 @pytest.mark.parametrize("argv,arithmetic", [([], True), (["--merge"], True), (["--page", "256", "--chunk", "2048"], True),
                                              (["--probe", "2"], True), (["--probe", "1"], False),
-                                             (["--probe", "3"], False)],
+                                             (["--probe", "3"], False), (["--warps", "8"], True),
+                                             (["--warps", "8", "--merge"], True)],
                          ids=lambda a: ("_".join(x.lstrip("-") for x in a) or "plain") if isinstance(a, list)
                          else ("mma" if a else "ring_only"))
 def test_walk_builds_for_sm90(argv, arithmetic):

@@ -116,20 +116,22 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
                  n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
                  NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16,
-                 PROBE: gl.constexpr = 0):
+                 PROBE: gl.constexpr = 0, NW: gl.constexpr = 4):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
-    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    gl.static_assert(gl.num_warps() == NW, "NW is the launch's num_warps")
+    gl.static_assert(NW == 4 or NW == 8, "4 warps (one warpgroup) or 8 (two): the layouts below split the keys and "
+                                         "the head dim over them")
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)          # [BN] keys / [D] head dim of a [*, M] tile
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)          # [M] query heads
     # the thread sums: [M, t, 2j + e] with each (query, t) in one thread, its 32 columns in order
-    sums3: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-    sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [4, 1, 1, 1], [3, 2, 1, 0])
+    sums3: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
     part_l: gl.constexpr = gl.SliceLayout(2, sums3)
-    ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, 4], [0, 1])
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])  # a [BN, D] tile, 16 bytes a thread
+    ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NW], [0, 1])
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # a [BN, D] tile, 16 bytes a thread
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     pid = gl.program_id(0)
@@ -261,12 +263,12 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
         mbarrier.invalidate(bars.index(s))
     if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
         _cta_barrier()
-        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL)
+        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL, NW)
 
 
 @gluon.jit
 def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: gl.constexpr, HQ: gl.constexpr,
-               D: gl.constexpr, M: gl.constexpr, NP: gl.constexpr, DSL: gl.constexpr):
+               D: gl.constexpr, M: gl.constexpr, NP: gl.constexpr, DSL: gl.constexpr, NW: gl.constexpr):
     """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, with
     the merge op's steps (merge.py ``_merge_vec``: its exp, log and max, one IEEE op each):
     M = max lse, w = exp(lse - M) per state, L and acc = sum of w and w * out over the present
@@ -275,7 +277,7 @@ def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: g
     not present (lse -inf) adds +0 (its w is 0, its out loaded as 0), which leaves a sum other
     than -0 unchanged, and the first term is added to +0 first, as the op's walk does, so no sum
     is -0 where the op's is not."""
-    m3: gl.constexpr = gl.BlockedLayout([1, 1, NP], [8, 4, 1], [1, 4, 1], [2, 1, 0])
+    m3: gl.constexpr = gl.BlockedLayout([1, 1, NP], [8, 4, 1], [1, NW, 1], [2, 1, 0])
     l2d: gl.constexpr = gl.SliceLayout(1, m3)                # [M, NP]
     rows = bsz * HQ
     g = gl.arange(0, M, layout=gl.SliceLayout(1, l2d))
@@ -341,7 +343,7 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool =
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False, probe: int = 0):
+                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
@@ -355,6 +357,8 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     why = supported(k_cache, v_cache, chunk_size)
     if why is not None:
         raise ValueError(f"walk_decode: {why}")
+    if warps not in (4, 8):
+        raise ValueError(f"walk_decode warps must be 4 or 8, got {warps!r}")
     if probe not in (0, 1, 2, 3):
         raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
                          f"whole rows), got {probe!r}")
@@ -388,6 +392,6 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
                                    lse, pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
                                    merge_mod._log_constants(dev) if merge else lse,
                                    G=hq // hkv, HQ=hq, HKV=hkv, D=d, BN=BLOCK_N, M=COLS, NB=chunk_size // BLOCK_N,
-                                   PAGE=page, NS=STAGES, **extra, num_warps=NUM_WARPS, **C.LAUNCH)
+                                   PAGE=page, NS=STAGES, **extra, NW=warps, num_warps=warps, **C.LAUNCH)
     res = (out, lse, pair_lens, n)
     return res + merged if merge else res
