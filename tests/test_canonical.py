@@ -366,6 +366,53 @@ def test_merge_rows_are_batch_invariant():
     assert bitwise_equal(dense_o[0], out) and bitwise_equal(dense_l[0], lse)
 
 
+def test_merge_is_the_ascending_fold_row_by_row():
+    """The merge's order is the definition's: each row, transcribed on its own as the fp32
+    fold over states 0, 1, ..., N-1 (numerics.exp / log, one IEEE step each), equals the op's
+    row bitwise. A fold in another order (descending, by rows) rounds differently."""
+    from rlk_ops.kernels.cpu import numerics as nx
+
+    out_parts, lse_parts = _states(6, t=9, h=2, d=16, dtype=DT, seed=4)
+    lse_parts[3, 1, 4] = -math.inf
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    for t in range(9):
+        for h in range(2):
+            ls = lse_parts[:, h, t]
+            m = ls.max()
+            total = torch.zeros((), dtype=torch.float32)
+            acc = torch.zeros(16, dtype=torch.float32)
+            for n in range(6):
+                if ls[n] == -math.inf:
+                    continue
+                w = nx.exp((ls[n] - m).reshape(1))[0]
+                total = total + w
+                acc = acc + w * out_parts[n, t, h].float()
+            assert bitwise_equal(out[t, h], (acc / total).to(DT)), (t, h)
+            assert bitwise_equal(lse[h, t], (m + nx.log(total.reshape(1))[0])), (t, h)
+
+
+@pytest.mark.parametrize("dtype", [DT, torch.float32])
+def test_merge_backward_rows_are_batch_invariant_and_run_to_run(dtype):
+    """merge_attn_states_bwd on the CPU: a row's gradients alone equal its gradients in the
+    batch, and two calls are bitwise equal (the spec's claim for the cpu backend)."""
+    out_parts, lse_parts = _states(4, t=23, h=3, d=32, dtype=dtype, seed=6)
+    lse_parts[1, 2, 5] = -math.inf
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    g = torch.Generator().manual_seed(7)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    for dl in (dlse, None):
+        got = torch.ops.rlk.merge_attn_states_bwd(dout, dl, out_parts, lse_parts, out, lse)
+        again = torch.ops.rlk.merge_attn_states_bwd(dout, dl, out_parts, lse_parts, out, lse)
+        assert bitwise_equal(got[0], again[0]) and bitwise_equal(got[1], again[1])
+        for r in (0, 5, 22):
+            s = slice(r, r + 1)
+            one = torch.ops.rlk.merge_attn_states_bwd(
+                dout[s].contiguous(), None if dl is None else dl[:, s].contiguous(), out_parts[:, s].contiguous(),
+                lse_parts[:, :, s].contiguous(), out[s].contiguous(), lse[:, s].contiguous())
+            assert bitwise_equal(one[0], got[0][:, s]) and bitwise_equal(one[1], got[1][:, :, s])
+
+
 def test_gradcheck_merge():
     out_parts, lse_parts = _states(3, dtype=torch.float64, seed=3)
     lse_parts[1, 0, 2] = -math.inf

@@ -76,6 +76,36 @@ def test_auto_lane_outside_strict_mode_runs_and_is_recorded():
     assert (rec.op, rec.actual_backend, rec.fallback) == ("paged_attention_auto", "cpu", False)
 
 
+def test_cpu_auto_lane_is_one_pass_alone_and_in_a_batch():
+    """The cpu backend's claim for the auto lane (never splits): with sequences past one
+    128-key block and past a 128-key chunk, each row equals single-pass paged attention and
+    the same sequence decoded alone (where a split would change bits)."""
+    g = torch.Generator().manual_seed(3)
+    ps, lens = 16, [300, 200, 129]
+    pages = sum(-(-n // ps) for n in lens)
+    kc, vc = torch.randn(pages, ps, 2, 8, generator=g), torch.randn(pages, ps, 2, 8, generator=g)
+    perm = torch.randperm(pages, generator=g)
+    width = max(-(-n // ps) for n in lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        need = -(-n // ps)
+        table[b, :need] = perm[used:used + need].to(torch.int32)
+        used += need
+    q = torch.randn(len(lens), 1, 4, 8, generator=g)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    with rlk_ops.strict(False):
+        out, lse = rlk_ops.paged_attention_auto(q, kc, vc, table, sl)
+        ref = rlk_ops.paged_attention(q, kc, vc, table, sl)
+        split = rlk_ops.paged_attention(q, kc, vc, table, sl, split_kv="canonical:128")
+        assert not torch.equal(split[0], ref[0])  # a split would show in these bits
+        assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1])
+        for b in range(len(lens)):
+            r = slice(b, b + 1)
+            one = rlk_ops.paged_attention_auto(q[r], kc, vc, table[r], sl[r])
+            assert bitwise_equal(one[0][0], out[b]) and bitwise_equal(one[1][0], lse[b])
+
+
 def test_strict_op_refuses_auto_on_every_backend():
     with rlk_ops.use_backend(paged_attention="flashinfer"):
         with pytest.raises(RlkInputError, match=r"split_kv 'auto' is not allowed here"):

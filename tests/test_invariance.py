@@ -123,6 +123,49 @@ def test_dq_batch_invariant(qkv):
     assert bitwise_equal(dq_one[0], dq_all[1])
 
 
+def test_batch_invariance_when_sequences_share_a_chunk():
+    """The CPU kernel computes short sequences several to one temporary product (kernels/cpu/
+    attention.py ``_chunks``); a sequence's rows, lse and dq alone must equal its rows in that
+    batch. (At S = 300 above every chunk holds one sequence, so B = 1 and B = 4 run the same
+    code there.)"""
+    from rlk_ops.kernels.cpu import attention as cpu_attention
+
+    b, s = 4, 16
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b, s, HQ, D, generator=g).to(DT).requires_grad_()
+    k = torch.randn(b, s, HKV, D, generator=g).to(DT).requires_grad_()
+    v = torch.randn(b, s, HKV, D, generator=g).to(DT).requires_grad_()
+    chunks = list(cpu_attention._chunks(b, s, HQ // HKV, HKV, D))
+    assert any(b1 - b0 > 1 for b0, b1, _, _ in chunks), chunks  # the batch is really shared
+    dout = torch.randn(q.shape, generator=g).to(DT)
+    out, lse = rlk_ops.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out, q, dout)
+    for i in range(b):
+        qi, ki, vi = (t[i:i + 1].detach().clone().requires_grad_() for t in (q, k, v))
+        oi, li = rlk_ops.attention(qi, ki, vi)
+        (dqi,) = torch.autograd.grad(oi, qi, dout[i:i + 1])
+        assert bitwise_equal(oi[0], out[i]) and bitwise_equal(li[0], lse[i]) and bitwise_equal(dqi[0], dq[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_backward_batch_invariant_and_accurate(dtype):
+    """rlk::rope_bwd (the inverse rotation) on the CPU: a token alone equals it in the batch,
+    and the result is within rounding of the float64 rotation."""
+    g = torch.Generator().manual_seed(12)
+    dy = torch.randn(41, 4, 128, generator=g).to(dtype)
+    pos = torch.randint(0, 40000, (41,), generator=g)
+    for rd in (128, 64):
+        full = torch.ops.rlk.rope_bwd(dy, pos, 1e6, rd)
+        for i in (0, 13, 40):
+            assert bitwise_equal(torch.ops.rlk.rope_bwd(dy[i:i + 1], pos[i:i + 1], 1e6, rd), full[i:i + 1])
+        assert bitwise_equal(torch.ops.rlk.rope_bwd(dy, pos, 1e6, rd), full)
+        ref = torch.ops.rlk.rope_bwd(dy.double(), pos, 1e6, rd)
+        err = (full.double() - ref).abs().max() / ref.abs().max()
+        # fp32 angles (position x inverse frequency, as the forward computes them) carry ~6e-4 at
+        # positions near 40000, the same as the forward's; a gradient off by 2^-6 is far outside
+        assert err < (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9), err
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_qk_rmsnorm_batch_invariant(dtype):
     x = torch.randn(37, 16, 128, dtype=dtype)

@@ -129,6 +129,10 @@ def test_rope_accuracy_and_invariance(dtype, rd):
         assert bitwise_equal(rlk_ops.rope(x[t:t + 1], pos[t:t + 1], 1e6, rd)[0], y[t])
     dy = torch.ops.rlk.rope_bwd(x, pos, 1e6, rd)
     assert rel_err(dy.cpu(), cpu.rope_bwd(x.cpu(), pos.cpu(), 1e6, rd)) < TOL[dtype]
+    # the spec's claims for the triton backward: run to run, and a token alone equals it in the batch
+    assert bitwise_equal(torch.ops.rlk.rope_bwd(x, pos, 1e6, rd), dy)
+    for t in ROWS:
+        assert bitwise_equal(torch.ops.rlk.rope_bwd(x[t:t + 1], pos[t:t + 1], 1e6, rd)[0], dy[t])
 
 
 @cuda_test

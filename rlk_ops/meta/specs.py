@@ -117,8 +117,8 @@ _add(OpSpec("rope", "rope", "(Tensor x, Tensor positions, float theta, int rotar
 _add(OpSpec("rope_bwd", "rope", "(Tensor dy, Tensor positions, float theta, int rotary_dim) -> Tensor",
             backends={"cpu": _CPU_ROW,
                       "triton": DeterminismSpec(True, True, notes="the rope kernel with the inverse rotation, "
-                                                                  "elementwise per row; B=1 vs batch is measured "
-                                                                  "for the forward")}))
+                                                                  "elementwise per row; run to run and B=1 vs "
+                                                                  "batch in tests/test_triton.py (cuda)")}))
 _add(OpSpec("qk_norm_rope", "norm_rope",
             "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, float eps, float theta, "
             "int rotary_dim) -> (Tensor, Tensor)",
