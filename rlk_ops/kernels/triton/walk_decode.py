@@ -16,9 +16,10 @@ results/h100/session24) every state equals the pair kernel's and FA4's pair call
 64 x 8k / 32k, C = 768 it took 1.018-1.039x FA4 single pass against the routed pairs'
 1.008-1.013x, and its ring alone (``probe=1``, no arithmetic) 0.992-0.998x, so even without the
 merge it does not reach FA4 there (benchmarks/probe_walk_decode.py, three runs; README).
-``probe=3`` (session 25, results/h100/session25/walk_probe.json): the ring over whole cache rows
-streams at 0.992x FA4, against 1.017x for this per-head ring in the same run and 0.977-0.980x
-for a flat read; the 0.8% under FA4 is less than the merge alone costs (0.6-1.3%).
+Session 25: on the H200 (results/h200/session25) the ring alone streams at 0.969-0.986x FA4 and
+over whole cache rows (``probe=3``) at a flat read's rate, so there the stream has room and the
+walk's arithmetic (3-5% over its ring) is what it loses; on an H100 the ring is no faster than
+FA4. ``warps=8`` (two warpgroups over the keys and head dim) gives the same bits and is slower.
     S^T = K @ Q^T (mma.sync m16n8k16, keys on M, the G query heads padded to 8 on N)
     keys past the chunk -inf;  m = max(m_prev, max S);  m' = 0 if m = -inf else m
     P = ex2(fma(S, scale_log2, -(m' * scale_log2)));  r = ex2((m_prev - m') * scale_log2)
