@@ -280,6 +280,21 @@ def test_one_storage_for_k_and_v_cache_is_rejected():
     assert not buf.any()
 
 
+def test_rows_read_from_the_cache_itself_are_refused():
+    """k (or v) a view of the cache the append writes: whether a row is read before or after
+    it is overwritten would decide the result, so the append refuses it, cache untouched."""
+    k_cache, v_cache = _cache()
+    before = (k_cache.clone(), v_cache.clone())
+    rows = k_cache.view(-1, 2, 8)[:2]
+    with pytest.raises(RlkInputError, match=r"k must not overlap k_cache in memory .* k.clone\(\)"):
+        rlk_ops.paged_kv_append(k_cache, v_cache, rows, torch.ones(2, 2, 8), torch.tensor([1, 2]))
+    with pytest.raises(RlkInputError, match=r"v must not overlap k_cache in memory"):
+        rlk_ops.paged_kv_append(k_cache, v_cache, torch.ones(2, 2, 8), rows, torch.tensor([1, 2]))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    rlk_ops.paged_kv_append(k_cache, v_cache, rows.clone(), torch.ones(2, 2, 8), torch.tensor([1, 2]))  # a copy: fine
+    assert torch.equal(k_cache.view(-1, 2, 8)[1:3], before[0].view(-1, 2, 8)[:2])
+
+
 def test_k_and_v_halves_of_one_buffer_are_separate_caches():
     """kv [2, num_pages, page_size, H, D] with k_cache = kv[0], v_cache = kv[1]: the halves do
     not overlap, so the append writes each (session 25: the one-storage check refused them)."""

@@ -46,6 +46,11 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
     # one buffer, e.g. kv[0] and kv[1], are separate caches
     if _overlap(k_cache, v_cache):
         V.fail(op, _SHARED_CACHE)
+    for name, t in (("k", k), ("v", v)):  # rows read from memory the append writes: order-dependent
+        for cname, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _overlap(t, c):
+                V.fail(op, f"{name} must not overlap {cname} in memory (its rows would be read while the "
+                           f"append writes them); pass a copy, e.g. {name}.clone()")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # both, before either is written
         if c.is_inference() and not torch.is_inference_mode_enabled():
             V.fail(op, f"{name} is an inference tensor, which cannot be written in place outside "
@@ -87,13 +92,18 @@ _SHARED_CACHE = "k_cache and v_cache must not overlap in memory, got overlapping
 
 
 def _overlap(a, b):
-    """Whether two contiguous tensors share any byte."""
+    """Whether two tensors may share a byte: their spans [first, last element] in one storage
+    intersect (exact for contiguous tensors, conservative for strided ones)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_cache(op, k_cache, v_cache):
