@@ -8,7 +8,7 @@ matches with an out that does not points at O (V^T @ P^T, the swapped operand ro
 masking); a lse off by a few ulp points at the thread sums; both far off at the tiles (ring,
 page table, layouts).
 
-Usage (GPU machine): [WARPS=4,8] python3 benchmarks/diag_walk_decode.py
+Usage (GPU machine): [VARIANTS=4,8,ws] python3 benchmarks/diag_walk_decode.py
 """
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ CASES = [("one block", [128], 128, 128, 16), ("partial block", [100], 128, 128, 
          ("two chunks", [256], 128, 128, 16), ("G 2", [256], 128, 256, 8), ("G 8", [256], 128, 256, 32),
          ("batch 3", [300, 128, 1000], 128, 256, 16), ("page 256", [700], 256, 256, 16),
          ("C 768 long", [8192], 128, 768, 16)]
-WARPS = tuple(int(w) for w in os.environ.get("WARPS", "4,8").split(","))  # walk_decode's warps per program
+# walk_decode's launch variants, by name (VARIANTS=4,8,ws): 4 or 8 warps per program, or the producer
+# warp (ws=True); run one variant over every case before the next, so a variant that hangs (the
+# call's time limit stops it) has left the others' lines printed
+_VARIANT_OPTS = {"4": {}, "8": {"warps": 8}, "ws": {"ws": True}}
+VARIANTS = tuple(os.environ.get("VARIANTS", "4,8,ws").split(","))
 
 
 def _where(a, b):
@@ -49,15 +53,15 @@ def _where(a, b):
 
 
 def main():
-    for label, lens, ps, chunk, hq in CASES:
-        for warps in WARPS:
-            _case(label if warps == 4 else f"{label} ({warps} warps)", lens, ps, chunk, hq, warps)
+    for variant in VARIANTS:
+        for label, lens, ps, chunk, hq in CASES:
+            _case(label if variant == "4" else f"{label} ({variant})", lens, ps, chunk, hq, _VARIANT_OPTS[variant])
 
 
-def _case(label, lens, ps, chunk, hq, warps):
+def _case(label, lens, ps, chunk, hq, opts):
     try:
         q, kc, vc, table, sl = _inputs(lens, ps, seed=len(label.split(" (")[0]), device="cuda", hq=hq)
-        got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, warps=warps)
+        got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **opts)
         torch.cuda.synchronize()
         ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys")
         lens_ok = got[3] == ref[3] and torch.equal(got[2], ref[2])

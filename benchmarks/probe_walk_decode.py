@@ -12,7 +12,8 @@ at, probe=1), ``walk_ring_rows`` (the same ring over whole cache rows: each tile
 rows of every KV head, one contiguous 32 KB, probe=3; session 24 asked whether that streams
 nearer a flat read than one head's 256-byte slices), ``walk_w8`` / ``op_walk_w8`` /
 ``walk_w8_fused`` / ``walk_w8_ring`` (the same at 8 warps per program, session 25; bits:
-``walk_w8_states_equal``, ``walk_w8_fused_equal``) and ``read_flat`` (every K/V byte read once:
+``walk_w8_states_equal``, ``walk_w8_fused_equal``), ``walk_ws`` / ``op_walk_ws`` (a producer warp
+issuing the TMA loads, ``ws=True``, session 25; bits: ``walk_ws_states_equal``) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
@@ -99,6 +100,13 @@ def main():
                 fns["walk_w8_ring"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=1, warps=8)
             except Exception as e:  # noqa: BLE001 - recorded
                 row["walk_w8"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+            try:  # the producer-warp walk (ws=True, session 25): a TMA warp keeps the ring full
+                wsr = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, ws=True)
+                row["walk_ws_states_equal"] = all(cb.beq(x, y) for x, y in zip(wsr[:3], ref[:3])) and wsr[3] == ref[3]
+                fns["walk_ws"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, ws=True)
+                fns["op_walk_ws"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, ws=True))
+            except Exception as e:  # noqa: BLE001 - recorded
+                row["walk_ws"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             try:  # the whole-row ring on its own: a failure here leaves the others timed
                 wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
                 fns["walk_ring_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
@@ -107,7 +115,8 @@ def main():
             for name, us in b.graph_us_many(fns).items():
                 row[f"{name}_us"] = round(us, 2)
             for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "walk_ring_rows",
-                         "walk_w8", "op_walk_w8", "walk_w8_fused", "walk_w8_ring", "read_flat"):
+                         "walk_w8", "op_walk_w8", "walk_w8_fused", "walk_w8_ring", "walk_ws", "op_walk_ws",
+                         "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

@@ -3,7 +3,7 @@ report what the compiler made of it: the block loop's SASS (instructions per war
 top opcodes), registers, spills and shared memory, TMA copies and CTA barriers in the PTX.
 
     python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
-                                                  [--dsl 8] [--probe 0] [--sass FILE]
+                                                  [--dsl 8] [--probe 0] [--warps 4] [--ws] [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 builds it too). Nothing here runs the kernel: bits and speed
 are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode.py).
@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dsl", type=int, default=wd.MERGE_DSL, help="merge: head-dim columns per step")
     ap.add_argument("--probe", type=int, default=0, help="walk_decode's probe variant (PROBE)")
     ap.add_argument("--warps", type=int, default=wd.NUM_WARPS, help="warps per program (4 or 8)")
+    ap.add_argument("--ws", action="store_true", help="the producer-warp variant (WS, maxnreg WS_MAXNREG)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
     return ap
 
@@ -44,7 +45,7 @@ def build(args: argparse.Namespace):
     """The sm90 compile of the walk with ``parser()``'s options (tests/test_sm90_compile.py)."""
     consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
               "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
-              "PROBE": args.probe, "NW": args.warps}
+              "PROBE": args.probe, "NW": args.warps, "WS": int(args.ws)}
     hkv, d = consts["HKV"], consts["D"]
     block = [wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d]   # probe 3: whole cache rows
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
@@ -59,7 +60,8 @@ def build(args: argparse.Namespace):
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": args.warps, "enable_fp_fusion": False})
+                            options={"num_warps": args.warps, "enable_fp_fusion": False,
+                                     **({"maxnreg": wd.WS_MAXNREG} if args.ws else {})})
     return kernel
 
 
@@ -68,7 +70,7 @@ def main():
     kernel = build(args)
     ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}, "
-          f"{args.warps} warps")
+          f"{args.warps} warps{', producer warp' if args.ws else ''}")
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
     print(f"  PTX: TMA copies {len(re.findall(r'cp[.]async[.]bulk[.]tensor', ptx))}, CTA barriers "
           f"{len(re.findall(r'bar[.]sync|barrier[.]sync', ptx))}, mma.sync {len(re.findall(r'mma[.]sync', ptx))}; "

@@ -59,7 +59,8 @@ def test_variant_builds_for_sm90(argv):
 @pytest.mark.parametrize("argv,arithmetic", [([], True), (["--merge"], True), (["--page", "256", "--chunk", "2048"], True),
                                              (["--probe", "2"], True), (["--probe", "1"], False),
                                              (["--probe", "3"], False), (["--warps", "8"], True),
-                                             (["--warps", "8", "--merge"], True)],
+                                             (["--warps", "8", "--merge"], True), (["--ws"], True),
+                                             (["--ws", "--merge"], True)],
                          ids=lambda a: ("_".join(x.lstrip("-") for x in a) or "plain") if isinstance(a, list)
                          else ("mma" if a else "ring_only"))
 def test_walk_builds_for_sm90(argv, arithmetic):
@@ -70,4 +71,5 @@ def test_walk_builds_for_sm90(argv, arithmetic):
     ptx = kernel.asm["ptx"]
     assert ".target sm_90" in ptx and "cp.async.bulk.tensor" in ptx
     assert ("mma.sync" in ptx) == arithmetic         # probes 1 and 3: the ring without arithmetic
+    assert ("setmaxnreg" in ptx) == ("--ws" in argv)  # the producer warp's partition: its own register budget
     assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"

@@ -39,6 +39,8 @@ def test_refused_shapes_are_named():
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, probe=4)
     with pytest.raises(ValueError, match=r"walk_decode warps must be 4 or 8, got 2"):
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, warps=2)
+    with pytest.raises(ValueError, match=r"walk_decode ws=True runs without probes, got probe=1"):
+        wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, probe=1, ws=True)
     with pytest.raises(ValueError, match="walk_decode needs a CUDA device"):
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256)
 
@@ -54,6 +56,12 @@ def test_cuda_other_architectures_are_refused_by_name(monkeypatch):
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256)
 
 
+# the walk's launch variants, each checked for the same bits: 4 warps (the default), 8 warps
+# (session 25), a producer warp issuing the TMA loads (ws=True, session 25)
+VARIANTS = [{}, {"warps": 8}, {"ws": True}]
+VARIANT_IDS = ["4warps", "8warps", "producer"]
+
+
 def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -66,8 +74,8 @@ def _fa4_ready():
 @pytest.mark.skipif(not _fa4_ready(), reason="needs an SM90 GPU with FA4 (the walk is compared with it)")
 @pytest.mark.parametrize("ps,chunk", [(128, 128), (128, 256), (128, 768), (128, 1024), (128, 2048), (256, 256),
                                       (256, 768), (256, 2048)])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_every_pair_equals_fa4s_pair_call_and_the_pair_kernel(ps, chunk, warps):
+@pytest.mark.parametrize("opts", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_every_pair_equals_fa4s_pair_call_and_the_pair_kernel(ps, chunk, opts):
     from rlk_ops.kernels.fa4.kernels import pair_attention
     from rlk_ops.kernels.triton.merge import decode_pairs
     from rlk_ops.kernels.triton.pair_decode import pair_decode, step_launch
@@ -79,7 +87,7 @@ def test_cuda_every_pair_equals_fa4s_pair_call_and_the_pair_kernel(ps, chunk, wa
     qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
     ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, scale)
     _poison(kc, vc, table, lens, ps)
-    out, lse, plens, n = walk_decode(q, kc, vc, table, sl, scale, chunk, warps=warps)
+    out, lse, plens, n = walk_decode(q, kc, vc, table, sl, scale, chunk, **opts)
     assert n == n_ref and bitwise_equal(plens, ref_lens)
     full = plens > 0
     assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
@@ -91,14 +99,14 @@ def test_cuda_every_pair_equals_fa4s_pair_call_and_the_pair_kernel(ps, chunk, wa
 @pytest.mark.cuda
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("hq", [8, 16, 32])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_equals_the_pair_kernel_with_empty_sequences_and_other_group_sizes(hq, warps):
+@pytest.mark.parametrize("opts", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_equals_the_pair_kernel_with_empty_sequences_and_other_group_sizes(hq, opts):
     from rlk_ops.kernels.triton.pair_decode import pair_decode
     from rlk_ops.kernels.triton.walk_decode import walk_decode
 
     lens = [700, 0, 3, 1300, 0, 2048]
     q, kc, vc, table, sl = _inputs(lens, 128, seed=hq, device="cuda", hq=hq)
-    got = walk_decode(q, kc, vc, table, sl, D ** -0.5, 512, warps=warps)
+    got = walk_decode(q, kc, vc, table, sl, D ** -0.5, 512, **opts)
     ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 512, layout="keys")
     assert got[3] == ref[3] and all(bitwise_equal(a, b) for a, b in zip(got[:3], ref[:3]))
 
@@ -107,15 +115,15 @@ def test_cuda_equals_the_pair_kernel_with_empty_sequences_and_other_group_sizes(
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("ps,chunk,lens", [(128, 768, [8192, 300, 0, 129, 768, 7000]), (128, 128, [1, 129, 5000]),
                                            (256, 2048, [30000, 2048, 2049, 0])])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens, warps):
+@pytest.mark.parametrize("opts", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens, opts):
     from rlk_ops.kernels.triton.merge import merge_attn_states
     from rlk_ops.kernels.triton.walk_decode import walk_decode
 
     q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk, device="cuda")
     _poison(kc, vc, table, lens, ps)
-    out, lse, plens, n, mo, ml = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True, warps=warps)
-    states = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, warps=warps)
+    out, lse, plens, n, mo, ml = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True, **opts)
+    states = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **opts)
     assert all(bitwise_equal(a, b) for a, b in zip((out, lse, plens), states[:3]))
     ro, rl = merge_attn_states(out.view(n, len(lens), 1, HQ, D), lse.view(n, len(lens), HQ, 1),
                                state_lens=plens.view(n, len(lens)))
@@ -124,18 +132,18 @@ def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens, warps):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_batch_64_run_to_run_and_batch_invariant(warps):
+@pytest.mark.parametrize("opts", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_batch_64_run_to_run_and_batch_invariant(opts):
     from rlk_ops.kernels.triton.pair_decode import pair_decode
     from rlk_ops.kernels.triton.walk_decode import walk_decode
 
     lens = [8192 - 37 * i for i in range(64)]
     q, kc, vc, table, sl = _inputs(lens, 128, seed=64, device="cuda")
-    a = walk_decode(q, kc, vc, table, sl, D ** -0.5, 768, warps=warps)
-    b = walk_decode(q, kc, vc, table, sl, D ** -0.5, 768, warps=warps)
+    a = walk_decode(q, kc, vc, table, sl, D ** -0.5, 768, **opts)
+    b = walk_decode(q, kc, vc, table, sl, D ** -0.5, 768, **opts)
     assert all(bitwise_equal(x, y) for x, y in zip(a[:3], b[:3]))
     ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, 768, layout="keys")
     assert all(bitwise_equal(x, y) for x, y in zip(a[:3], ref[:3]))
-    one = walk_decode(q[5:6], kc, vc, table[5:6], sl[5:6], D ** -0.5, 768, warps=warps)
+    one = walk_decode(q[5:6], kc, vc, table[5:6], sl[5:6], D ** -0.5, 768, **opts)
     rows = torch.arange(a[3], device="cuda") * len(lens) + 5
     assert bitwise_equal(one[0], a[0][rows]) and bitwise_equal(one[1], a[1][rows])

@@ -54,6 +54,7 @@ BLOCK_N = 128      # FA4's key block on SM90 for head_dim 128
 COLS = 8           # the query heads of one KV head, padded: mma.sync's N
 NUM_WARPS = 4
 STAGES = 3         # tiles in the ring (32 KB each): two programs per SM
+WS_MAXNREG = 128   # ws=True: (4 + 4) warps x 128 registers = 32K a program, so two programs per SM
 MERGE_MAX = 64     # chunks per sequence the in-program merge takes (the state axis is in-thread)
 MERGE_DSL = 8      # head-dim columns per step of that merge (16 spilled 8 bytes offline)
 # Triton 3.6 (the H200's) names the TMA load async_copy_global_to_shared and the CTA barrier
@@ -117,24 +118,12 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
                  n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                  D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
                  NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16,
-                 PROBE: gl.constexpr = 0, NW: gl.constexpr = 4):
+                 PROBE: gl.constexpr = 0, NW: gl.constexpr = 4, WS: gl.constexpr = 0):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == NW, "NW is the launch's num_warps")
     gl.static_assert(NW == 4 or NW == 8, "4 warps (one warpgroup) or 8 (two): the layouts below split the keys and "
                                          "the head dim over them")
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)          # [BN] keys / [D] head dim of a [*, M] tile
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)          # [M] query heads
-    # the thread sums: [M, t, 2j + e] with each (query, t) in one thread, its 32 columns in order
-    sums3: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
-    sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-    part_l: gl.constexpr = gl.SliceLayout(2, sums3)
-    ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NW], [0, 1])
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # a [BN, D] tile, 16 bytes a thread
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-
+    gl.static_assert(WS == 0 or PROBE == 0, "the probes run without the producer partition")
     pid = gl.program_id(0)
     if PROBE == 2:  # probe: a sequence's KV heads bsz programs apart
         b = pid % bsz
@@ -159,12 +148,81 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(bars.index(s), count=1)
-    e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    _issue(0, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(1, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(2, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    if WS:  # a producer warp issues the TMA loads (bars: tile landed; empty: slot consumed)
+        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NS):
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize([
+            (_walk_body, (q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_log2, bsz, chunk, n_pairs,
+                          table_row, b, h, seq, nc, last_keys, n_steps, n_tiles, roff, col, G, HQ, D, BN, M, NB,
+                          PAGE, NS, PROBE, NW, WS)),
+            (_walk_produce, (k_desc, v_desc, ring, bars, empty, table_row, nc, last_keys, chunk, n_steps, roff, col,
+                             NB, BN, PAGE, NS)),
+        ], [1], [24])
+        for s in gl.static_range(NS):
+            mbarrier.invalidate(empty.index(s))
+    else:
+        _walk_body(q, k_desc, v_desc, ring, bars, bars, out, lse, pair_lens, scale_log2, bsz, chunk, n_pairs,
+                   table_row, b, h, seq, nc, last_keys, n_steps, n_tiles, roff, col, G, HQ, D, BN, M, NB, PAGE, NS,
+                   PROBE, NW, WS)
+    for s in gl.static_range(NS):
+        mbarrier.invalidate(bars.index(s))
+    if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
+        _cta_barrier()
+        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL, NW)
+
+
+@gluon.jit
+def _walk_produce(k_desc, v_desc, ring, bars, empty, table_row, nc, last_keys, chunk, n_steps, roff, col,
+                  NB: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr):
+    """The producer partition (``ws=True``, one warp): tile t (K of step t // 2 when t is even,
+    else its V) into slot t % NS once the consumer has released the slot's previous tile (the
+    slot's u-th use waits for phase u - 1 of ``empty``; a fresh barrier passes parity 1)."""
+    e = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    for i in range(0, n_steps):
+        e_next = _entry(table_row, i + 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)  # its load in flight early
+        for kv in gl.static_range(2):
+            t = 2 * i + kv
+            slot = t % NS
+            mbarrier.wait(empty.index(slot), ((t // NS) & 1) ^ 1)
+            mbarrier.expect(bars.index(slot), k_desc.block_type.nbytes)
+            if kv == 0:
+                _tma_load(k_desc, [e + roff, col], bars.index(slot), ring.index(slot))
+            else:
+                _tma_load(v_desc, [e + roff, col], bars.index(slot), ring.index(slot))
+        e = e_next
+
+
+@gluon.jit
+def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_log2, bsz, chunk, n_pairs, table_row,
+               b, h, seq, nc, last_keys, n_steps, n_tiles, roff, col, G: gl.constexpr, HQ: gl.constexpr,
+               D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
+               NS: gl.constexpr, PROBE: gl.constexpr, NW: gl.constexpr, WS: gl.constexpr):
+    """Every block of the sequence's chunks (the walk; with ``WS`` the consumer partition, which
+    releases each slot to the producer instead of refilling it), the states stored."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)          # [BN] keys / [D] head dim of a [*, M] tile
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)          # [M] query heads
+    # the thread sums: [M, t, 2j + e] with each (query, t) in one thread, its 32 columns in order
+    sums3: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [NW, 1, 1], [2, 1, 0])
+    sums4: gl.constexpr = gl.BlockedLayout([1, 1, 16, 2], [8, 4, 1, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+    part_l: gl.constexpr = gl.SliceLayout(2, sums3)
+    ld_q: gl.constexpr = gl.BlockedLayout([8, 1], [16, 2], [1, NW], [0, 1])
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])  # a [BN, D] tile, 16 bytes a thread
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    if WS:  # the producer partition (_walk_produce) fills the ring
+        e1 = 0
+        e2 = 0
+    else:
+        e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+        e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+        _issue(0, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+        _issue(1, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+        _issue(2, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+        e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
 
     # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
     qc = gl.arange(0, M, layout=cols_l)
@@ -214,7 +272,10 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
             k = ring.index((2 * i) % NS).load(op_a)
             _cta_barrier()
             fence_async_shared()
-            _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)      # V of step i + 1
+            if WS:  # the slot is free for the producer
+                mbarrier.arrive(empty.index((2 * i) % NS), count=1)
+            else:
+                _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # V of step i + 1
             st = mma_v2(k, qt, gl.zeros([BN, M], gl.float32, mma))
             st = gl.where((kk < keys)[:, None], st, _NEG_INF)
             m_prev = m
@@ -240,9 +301,12 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
             v = ring.index((2 * i + 1) % NS).permute([1, 0]).load(op_a)
             _cta_barrier()
             fence_async_shared()
-            _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
-            e1 = e2
-            e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+            if WS:
+                mbarrier.arrive(empty.index((2 * i + 1) % NS), count=1)
+            else:
+                _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
+                e1 = e2
+                e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
             acc = acc * r[None, :]
             acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
             if j == 0:  # the chunk's first block: its state is done
@@ -260,12 +324,6 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
                 m = gl.full([M], _NEG_INF, gl.float32, cols_l)
                 part = gl.zeros([M, 4], gl.float32, part_l)
                 acc = gl.zeros([D, M], gl.float32, mma)
-    for s in gl.static_range(NS):
-        mbarrier.invalidate(bars.index(s))
-    if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
-        _cta_barrier()
-        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL, NW)
-
 
 @gluon.jit
 def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: gl.constexpr, HQ: gl.constexpr,
@@ -344,7 +402,7 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool =
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS):
+                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
@@ -352,7 +410,14 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     ``probe`` is for benchmarks/probe_walk_decode.py only: 1 runs the ring alone (no arithmetic,
     the states are garbage), 2 places a sequence's KV heads bsz programs apart (same bits), 3 runs
     the ring alone over whole cache rows: program (b, h) reads rows h * BLOCK_N / Hkv onward of
-    each block, every KV head's columns, the same bytes per tile as 1 (garbage states)."""
+    each block, every KV head's columns, the same bytes per tile as 1 (garbage states).
+    ``warps``: 4 (one warpgroup) or 8 (two, same bits; slower on the H200, session 25). ``ws``: a
+    producer warp of its own issues the TMA loads into the ring (``_walk_produce``) while the
+    program's warps only compute (``_walk_body`` as the default partition of gl.warp_specialize,
+    releasing each slot through an ``empty`` barrier), registers capped at WS_MAXNREG so two
+    programs still fit an SM. Built for sm90 offline under Triton 3.6 and 3.9 (session 25; the
+    non-ws variants' SASS byte-identical to before the split into ``_walk_body``); not yet run
+    on a GPU."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -360,6 +425,8 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         raise ValueError(f"walk_decode: {why}")
     if warps not in (4, 8):
         raise ValueError(f"walk_decode warps must be 4 or 8, got {warps!r}")
+    if ws and probe:
+        raise ValueError(f"walk_decode ws=True runs without probes, got probe={probe!r}")
     if probe not in (0, 1, 2, 3):
         raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
                          f"whole rows), got {probe!r}")
@@ -387,6 +454,8 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     extra = {"MERGE": 1, "NP": C.pow2(n), "DSL": MERGE_DSL} if merge else {}
     if probe:
         extra["PROBE"] = probe
+    if ws:  # a producer warp (its own warpgroup): registers capped so two programs still fit an SM
+        extra.update(WS=1, maxnreg=WS_MAXNREG)
     if bsz:
         k_desc, v_desc = descriptors(k_cache, v_cache, whole_rows=probe == 3)
         _walk_decode[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out,
