@@ -1,0 +1,97 @@
+"""Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True):
+its states against the 4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768, and
+the time of the walk, the producer-warp walk, the ring alone (probe=1) and the routed pair
+kernel, each a CUDA graph, replayed in interleaved rounds (median us). For a device call too
+short for the FA4 install; benchmarks/probe_walk_decode.py is the full probe (ratios over FA4).
+
+Usage (GPU machine): [CASES=64x8192] python3 benchmarks/quick_walk_ws.py [OUT.json]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from test_triton_pair_decode import D, _inputs  # noqa: E402
+
+from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
+from rlk_ops.kernels.triton.walk_decode import walk_decode  # noqa: E402
+
+HQ, HKV, PAGE, CHUNK = 16, 4, 128, 768
+CASES = tuple(tuple(int(x) for x in c.split("x")) for c in os.environ.get("CASES", "64x8192").split(","))
+
+
+def equal_states(a, b):
+    return a[3] == b[3] and all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+
+
+def graph_us(fns, rounds=7, reps=20):
+    graphs = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        graphs[name] = g
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop) * 1000 / reps)
+    return {name: round(statistics.median(t), 2) for name, t in times.items()}
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    res = {"device": torch.cuda.get_device_name(), "small": {}, "cases": []}
+    scale = D ** -0.5
+    for label, lens, chunk in (("one block", [128], 128), ("partial block", [100], 128), ("two chunks", [256], 128),
+                               ("batch 3", [300, 128, 1000], 256), ("C 768 long", [8192, 0, 7000], 768)):
+        q, kc, vc, table, sl = _inputs(lens, PAGE, seed=len(label), device="cuda")
+        ref = walk_decode(q, kc, vc, table, sl, scale, chunk)
+        got = walk_decode(q, kc, vc, table, sl, scale, chunk, ws=True)
+        torch.cuda.synchronize()
+        res["small"][label] = equal_states(got, ref)
+        print(label, res["small"][label], flush=True)
+    for bsz, ctx in CASES:
+        gen = torch.Generator(device="cuda").manual_seed(ctx)
+        n = -(-ctx // PAGE)
+        kc = torch.randn(bsz * n, PAGE, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        vc = torch.randn(bsz * n, PAGE, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        pt = torch.randperm(bsz * n, device="cuda", generator=gen).to(torch.int32).view(bsz, n)
+        sl = torch.full((bsz,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(bsz, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+        npairs = pd.pair_count(n, PAGE, CHUNK)
+        routed = {"layout": "keys", **pd.step_launch(q, kc, npairs)}
+        ref = walk_decode(q, kc, vc, pt, sl, scale, CHUNK)
+        row = {"batch": bsz, "context": ctx, "C": CHUNK, "page": PAGE,
+               "ws_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True), ref),
+               "pairs_equal": equal_states(pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed), ref)}
+        row.update({f"{k}_us": v for k, v in graph_us({
+            "walk": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK),
+            "walk_ws": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True),
+            "ring": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, probe=1),
+            "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed)}).items()})
+        print(row, flush=True)
+        res["cases"].append(row)
+        del kc, vc
+        torch.cuda.empty_cache()
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
