@@ -415,9 +415,9 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     producer warp of its own issues the TMA loads into the ring (``_walk_produce``) while the
     program's warps only compute (``_walk_body`` as the default partition of gl.warp_specialize,
     releasing each slot through an ``empty`` barrier), registers capped at WS_MAXNREG so two
-    programs still fit an SM. Built for sm90 offline under Triton 3.6 and 3.9 (session 25; the
-    non-ws variants' SASS byte-identical to before the split into ``_walk_body``); not yet run
-    on a GPU."""
+    programs still fit an SM. Built for sm90 under Triton 3.6 and 3.9 (session 25; the non-ws
+    variants' SASS byte-identical to before the split into ``_walk_body``); on an H100 its states
+    equal the 4-warp walk's and it is no faster (benchmarks/quick_walk_ws.py; README)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
