@@ -21,7 +21,8 @@ TP=2 shard): decode at batch 1 and 8 within 1.15x of FlashInfer's auto split (wo
 a margin; 32k 0.98x), training forward+backward 1.09x of single pass at B=4, S=8k. C = 1024
 (the default from session 6 to 11: the smallest power of two training within 1.15x) misses
 1 x 8k (1.35x in the same run); 640 misses training (1.16x) and 64 x 8k (1.01x). At page 128
-C = 768 misses 64 x 8k (1.03x; canonical_p128.md). Any C a multiple of 128 up to MAX_CANONICAL_CHUNK (2^20) is accepted.
+C = 768 misses 64 x 8k (1.03x; canonical_p128.md). Any C a multiple of 128 up to
+MAX_CANONICAL_CHUNK (2^20) is accepted.
 """
 from __future__ import annotations
 

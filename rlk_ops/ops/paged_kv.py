@@ -88,7 +88,8 @@ def _paged_kv_gather_fake(k_cache, v_cache, page_table, seq_lens):
 
 
 # ------------------------------------------------------------------ validation
-_SHARED_CACHE = "k_cache and v_cache must not overlap in memory, got overlapping tensors (V rows would overwrite K rows)"
+_SHARED_CACHE = ("k_cache and v_cache must not overlap in memory, got overlapping tensors "
+                 "(V rows would overwrite K rows)")
 
 
 def _overlap(a, b):
@@ -98,6 +99,7 @@ def _overlap(a, b):
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
+
     def span(t):
         last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
         return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()

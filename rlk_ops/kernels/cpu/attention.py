@@ -222,7 +222,7 @@ def _policy(op: str, split_kv: str) -> SplitKVPolicy:
     policy = SplitKVPolicy.parse(split_kv)
     if policy.kind not in ("disabled", "canonical"):
         raise RlkInputError(f"rlk::{op}: split_kv {split_kv!r} is not implemented by the cpu backend "
-                         f"(supported: disabled, canonical:C)")
+                            f"(supported: disabled, canonical:C)")
     return policy
 
 

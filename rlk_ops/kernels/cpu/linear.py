@@ -6,6 +6,7 @@ depends on K alone, never on how many rows came with it (BLAS picks kernels by M
 from __future__ import annotations
 
 import math
+
 import torch
 
 from rlk_ops.kernels.cpu import numerics as nx

@@ -325,6 +325,7 @@ def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_
                 part = gl.zeros([M, 4], gl.float32, part_l)
                 acc = gl.zeros([D, M], gl.float32, mma)
 
+
 @gluon.jit
 def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: gl.constexpr, HQ: gl.constexpr,
                D: gl.constexpr, M: gl.constexpr, NP: gl.constexpr, DSL: gl.constexpr, NW: gl.constexpr):
