@@ -1,8 +1,10 @@
 """Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True):
 its states against the 4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768, and
 the time of the walk, the producer-warp walk, the ring alone (probe=1) and the routed pair
-kernel, each a CUDA graph, replayed in interleaved rounds (median us). For a device call too
-short for the FA4 install; benchmarks/probe_walk_decode.py is the full probe (ratios over FA4).
+kernel, each a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
+For a device call too short for the FA4 install; benchmarks/probe_walk_decode.py is the full
+probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
+(commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls).
 
 Usage (GPU machine): [CASES=64x8192] python3 benchmarks/quick_walk_ws.py [OUT.json]
 """
@@ -10,14 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from _report import graph_times_us  # noqa: E402  (benchmarks/_report.py)
 from test_triton_pair_decode import D, _inputs  # noqa: E402
 
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
@@ -29,28 +32,6 @@ CASES = tuple(tuple(int(x) for x in c.split("x")) for c in os.environ.get("CASES
 
 def equal_states(a, b):
     return a[3] == b[3] and all(torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
-
-
-def graph_us(fns, rounds=7, reps=20):
-    graphs = {}
-    for name, fn in fns.items():
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        graphs[name] = g
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            stop.record()
-            stop.synchronize()
-            times[name].append(start.elapsed_time(stop) * 1000 / reps)
-    return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
 def main():
@@ -79,7 +60,7 @@ def main():
         row = {"batch": bsz, "context": ctx, "C": CHUNK, "page": PAGE,
                "ws_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True), ref),
                "pairs_equal": equal_states(pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed), ref)}
-        row.update({f"{k}_us": v for k, v in graph_us({
+        row.update({f"{k}_us": round(v["us"], 2) for k, v in graph_times_us({
             "walk": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK),
             "walk_ws": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True),
             "ring": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, probe=1),
