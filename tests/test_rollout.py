@@ -228,3 +228,98 @@ def test_model_configs_reject_non_positive_sizes():
         Qwen3AttentionConfig(head_dim=-8)
     with pytest.raises(ValueError, match="describe_rollout page_size must be a positive int, got 0"):
         probe.describe_rollout(_tiny(), page_size=0)
+
+
+# ------------------------------------------------------------------ bad input (session 25's review)
+def _state(cache):
+    return cache.free_pages, {s: (cache.length(s), cache.pages(s)) for s in list(cache._lens)}
+
+
+def test_batch_reservation_checks_everything_before_taking_a_page():
+    cache = PagedKVCache(1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8)
+    cache.add(0)
+    cache.add(1)
+    cache.reserve(0, 3)
+    before = _state(cache)
+    with pytest.raises(ValueError, match=r"n_new of sequence 1 must be an int >= 0, got -1"):
+        cache.reserve_batch([(0, 4), (1, -1)])  # sequence 0 first: it must not have grown
+    with pytest.raises(ValueError, match=r"reserve_batch: sequence 0 appears twice"):
+        cache.reserve_batch([(0, 1), (0, 1)])
+    with pytest.raises(ValueError, match=r"n_new of sequence 0 must be an int >= 0, got 1.5"):
+        cache.reserve_batch([(0, 1.5)])
+    with pytest.raises(KeyError, match=r"sequence 7 is not in the cache \(never added, or already released\)"):
+        cache.reserve_batch([(0, 1), (7, 1)])
+    assert _state(cache) == before
+    assert cache.reserve_batch([]).shape == (0,)
+
+
+def test_unknown_or_released_sequences_are_named():
+    cache = PagedKVCache(1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8)
+    cache.add(0)
+    cache.release(0)
+    for call in (lambda: cache.release(0), lambda: cache.length(0), lambda: cache.pages(0),
+                 lambda: cache.page_table([0]), lambda: cache.seq_lens([0])):
+        with pytest.raises(KeyError, match=r"sequence 0 is not in the cache \(never added, or already released\)"):
+            call()
+    assert cache.free_pages == 4
+    assert cache.page_table([]).shape == (0, 1)
+
+
+@pytest.mark.parametrize("name,value", [("num_layers", 0), ("num_kv_heads", -1), ("head_dim", 0), ("num_pages", 2.5),
+                                        ("page_size", 0)])
+def test_cache_sizes_must_be_positive_ints(name, value):
+    args = {"num_layers": 1, "num_pages": 4, "page_size": 4, "num_kv_heads": 1, "head_dim": 8, name: value}
+    with pytest.raises(ValueError, match=rf"PagedKVCache {name} must be a positive int, got {value}"):
+        PagedKVCache(**args)
+
+
+def _engine(num_pages=3, page_size=4, **kw):
+    model = _tiny()
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=model.embed_tokens.weight.dtype)
+    return RolloutEngine(model, cache, **kw), cache
+
+
+@pytest.mark.parametrize("reqs,pattern", [
+    ([Request(0, [1, 2, 3], 2), Request(0, [4, 5], 2)], r"request 0: seq_id appears twice"),
+    ([Request(0, [1, 64, 3], 2)], r"request 0: prompt\[1\] = 64 is not a token id in \[0, 64\)"),
+    ([Request(0, [1, -1], 2)], r"request 0: prompt\[1\] = -1 is not a token id"),
+    ([Request(0, [1, 2], 2, forced=[5, -1])], r"request 0: forced\[1\] = -1 is not a token id"),
+    ([Request(0, [1, 2], 1, forced=[1.5])], r"request 0: forced\[0\] = 1.5 is not a token id"),
+    ([Request(0, [1, 2], 1.5)], r"request 0: needs a non-empty prompt and an int max_new_tokens >= 1"),
+    ([Request(0, list(range(10)), 4)], r"request 0: needs 13 cached tokens = 4 pages of 4, but the cache has 3"),
+])
+def test_bad_requests_are_refused_before_any_is_admitted(reqs, pattern):
+    eng, cache = _engine()
+    with pytest.raises(ValueError, match=pattern):
+        eng.run(reqs)
+    assert cache.free_pages == 3 and not list(cache._lens)
+
+
+def test_a_run_that_fails_midway_releases_what_it_admitted():
+    """Two requests that each fit, but not both at once: the run fails on a full cache and
+    leaves the cache as it found it, so the next run can use the same ids."""
+    eng, cache = _engine(num_pages=3, max_running=2)
+    reqs = [Request(0, list(range(1, 8)), 2), Request(1, list(range(1, 8)), 2)]
+    with pytest.raises(CacheFullError):
+        eng.run(reqs)
+    assert cache.free_pages == 3 and not list(cache._lens)
+    eng2, cache2 = _engine(num_pages=3, max_running=1)
+    assert [len(r.generated) for r in eng2.run(reqs)] == [2, 2] and cache2.free_pages == 3
+
+
+def test_engine_and_sampler_arguments_are_named():
+    model = _tiny()
+    wrong = PagedKVCache(2, 4, 4, model.config.num_kv_heads, model.config.head_dim)
+    with pytest.raises(ValueError, match=r"RolloutEngine: the cache has num_layers = 2 but the model's config has 1"):
+        RolloutEngine(model, wrong)
+    for kw, pattern in (({"temperature": 0.0}, r"temperature must be a finite number > 0, got 0.0"),
+                        ({"temperature": float("nan")}, r"temperature must be a finite number > 0, got nan"),
+                        ({"seed": 10 ** 14}, r"seed must be None \(greedy\) or an int in \[0, 2\*\*32\)")):
+        with pytest.raises(ValueError, match=pattern):
+            Sampler(**kw)
+    with pytest.raises(ValueError, match=r"cache_for page_size must be a positive int, got 0"):
+        cache_for(model, _requests(), 0, 2)
+    with pytest.raises(ValueError, match=r"RolloutEngine chunk must be a positive int, got 2.5"):
+        RolloutEngine(model, cache_for(model, _requests(), 8, 2), chunk=2.5)

@@ -11,6 +11,8 @@ from collections import deque
 
 import torch
 
+from rlk_ops.ops._validate import positive_ints
+
 
 class CacheFullError(RuntimeError):
     """Not enough free pages for a request."""
@@ -19,8 +21,8 @@ class CacheFullError(RuntimeError):
 class PagedKVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.bfloat16, device="cpu", seed: int = 0):
-        if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"num_pages and page_size must be > 0, got {num_pages} and {page_size}")
+        positive_ints("PagedKVCache", num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim)
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -36,10 +38,16 @@ class PagedKVCache:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def _known(self, seq: int) -> None:
+        if seq not in self._lens:
+            raise KeyError(f"sequence {seq!r} is not in the cache (never added, or already released)")
+
     def length(self, seq: int) -> int:
+        self._known(seq)
         return self._lens[seq]
 
     def pages(self, seq: int) -> list[int]:
+        self._known(seq)
         return list(self._pages[seq])
 
     def __contains__(self, seq: int) -> bool:
@@ -53,10 +61,8 @@ class PagedKVCache:
 
     def reserve(self, seq: int, n_new: int) -> torch.Tensor:
         """Grow ``seq`` by ``n_new`` tokens; returns their slot_mapping (int64 [n_new])."""
-        if seq not in self._lens:
-            raise KeyError(f"sequence {seq} is not in the cache (add it first)")
-        if n_new < 0:
-            raise ValueError(f"n_new must be >= 0, got {n_new}")
+        self._known(seq)
+        _count("n_new", n_new)
         start = self._lens[seq]
         ps = self.page_size
         need = -(-(start + n_new) // ps) - len(self._pages[seq])
@@ -75,29 +81,47 @@ class PagedKVCache:
         """Reserve ``(seq, n_new)`` for several sequences at once, all or nothing:
         the pages for every request are counted before any is taken. Returns the
         concatenated slot_mapping."""
+        seen: set[int] = set()
         need = 0
-        for seq, n_new in requests:
-            if seq not in self._lens:
-                raise KeyError(f"sequence {seq} is not in the cache (add it first)")
+        for seq, n_new in requests:  # every check before any page is taken
+            self._known(seq)
+            _count(f"n_new of sequence {seq!r}", n_new)
+            if seq in seen:
+                raise ValueError(f"reserve_batch: sequence {seq!r} appears twice; give each sequence once with "
+                                 f"its total n_new")
+            seen.add(seq)
             need += max(0, -(-(self._lens[seq] + n_new) // self.page_size) - len(self._pages[seq]))
         if need > len(self._free):
             raise CacheFullError(
                 f"this step needs {need} more pages for {len(requests)} sequences but only {len(self._free)} of "
                 f"{self.num_pages} pages are free; finish or evict a sequence first")
+        if not requests:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
         return torch.cat([self.reserve(seq, n_new) for seq, n_new in requests])
 
     def release(self, seq: int) -> None:
         """Finish ``seq``: its pages go back to the free list."""
+        self._known(seq)
         self._free.extend(self._pages.pop(seq))
         del self._lens[seq]
 
     # --------------------------------------------------------------- op inputs
     def page_table(self, seqs: list[int]) -> torch.Tensor:
-        width = max(1, max(len(self._pages[s]) for s in seqs))
+        for s in seqs:
+            self._known(s)
+        width = max([1] + [len(self._pages[s]) for s in seqs])
         table = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             table[i, :len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
         return table.to(self.device)
 
     def seq_lens(self, seqs: list[int]) -> torch.Tensor:
+        for s in seqs:
+            self._known(s)
         return torch.tensor([self._lens[s] for s in seqs], dtype=torch.int32, device=self.device)
+
+
+def _count(name: str, value) -> None:
+    """A token count: an int >= 0 (a float or a bool is refused, not truncated)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")

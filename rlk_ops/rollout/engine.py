@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.cache import PagedKVCache
 from rlk_ops.rollout.model import Trace, log_softmax
 
@@ -52,6 +53,11 @@ class Sampler:
     (seed, sequence, position): the same choice whatever else is in the batch."""
 
     def __init__(self, seed: int | None = 0, temperature: float = 1.0):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32):
+            raise ValueError(f"Sampler seed must be None (greedy) or an int in [0, 2**32), got {seed!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"Sampler temperature must be a finite number > 0, got {temperature!r}")
         self.seed, self.temperature = seed, temperature
 
     def __call__(self, seq_id: int, position: int, logp: torch.Tensor) -> int:
@@ -75,8 +81,14 @@ class RolloutEngine:
     def __init__(self, model, cache: PagedKVCache, *, max_running: int = 4, chunk: int = 96,
                  sampler: Sampler | None = None, forward: Callable | None = None,
                  logprobs: Callable | None = None, on_token: Callable[[int], None] | None = None):
-        if chunk <= 0 or max_running <= 0:
-            raise ValueError(f"chunk and max_running must be > 0, got {chunk} and {max_running}")
+        positive_ints("RolloutEngine", chunk=chunk, max_running=max_running)
+        cfg = getattr(model, "config", None)
+        for name in ("num_layers", "num_kv_heads", "head_dim"):  # the cache must be this model's
+            want = getattr(cfg, name, None)
+            have = {"num_layers": len(cache.k), "num_kv_heads": cache.k[0].shape[2],
+                    "head_dim": cache.k[0].shape[3]}[name]
+            if want is not None and want != have:
+                raise ValueError(f"RolloutEngine: the cache has {name} = {have} but the model's config has {want}")
         self.model, self.cache = model, cache
         self.max_running, self.chunk = max_running, chunk
         self.sampler = sampler or Sampler()
@@ -116,14 +128,46 @@ class RolloutEngine:
         if self.on_token:
             self.on_token(1)
 
-    def run(self, requests: list[Request]) -> list[SeqResult]:
+    def _check(self, requests: list[Request]) -> None:
+        """Every request before any is admitted: the run then either finishes or fails
+        without leaving a sequence in the cache (``run`` releases what it admitted)."""
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        seen: set = set()
         for r in requests:
-            if not r.prompt or r.max_new_tokens < 1:
-                raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and max_new_tokens >= 1")
+            if r.seq_id in seen or r.seq_id in self.cache:
+                raise ValueError(f"request {r.seq_id!r}: seq_id appears twice in the requests or is already in "
+                                 f"the cache; each running sequence needs its own id")
+            seen.add(r.seq_id)
+            if not r.prompt or not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) \
+                    or r.max_new_tokens < 1:
+                raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and an int max_new_tokens >= 1, got "
+                                 f"{len(r.prompt)} prompt tokens and max_new_tokens {r.max_new_tokens!r}")
             if r.forced is not None and len(r.forced) < r.max_new_tokens:
                 raise ValueError(f"request {r.seq_id}: {len(r.forced)} forced tokens < max_new_tokens {r.max_new_tokens}")
-        waiting = deque(requests)
+            for name, toks in (("prompt", r.prompt), ("forced", r.forced or [])):
+                for i, t in enumerate(toks):
+                    if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
+                        raise ValueError(f"request {r.seq_id}: {name}[{i}] = {t!r} is not a token id in "
+                                         f"[0, {vocab if vocab is not None else 'vocab'})")
+            tokens = len(r.prompt) + r.max_new_tokens - 1  # the last generated token is never cached
+            pages = -(-tokens // self.cache.page_size)
+            if pages > self.cache.num_pages:
+                raise ValueError(f"request {r.seq_id}: needs {tokens} cached tokens = {pages} pages of "
+                                 f"{self.cache.page_size}, but the cache has {self.cache.num_pages} pages")
+
+    def run(self, requests: list[Request]) -> list[SeqResult]:
+        self._check(requests)
         running: list[tuple[Request, SeqResult]] = []
+        try:
+            return self._loop(requests, running)
+        except BaseException:
+            for _, res in running:  # a failed run leaves no sequence of its own behind
+                if res.seq_id in self.cache:
+                    self.cache.release(res.seq_id)
+            raise
+
+    def _loop(self, requests: list[Request], running: list) -> list[SeqResult]:
+        waiting = deque(requests)
         done: dict[int, SeqResult] = {}
         step = 0
         while waiting or running:
@@ -160,7 +204,7 @@ class RolloutEngine:
                     log.finished.append(res.seq_id)
                 else:
                     still.append((req, res))
-            running = still
+            running[:] = still
             self.log.append(log)
             step += 1
         return [done[r.seq_id] for r in requests]
@@ -169,6 +213,7 @@ class RolloutEngine:
 def cache_for(model, requests: list[Request], page_size: int, max_running: int, device="cpu", seed: int = 0,
               spare_pages: int = 4) -> PagedKVCache:
     """A cache big enough for the ``max_running`` longest requests at once."""
+    positive_ints("cache_for", page_size=page_size, max_running=max_running)
     cfg = model.config
     need = sorted((math.ceil((len(r.prompt) + r.max_new_tokens) / page_size) for r in requests), reverse=True)
     num_pages = sum(need[:max_running]) + spare_pages
