@@ -79,6 +79,23 @@ def test_layout_errors_name_the_argument(cu, mode, cp, chunks, fragments):
         build_layout(torch.tensor([0, 8]), 1, 0)
     with pytest.raises(LayoutError, match=r"rank must be in \[0, 1\], got 2"):
         build_layout([0, 8], 2, 2)
+    for bad in ([0, 8.9, 24], ["0", "8"], None):  # once truncated by int(), or a TypeError
+        with pytest.raises(LayoutError, match=r"cu_seqlens must be an int32 tensor or a list of ints"):
+            build_layout(bad, 1, 0)
+
+
+def test_a_local_problem_of_any_type_reaches_the_preflight():
+    """checks.collect turns any exception of a local check into the problem text that
+    preflight raises on every rank (a TypeError raised on one rank alone would leave the
+    others waiting in the preflight's all_gather until the timeout)."""
+    from rlk_ops.distributed.checks import collect
+
+    def type_error():
+        raise TypeError("'NoneType' object is not iterable")
+
+    assert collect([lambda: None]) is None
+    assert collect([type_error]) == "TypeError: 'NoneType' object is not iterable"
+    assert collect([lambda: build_layout([0, 3], 2, 0)]).startswith("rlk_ops.distributed: sequence 0 has length 3")
 
 
 def _attn_inputs(seed=0):

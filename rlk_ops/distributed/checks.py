@@ -78,10 +78,14 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def collect(checks) -> str | None:
-    """Run local check callables in order; return the first problem's text, or None."""
+    """Run local check callables in order; return the first problem's text, or None. Any
+    exception counts (a TypeError from a wrong argument type too): raised here on one rank
+    alone, it would leave the others waiting in the preflight's all_gather."""
     for check in checks:
         try:
             check()
         except ValueError as e:
             return str(e)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by preflight
+            return f"{type(e).__name__}: {e}"
     return None

@@ -77,8 +77,12 @@ def seq_lens_from_cu(cu_seqlens) -> list[int]:
         if cu_seqlens.dim() != 1:
             _fail(f"cu_seqlens must be 1-D [batch + 1], got shape {list(cu_seqlens.shape)}")
         cu = [int(v) for v in cu_seqlens.cpu().tolist()]
+    elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in cu_seqlens):
+        cu = list(cu_seqlens)
     else:
-        cu = [int(v) for v in cu_seqlens]
+        _fail(f"cu_seqlens must be an int32 tensor or a list of ints [batch + 1], got "
+              f"{type(cu_seqlens).__name__} {cu_seqlens!r}"[:300])
     if len(cu) < 2:
         _fail(f"cu_seqlens must have at least 2 entries [batch + 1], got {len(cu)}")
     if cu[0] != 0:
