@@ -202,3 +202,20 @@ def test_local_errors_before_any_communication():
     xl, pl, lay = pb.prepare(x, pos, cu)
     with pytest.raises(ValueError, match="use the layout from this module's prepare"):
         pb(xl, pl, build_layout(cu, 1, 0, "contiguous"))
+
+
+def test_reduction_helpers_name_bad_arguments():
+    """canonical_reduce sums the parts in ``order``: a duplicate index once summed a part twice
+    (order (0, 0) of [1, 10] gave 2); sync_grads needs one valid kind per tensor (a missing or
+    unknown kind once skipped the gradient's reduction)."""
+    from rlk_ops.distributed.reductions import canonical_reduce, sync_grads
+
+    parts = torch.tensor([[1.0], [10.0]])
+    assert canonical_reduce(parts, None, (1, 0)).item() == 11.0
+    for order in ((0, 0), (0,), (0, 1, 2)):
+        with pytest.raises(ValueError, match=r"canonical_reduce: order must be a permutation of the 2 gathered"):
+            canonical_reduce(parts, None, order)
+    t = torch.zeros(2, requires_grad=True)
+    for kinds in (("xp",), ("cp", "tp")):
+        with pytest.raises(ValueError, match=r"sync_grads needs one kind per tensor"):
+            sync_grads([t], kinds, None, None)

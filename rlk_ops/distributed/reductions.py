@@ -114,6 +114,10 @@ def sync_grads(tensors, kinds, cp: tuple[str, int] | None, tp: tuple[str, int] |
     groups named by ``kinds`` ("cp", "tp" or "cp+tp"), in one chain: one all-reduce
     over cp of every cp gradient, then one over tp (whose buffer includes the cp results)."""
     kinds = tuple(k for k in kinds)
+    tensors = tuple(tensors)
+    if len(kinds) != len(tensors) or any(k not in ("cp", "tp", "cp+tp") for k in kinds):
+        raise ValueError(f"sync_grads needs one kind per tensor, each 'cp', 'tp' or 'cp+tp': got {len(tensors)} "
+                         f"tensors and kinds {kinds!r}")
     if (cp is None or not any("cp" in k for k in kinds)) and (tp is None or not any("tp" in k for k in kinds)):
         return tuple(tensors)
     return _SyncGrads.apply(cp, tp, kinds, *tensors)
@@ -165,6 +169,9 @@ class _CanonicalReduce(torch.autograd.Function):
         ctx.n = parts.shape[0]
         if group_name is not None:
             parts = torch.ops.rlk.all_gather(parts, 0, group_name)
+        if sorted(order) != list(range(parts.shape[0])):  # the same on every rank: all raise
+            raise ValueError(f"canonical_reduce: order must be a permutation of the {parts.shape[0]} gathered "
+                             f"parts, got {order!r}")
         return ordered_sum(torch.stack([parts[i] for i in order]), parts.dtype)
 
     @staticmethod
