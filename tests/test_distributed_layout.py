@@ -219,3 +219,12 @@ def test_reduction_helpers_name_bad_arguments():
     for kinds in (("xp",), ("cp", "tp")):
         with pytest.raises(ValueError, match=r"sync_grads needs one kind per tensor"):
             sync_grads([t], kinds, None, None)
+
+
+def test_comparison_names_a_missing_row():
+    from rlk_ops.distributed.compare import Comparison, Row
+
+    c = Comparison(1, 2, "contiguous", None, "gloo", [Row("lse", True, 0.0, 0.0, True, None, True)])
+    assert c.row("lse").bitwise
+    with pytest.raises(KeyError, match=r"Comparison has no row 'dq'; its rows are \['lse'\]"):
+        c.row("dq")

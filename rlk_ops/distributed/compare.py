@@ -46,7 +46,10 @@ class Comparison:
     rows: list[Row] = field(default_factory=list)
 
     def row(self, name: str) -> Row:
-        return next(r for r in self.rows if r.name == name)
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"Comparison has no row {name!r}; its rows are {[r.name for r in self.rows]}")
 
     def claims_hold(self) -> bool:
         return all(r.bitwise for r in self.rows if r.claimed) and all(r.run_to_run for r in self.rows) \
