@@ -17,6 +17,45 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """argparse type: a sampler / weights seed, an int in [0, 2**32)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {text!r}") from None
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**32), got {value}")
+    return value
+
+
+def _preflight(parser: argparse.ArgumentParser, args) -> None:
+    """What would otherwise fail after the job ran, or deep inside it: a CUDA device that is
+    not there, an output file whose folder does not exist, describe's model options."""
+    import os
+
+    import torch
+
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    for flag in ("json", "out"):
+        path = getattr(args, flag, None)
+        if isinstance(path, str):
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                parser.error(f"--{flag} {path}: the folder {folder} does not exist")
+    if args.command == "describe":
+        from rlk_ops.rollout.model import TinyQwen3Config
+
+        try:
+            TinyQwen3Config(num_layers=args.layers, split_kv=args.split_kv, rope_theta=args.rope_theta,
+                            rms_norm_eps=args.rms_norm_eps)
+        except ValueError as e:
+            parser.error(str(e))
+        entries = args.entries.split(",")
+        if not entries or any(e not in ("prefill", "decode") for e in entries):
+            parser.error(f"--entries must be prefill, decode or prefill,decode, got {args.entries!r}")
+
+
 def _split_kv(text: str) -> str:
     """argparse type: a split-KV policy string SplitKVPolicy.parse accepts (canonical:C checked here)."""
     from rlk_ops.meta.contract import SplitKVPolicy
@@ -72,7 +111,7 @@ def _check(args) -> int:
     from rlk_ops.meta.binding import bind, load_side
 
     try:
-        train, rollout = load_side(args.train), load_side(args.rollout)
+        train, rollout = load_side(args.train, "train"), load_side(args.rollout, "rollout")
     except (OSError, ValueError) as e:
         print(f"check: {e}", file=sys.stderr)
         return 2
@@ -116,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=_positive_int, default=96, help="prefill chunk size (tokens)")
     p.add_argument("--page-size", type=_positive_int, default=16)
     p.add_argument("--max-running", type=_positive_int, default=4, help="sequences decoding at once")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--greedy", action="store_true", help="greedy instead of the seeded sampler")
     p.add_argument("--no-backward", action="store_true", help="skip the training backward check")
     p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
@@ -136,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="weights seed")
+    p.add_argument("--seed", type=_seed, default=0, help="weights seed")
     p.add_argument("--model-id", default=None, help="checkpoint id (default: sha256 of the weights)")
     p.add_argument("--split-kv", type=_split_kv, default="disabled")
     p.add_argument("--rope-theta", type=float, default=1e6)
@@ -148,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
     p.set_defaults(func=_describe)
     args = parser.parse_args(argv)
+    _preflight(parser, args)
     return args.func(args)
 
 

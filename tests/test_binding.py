@@ -369,6 +369,50 @@ def test_cli_check(tmp_path, train, rollout, variants):
         ("layer[0].q_rope.theta", SEMANTIC, 1e6, 1e4), ("layer[0].k_rope.theta", SEMANTIC, 1e6, 1e4)}
 
 
+def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, capsys):
+    """A rollout description passed as --train once bound against itself and printed PASS."""
+    from rlk_ops.__main__ import main
+
+    paths = {name: tmp_path / f"{name}.json" for name in ("train", "rollout")}
+    paths["train"].write_text(json.dumps(train))
+    paths["rollout"].write_text(json.dumps(rollout))
+    assert main(["check", "--train", str(paths["rollout"]), "--rollout", str(paths["rollout"])]) == 2
+    assert "describes the 'rollout' side, expected the 'train' side" in capsys.readouterr().err
+    bad = tmp_path / "bad_entries.json"
+    bad.write_text(json.dumps({**train, "entries": 5}))
+    assert main(["check", "--train", str(bad), "--rollout", str(paths["rollout"])]) == 2
+    assert "entries must be a list, got int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["describe", "--side", "train", "--out", "OUT", "--rope-theta", "0"], "rope_theta must be a finite number > 0"),
+    (["describe", "--side", "train", "--out", "OUT", "--rms-norm-eps", "-1"], "rms_norm_eps must be a finite number"),
+    (["describe", "--side", "train", "--out", "OUT", "--split-kv", "auto"],
+     "split_kv must be 'disabled' or 'canonical:C'"),
+    (["describe", "--side", "rollout", "--out", "OUT", "--entries", "bogus"], "--entries must be prefill, decode"),
+    (["describe", "--side", "train", "--out", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
+    (["demo", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
+    (["demo", "--seed", "100000000000000"], "expected an int in [0, 2**32), got 100000000000000"),
+])
+def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
+    from rlk_ops.__main__ import main
+
+    argv = [str(tmp_path / "out.json") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cli_cuda_without_a_gpu_is_a_usage_error(capsys):
+    from rlk_ops.__main__ import main
+
+    for argv in (["demo", "--device", "cuda"], ["describe", "--side", "train", "--out", "x.json", "--device", "cuda"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+
+
 def test_cli_describe(tmp_path, train):
     from rlk_ops.__main__ import main
 

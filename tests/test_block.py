@@ -242,3 +242,19 @@ def test_inspect_cli_lists_forward_and_backward_ops():
 
     data = json.loads(js.stdout)
     assert [n["op"] for n in data["training"]["backward"]].count("rlk::attention_bwd") == 1
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("rope_theta", 0.0, "rope_theta must be a finite number > 0, got 0.0"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps must be a finite number >= 0, got -1.0"),
+    ("rotary_dim", 7, r"rotary_dim must be None or even and in \(0, head_dim=128\], got 7"),
+    ("split_kv", "bogus", "split_kv must be 'disabled', 'auto'"),
+    ("split_kv", "fixed:256", "split_kv must be 'disabled' or 'canonical:C'"),
+])
+def test_block_config_is_checked_when_built(field, value, message):
+    """A config is checked when built, not at the first forward (under torch.compile that
+    error came buried in a dynamo traceback)."""
+    from rlk_ops.compile.block import Qwen3AttentionConfig
+
+    with pytest.raises(ValueError, match=message):
+        Qwen3AttentionConfig(**{field: value})

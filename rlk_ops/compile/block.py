@@ -18,12 +18,14 @@ row's result is the same either way (each output element reduces over K alone).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import rlk_ops
+from rlk_ops.meta.contract import SplitKVPolicy, spell
 from rlk_ops.ops._validate import positive_ints
 
 
@@ -44,6 +46,21 @@ class Qwen3AttentionConfig:
                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        # the ops check these again, but a config is built before the first (maybe compiled) forward
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
+                and self.rms_norm_eps >= 0):
+            raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= 0, got "
+                             f"{self.rms_norm_eps!r}")
+        rd = self.rotary_dim
+        if rd is not None and (not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > self.head_dim):
+            raise ValueError(f"Qwen3AttentionConfig rotary_dim must be None or even and in (0, head_dim="
+                             f"{self.head_dim}], got {rd!r}")
+        policy = SplitKVPolicy.parse(spell(self.split_kv))  # raises with the policy's own message
+        if policy.kind not in ("disabled", "canonical"):
+            raise ValueError(f"Qwen3AttentionConfig split_kv must be 'disabled' or 'canonical:C' (what both the "
+                             f"training forward and the rollout compute), got {self.split_kv!r}")
 
 
 class _Norm(nn.Module):

@@ -643,11 +643,18 @@ def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingR
     return BindingResult(comparable, passed, results)
 
 
-def load_side(path: str) -> dict:
+def load_side(path: str, side_name: str | None = None) -> dict:
+    """A side description from ``path``; with ``side_name`` ("train" or "rollout") it must
+    describe that side (a rollout file given as the training side binds nothing)."""
     with open(path) as f:
         side = json.load(f)
     if not isinstance(side, dict) or side.get("format") != "rlk_ops.binding.side/1":
         raise ValueError(f"{path}: not a side description (format must be 'rlk_ops.binding.side/1')")
+    if side_name is not None and side.get("side") != side_name:
+        raise ValueError(f"{path}: describes the {side.get('side')!r} side, expected the {side_name!r} side")
+    if not isinstance(side.get("entries"), list):
+        raise ValueError(f"{path}: not a side description (entries must be a list, got "
+                         f"{type(side.get('entries')).__name__})")
     return side
 
 
