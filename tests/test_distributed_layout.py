@@ -228,3 +228,33 @@ def test_comparison_names_a_missing_row():
     assert c.row("lse").bitwise
     with pytest.raises(KeyError, match=r"Comparison has no row 'dq'; its rows are \['lse'\]"):
         c.row("dq")
+
+
+def test_layout_moves_name_a_wrong_token_count_or_dim():
+    """to_cp_layout / from_cp_layout once cut a longer x silently to the layout's tokens."""
+    lay = build_layout([0, 8, 24], 2, 0)
+    x = torch.arange(24.0)
+    assert torch.equal(lay.from_cp_layout(lay.to_cp_layout(x)), x)
+    for fn in (lay.to_cp_layout, lay.from_cp_layout, lay.shard):
+        with pytest.raises(LayoutError, match=r"x.shape\[0\] must be the packed token count 24, got 30"):
+            fn(torch.arange(30.0))
+        with pytest.raises(LayoutError, match=r"dim must be in \[-1, 0\] for x of shape \[24\], got 5"):
+            fn(x, dim=5)
+
+
+def test_init_mesh_names_a_bad_device_type():
+    from rlk_ops.distributed import init_mesh
+
+    with pytest.raises(DistributedInputError, match=r"init_mesh: device_type must be 'cpu' or 'cuda'.*got 'gpu'"):
+        init_mesh(1, 1, "gpu")
+
+
+def test_cp_attention_names_a_bad_group_or_scale():
+    from rlk_ops.distributed import context_parallel_attention
+
+    q, k, v, _ = _attn_inputs()
+    lay = build_layout([0, sum(LENS)], 1, 0)
+    with pytest.raises(DistributedInputError, match=r"group must be the cp ProcessGroup .* got str"):
+        context_parallel_attention(q, k, v, lay, group="cp")
+    with pytest.raises(DistributedInputError, match=r"softmax_scale must be a float or None, got 'a'"):
+        context_parallel_attention(q, k, v, lay, softmax_scale="a")

@@ -27,6 +27,7 @@ partials. Two ways to turn those into dK/dV of the local keys:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
 from rlk_ops.distributed.layout import CPLayout
@@ -47,6 +48,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     arguments and the ranks compare shapes, dtype and batch layout in one small
     all_gather, so bad input raises on every rank instead of hanging the others.
     Compiled callers run those checks eagerly beforehand (``ParallelQwen3Attention.prepare``)."""
+    if not torch.compiler.is_compiling():  # argument types, before the preflight uses them
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise DistributedInputError(f"context_parallel_attention: group must be the cp ProcessGroup (e.g. "
+                                        f"mesh.get_group('cp')) or None, got {type(group).__name__}")
+        if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                          or not isinstance(softmax_scale, (int, float))):
+            raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a float or None, got "
+                                        f"{softmax_scale!r}")
     if check and not torch.compiler.is_compiling():
         problem = collect([lambda: check_local(q, k, v, layout, group)])
         if group is None:

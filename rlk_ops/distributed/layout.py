@@ -132,19 +132,27 @@ class CPLayout:
     def pieces(self) -> int:
         return len(self.chunk_ids)
 
+    def _tokens_dim(self, x: torch.Tensor, dim: int, what: str) -> None:
+        """x's ``dim`` holds every token of the layout (a longer x was once silently cut)."""
+        if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+            _fail(f"{what}: dim must be in [{-x.dim()}, {x.dim() - 1}] for x of shape {list(x.shape)}, got {dim!r}")
+        if x.shape[dim] != self.total_tokens:
+            _fail(f"{what}: x.shape[{dim}] must be the packed token count {self.total_tokens}, got {x.shape[dim]}")
+
     def to_cp_layout(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Natural packed order -> cp layout (every rank's shard, in rank order)."""
+        self._tokens_dim(x, dim, "to_cp_layout")
         return x.index_select(dim, self.global_order.to(x.device))
 
     def from_cp_layout(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        self._tokens_dim(x, dim, "from_cp_layout")
         inverse = torch.empty_like(self.global_order)
         inverse[self.global_order] = torch.arange(self.global_order.numel())
         return x.index_select(dim, inverse.to(x.device))
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's tokens of a global tensor in natural packed order."""
-        if x.shape[dim] != self.total_tokens:
-            _fail(f"x.shape[{dim}] must be the packed token count {self.total_tokens}, got {x.shape[dim]}")
+        self._tokens_dim(x, dim, "shard")
         return x.index_select(dim, self.local_index.to(x.device))
 
     def canonical_order(self) -> list[int]:

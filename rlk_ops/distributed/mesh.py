@@ -67,6 +67,11 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     CPU metadata checks), gloo for CPU. Checks on every rank, before the mesh's
     sub-groups are created, that all ranks ask for the same (tp, cp)."""
     device_type = device_type or default_device_type()
+    if device_type not in ("cpu", "cuda"):  # the same on every rank: raised before any collective
+        raise DistributedInputError(f"init_mesh: device_type must be 'cpu' or 'cuda' (None: this machine's), got "
+                                    f"{device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise DistributedInputError("init_mesh: device_type 'cuda' but no CUDA device is available here")
     if not dist.is_available():
         raise DistributedInputError("init_mesh: torch.distributed is not available in this build")
     if not dist.is_initialized():
