@@ -258,3 +258,15 @@ def test_block_config_is_checked_when_built(field, value, message):
 
     with pytest.raises(ValueError, match=message):
         Qwen3AttentionConfig(**{field: value})
+
+
+def test_block_names_hidden_states_of_the_wrong_rank_and_runs_an_empty_batch():
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    x, pos, cu = packed_batch([5, 3], 128)
+    with pytest.raises(ValueError, match=r"hidden_states must be 2-D \[T, hidden_size\] with hidden_size 128, got "
+                                         r"\[1, 8, 128\]"):
+        block(x[None], pos, cu)
+    with pytest.raises(ValueError, match=r"hidden_states must be 3-D \[B, Sq, hidden_size\]"):
+        block.forward_rollout(x, pos, None, None, None, None, None)
+    empty = block(x[:0], pos[:0], torch.zeros(2, dtype=torch.int32))  # one empty sequence: T = 0
+    assert empty.shape == (0, 128)

@@ -88,6 +88,14 @@ class Qwen3Attention(nn.Module):
         self.k_norm = _Norm(d, **f)
 
     # ------------------------------------------------------------------ shared
+    def _check_hidden(self, hidden_states, ndim: int, layout: str) -> None:
+        """Shape metadata (also under torch.compile): the ops below would otherwise fail on
+        a reshape that names none of the block's arguments."""
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != ndim \
+                or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"Qwen3Attention: hidden_states must be {ndim}-D {layout} with hidden_size "
+                             f"{self.config.hidden_size}, got {list(getattr(hidden_states, 'shape', []))}")
+
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [N, hidden], positions [N] -> q [N, Hq, D], k, v [N, Hkv, D] (normed, rotated)."""
         cfg = self.config
@@ -113,11 +121,12 @@ class Qwen3Attention(nn.Module):
         hidden_states [T, hidden], positions [T] int64, cu_seqlens int32 [B+1]
         (max_seqlen 0: derived inside the op). Returns [T, hidden]; with
         ``return_attention`` also the attention output [T, Hq, D] and lse [Hq, T]."""
+        self._check_hidden(hidden_states, 2, "[T, hidden_size]")
         q, k, v = self._qkv(hidden_states, positions)
         attn, lse = rlk_ops.attention(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                                       split_kv=self.config.split_kv)
-        out = rlk_ops.linear(attn.reshape(attn.shape[0], -1), self.o_proj.weight)
+        out = rlk_ops.linear(attn.reshape(attn.shape[0], attn.shape[1] * attn.shape[2]), self.o_proj.weight)
         return (out, attn, lse) if return_attention else out
 
     forward_train = forward
@@ -133,10 +142,12 @@ class Qwen3Attention(nn.Module):
         page_table int32 [B, max_pages], seq_lens int32 [B] (cached tokens including
         these). Appends the new K/V, then attends. Returns [B, Sq, hidden] (and the
         attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``)."""
+        self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]")
         b, sq, hidden = hidden_states.shape
         q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
         rlk_ops.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
         attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
                                             seq_lens, split_kv=self.config.split_kv)
-        out = rlk_ops.linear(attn.reshape(b * sq, -1), self.o_proj.weight).reshape(b, sq, hidden)
+        out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(
+            b, sq, hidden)
         return (out, attn, lse) if return_attention else out
