@@ -258,3 +258,12 @@ def test_cp_attention_names_a_bad_group_or_scale():
         context_parallel_attention(q, k, v, lay, group="cp")
     with pytest.raises(DistributedInputError, match=r"softmax_scale must be a float or None, got 'a'"):
         context_parallel_attention(q, k, v, lay, softmax_scale="a")
+
+
+def test_parallel_block_runs_an_empty_batch_on_one_process():
+    """prepare accepts a batch of empty sequences; forward once failed on a reshape of 0 elements."""
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    pb = ParallelQwen3Attention(block, None, "contiguous")
+    x, pos, _ = packed_batch([8, 16], 128)
+    xd, pd, lay = pb.prepare(x[:0], pos[:0], [0, 0])
+    assert pb(xd, pd, lay).shape == (0, 128)

@@ -85,7 +85,7 @@ def local_forward(x, positions, wq, wk, wv, wo, qn, kn, layout: CPLayout, topo: 
                                            ("tp", "cp", "cp", "cp", "cp", "cp+tp", "cp+tp"), cp, tp)
     q, k, v = _tap(taps, *_qkv(x, torch.cat([wq, wk, wv]), qn, kn, positions, hq, hkv, topo))
     attn, lse = cp_attention(q, k, v, layout, topo.cp_name)
-    y = reduce_forward(rlk_ops.linear(attn.reshape(attn.shape[0], -1), wo), tp)
+    y = reduce_forward(rlk_ops.linear(attn.reshape(attn.shape[0], attn.shape[1] * attn.shape[2]), wo), tp)
     return y, attn.detach(), lse.detach()
 
 

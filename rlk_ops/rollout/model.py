@@ -161,7 +161,7 @@ class TinyQwen3(nn.Module):
                 return_attention=True)
             if trace is not None:
                 trace.attn.append(attn.reshape(b * sq, *attn.shape[2:]))
-                trace.lse.append(lse.permute(0, 2, 1).reshape(b * sq, -1))
+                trace.lse.append(lse.permute(0, 2, 1).reshape(b * sq, lse.shape[1]))
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
