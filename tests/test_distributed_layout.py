@@ -267,3 +267,36 @@ def test_parallel_block_runs_an_empty_batch_on_one_process():
     x, pos, _ = packed_batch([8, 16], 128)
     xd, pd, lay = pb.prepare(x[:0], pos[:0], [0, 0])
     assert pb(xd, pd, lay).shape == (0, 128)
+
+
+_MESH_CHECK = """
+import datetime, tempfile
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+from rlk_ops.compile import Qwen3Attention
+from rlk_ops.compile.examples import init_block, packed_batch
+from rlk_ops.distributed import ParallelQwen3Attention, init_mesh
+pb = ParallelQwen3Attention(init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)),
+                            init_mesh(1, 1, "cpu"), "contiguous")
+x, pos, cu = packed_batch([8, 16], 128)
+xd, pd, lay = pb.prepare(x, pos, cu)
+print("ran", tuple(pb(xd, pd, lay).shape))
+try:
+    pb(xd.to_local(), pd, lay)
+except ValueError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_parallel_block_forward_names_inputs_not_from_prepare():
+    """On a mesh, forward takes prepare()'s DTensors; a plain tensor (or one on another mesh)
+    is named instead of failing inside local_map (a one-process, 1 x 1 mesh, in a subprocess)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHECK], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ran (24, 128)" in proc.stdout
+    assert "refused: ParallelQwen3Attention: hidden_states must be the DTensor prepare() returned" in proc.stdout

@@ -181,6 +181,14 @@ class ParallelQwen3Attention(nn.Module):
             _fail(f"layout is for cp rank {layout.rank} of {layout.cp} ({layout.mode}, canonical="
                   f"{layout.canonical}); this module is cp rank {topo.cp_rank} of {topo.cp} ({self.sharding}, "
                   f"canonical={self.chunks is not None}): use the layout from this module's prepare()")
+        if self.mesh is not None:  # prepare's DTensors on this module's mesh, in its placements
+            for name, t in (("hidden_states", hidden_states), ("positions", positions)):
+                if not isinstance(t, DTensor) or t.device_mesh != self.mesh \
+                        or tuple(t.placements) != tuple(PLACEMENTS[name]):
+                    _fail(f"{name} must be the DTensor prepare() returned (on this module's mesh, placements "
+                          f"{tuple(PLACEMENTS[name])}), got {type(t).__name__}"
+                          + (f" on mesh {t.device_mesh.mesh_dim_names} with placements {tuple(t.placements)}"
+                             if isinstance(t, DTensor) else ""))
         want = (layout.total_tokens, self.config.hidden_size)
         if tuple(hidden_states.shape) != want:
             _fail(f"hidden_states must be {list(want)} (the layout's tokens, hidden_size), "
