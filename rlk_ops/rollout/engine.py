@@ -13,6 +13,7 @@ replays given tokens instead (used to score the negative control on the same tok
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,15 +139,14 @@ class RolloutEngine:
                 raise ValueError(f"request {r.seq_id!r}: seq_id appears twice in the requests or is already in "
                                  f"the cache; each running sequence needs its own id")
             seen.add(r.seq_id)
-            if not r.prompt or not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) \
-                    or r.max_new_tokens < 1:
+            if not r.prompt or not _integer(r.max_new_tokens) or r.max_new_tokens < 1:
                 raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and an int max_new_tokens >= 1, got "
                                  f"{len(r.prompt)} prompt tokens and max_new_tokens {r.max_new_tokens!r}")
             if r.forced is not None and len(r.forced) < r.max_new_tokens:
                 raise ValueError(f"request {r.seq_id}: {len(r.forced)} forced tokens < max_new_tokens {r.max_new_tokens}")
             for name, toks in (("prompt", r.prompt), ("forced", r.forced or [])):
                 for i, t in enumerate(toks):
-                    if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
+                    if not _integer(t) or t < 0 or (vocab is not None and t >= vocab):
                         raise ValueError(f"request {r.seq_id}: {name}[{i}] = {t!r} is not a token id in "
                                          f"[0, {vocab if vocab is not None else 'vocab'})")
             tokens = len(r.prompt) + r.max_new_tokens - 1  # the last generated token is never cached
@@ -208,6 +208,11 @@ class RolloutEngine:
             self.log.append(log)
             step += 1
         return [done[r.seq_id] for r in requests]
+
+
+def _integer(value) -> bool:
+    """An int (numpy's too: numbers.Integral), not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def cache_for(model, requests: list[Request], page_size: int, max_running: int, device="cpu", seed: int = 0,
