@@ -270,3 +270,14 @@ def test_block_names_hidden_states_of_the_wrong_rank_and_runs_an_empty_batch():
         block.forward_rollout(x, pos, None, None, None, None, None)
     empty = block(x[:0], pos[:0], torch.zeros(2, dtype=torch.int32))  # one empty sequence: T = 0
     assert empty.shape == (0, 128)
+
+
+def test_example_inputs_name_bad_lengths():
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    for bad in ([], [-1], [2.5]):
+        with pytest.raises(ValueError, match=r"packed_batch lengths must be a non-empty list of ints >= 0"):
+            packed_batch(bad, 128)
+        with pytest.raises(ValueError, match=r"decode_batch context must be a non-empty list of ints >= 0"):
+            decode_batch(block, bad)
+    with pytest.raises(ValueError, match=r"decode_batch page_size must be a positive int, got 0"):
+        decode_batch(block, [3], page_size=0)

@@ -219,6 +219,19 @@ def test_reduction_helpers_name_bad_arguments():
     for kinds in (("xp",), ("cp", "tp")):
         with pytest.raises(ValueError, match=r"sync_grads needs one kind per tensor"):
             sync_grads([t], kinds, None, None)
+    from rlk_ops.distributed.reductions import all_reduce, fanout, ordered_sum
+
+    with pytest.raises(ValueError, match=r"ordered_sum needs at least one part along dim 0, got shape \[0, 2\]"):
+        ordered_sum(torch.zeros(0, 2), torch.float32)
+    with pytest.raises(ValueError, match=r"all_reduce: world_size must be a positive int, got 0"):
+        all_reduce(torch.zeros(2), "unused", 0)
+    w = torch.ones(2, requires_grad=True)
+    (a, b) = fanout([w], [(2, (), (0, 1))], None, None)
+    (a.sum() + 2 * b.sum()).backward()
+    assert torch.equal(w.grad, torch.full((2,), 3.0))
+    (c, d) = fanout([w], [(2, (), (1, 1))], None, None)  # cell 1 twice, cell 0 never
+    with pytest.raises(ValueError, match=r"fanout: order must be a permutation of the 2 gathered cells"):
+        (c.sum() + d.sum()).backward()
 
 
 def test_comparison_names_a_missing_row():

@@ -4,10 +4,13 @@ from __future__ import annotations
 import torch
 
 from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.ops._validate import positive_ints
 
 
 def packed_batch(lengths: list[int], hidden: int, dtype=torch.bfloat16, requires_grad=True, seed=0):
     """Packed varlen training inputs: (hidden_states [T, hidden], positions [T], cu_seqlens)."""
+    _lengths("packed_batch", "lengths", lengths)
+    positive_ints("packed_batch", hidden=hidden)
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     x = (torch.randn(total, hidden, generator=g) * 0.5).to(dtype).requires_grad_(requires_grad)
@@ -19,6 +22,8 @@ def packed_batch(lengths: list[int], hidden: int, dtype=torch.bfloat16, requires
 def decode_batch(block: Qwen3Attention, context: list[int], page_size: int = 16, seed: int = 0):
     """One decode step for len(context) sequences whose caches hold context[b] tokens
     (random K/V in shuffled pages). Returns the forward_rollout arguments."""
+    _lengths("decode_batch", "context", context)
+    positive_ints("decode_batch", page_size=page_size)
     cfg = block.config
     dtype = block.o_proj.weight.dtype
     g = torch.Generator().manual_seed(seed)
@@ -38,6 +43,13 @@ def decode_batch(block: Qwen3Attention, context: list[int], page_size: int = 16,
     positions = torch.tensor(context, dtype=torch.int64)[:, None]
     seq_lens = torch.tensor([n + 1 for n in context], dtype=torch.int32)
     return x, positions, k_cache, v_cache, page_table, seq_lens, torch.tensor(slots, dtype=torch.int64)
+
+
+def _lengths(owner: str, name: str, values) -> None:
+    """A non-empty list of token counts, each an int >= 0."""
+    if not isinstance(values, (list, tuple)) or not values or any(
+            not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in values):
+        raise ValueError(f"{owner} {name} must be a non-empty list of ints >= 0, got {values!r}")
 
 
 def init_block(block: Qwen3Attention, seed: int = 0, std: float = 0.02) -> Qwen3Attention:

@@ -32,6 +32,8 @@ import torch
 
 
 def all_reduce(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"all_reduce: world_size must be a positive int, got {world_size!r}")
     n = x.numel()
     flat = x.reshape(-1)
     pad = (-n) % world_size
@@ -43,6 +45,8 @@ def all_reduce(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tenso
 
 def ordered_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """parts[0] + parts[1] + ... left to right in fp32 (fp64 for fp64), one rounding."""
+    if parts.dim() == 0 or parts.shape[0] == 0:
+        raise ValueError(f"ordered_sum needs at least one part along dim 0, got shape {list(parts.shape)}")
     if parts.shape[0] == 1:
         return parts[0].to(dtype)
     acc_t = torch.float64 if dtype == torch.float64 else torch.float32
@@ -147,6 +151,10 @@ class _Fanout(torch.autograd.Function):
             gathered = prev[:, :prev.shape[1] - extra]
             for i, p in zip(ids, _unflat(gathered, [parts[i] for i in ids], (prev.shape[0],))):
                 parts[i] = p.flatten(0, 1)  # [ws * cells, *shape]: the rank's index leads
+        for p, (_, _, order) in zip(parts, ctx.specs):  # the same on every rank: all raise
+            if sorted(order) != list(range(p.shape[0])):
+                raise ValueError(f"fanout: order must be a permutation of the {p.shape[0]} gathered cells, "
+                                 f"got {order!r}")
         sums = [ordered_sum(torch.stack([p[j] for j in order]), p.dtype)
                 for p, (_, _, order) in zip(parts, ctx.specs)]
         return (None, None, None, *sums)
