@@ -47,10 +47,13 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
         from rlk_ops.rollout.model import TinyQwen3Config
 
         try:
-            TinyQwen3Config(num_layers=args.layers, split_kv=args.split_kv, rope_theta=args.rope_theta,
-                            rms_norm_eps=args.rms_norm_eps)
+            cfg = TinyQwen3Config(num_layers=args.layers, split_kv=args.split_kv, rope_theta=args.rope_theta,
+                                  rms_norm_eps=args.rms_norm_eps)
         except ValueError as e:
             parser.error(str(e))
+        if cfg.num_heads % args.tp or cfg.num_kv_heads % args.tp:
+            parser.error(f"--tp {args.tp} must divide the demo model's {cfg.num_heads} query and "
+                         f"{cfg.num_kv_heads} KV heads")
         entries = args.entries.split(",")
         if not entries or any(e not in ("prefill", "decode") for e in entries):
             parser.error(f"--entries must be prefill, decode or prefill,decode, got {args.entries!r}")

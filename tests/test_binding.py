@@ -393,6 +393,7 @@ def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, c
     (["describe", "--side", "train", "--out", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
     (["demo", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
     (["demo", "--seed", "100000000000000"], "expected an int in [0, 2**32), got 100000000000000"),
+    (["describe", "--side", "train", "--out", "OUT", "--tp", "3"], "--tp 3 must divide the demo model's"),
 ])
 def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
     from rlk_ops.__main__ import main
