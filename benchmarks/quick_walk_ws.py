@@ -4,7 +4,8 @@ the time of the walk, the producer-warp walk, the ring alone (probe=1) and the r
 kernel, each a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
 For a device call too short for the FA4 install; benchmarks/probe_walk_decode.py is the full
 probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
-(commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls).
+(commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls) and built
+its 64 x ctx inputs itself (same shapes; canonical.Bench.decode_inputs since).
 
 Usage (GPU machine): [CASES=64x8192] python3 benchmarks/quick_walk_ws.py [OUT.json]
 """
@@ -20,13 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+import canonical as cb  # noqa: E402  (benchmarks/canonical.py: the probe's decode inputs)
 from _report import graph_times_us  # noqa: E402  (benchmarks/_report.py)
 from test_triton_pair_decode import D, _inputs  # noqa: E402
 
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 from rlk_ops.kernels.triton.walk_decode import walk_decode  # noqa: E402
 
-HQ, HKV, PAGE, CHUNK = 16, 4, 128, 768
+PAGE, CHUNK = 128, 768
 CASES = tuple(tuple(int(x) for x in c.split("x")) for c in os.environ.get("CASES", "64x8192").split(","))
 
 
@@ -46,15 +48,9 @@ def main():
         torch.cuda.synchronize()
         res["small"][label] = equal_states(got, ref)
         print(label, res["small"][label], flush=True)
-    for bsz, ctx in CASES:
-        gen = torch.Generator(device="cuda").manual_seed(ctx)
-        n = -(-ctx // PAGE)
-        kc = torch.randn(bsz * n, PAGE, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
-        vc = torch.randn(bsz * n, PAGE, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
-        pt = torch.randperm(bsz * n, device="cuda", generator=gen).to(torch.int32).view(bsz, n)
-        sl = torch.full((bsz,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(bsz, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
-        npairs = pd.pair_count(n, PAGE, CHUNK)
+    sh = cb.replace(cb.Shapes(), decode_page=PAGE)
+    for bsz, ctx, q, kc, vc, pt, sl in cb.Bench("cuda", sh, None, False).decode_inputs(list(CASES)):  # the probe's
+        npairs = pd.pair_count(pt.shape[1], PAGE, CHUNK)
         routed = {"layout": "keys", **pd.step_launch(q, kc, npairs)}
         ref = walk_decode(q, kc, vc, pt, sl, scale, CHUNK)
         row = {"batch": bsz, "context": ctx, "C": CHUNK, "page": PAGE,
@@ -67,8 +63,6 @@ def main():
             "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed)}).items()})
         print(row, flush=True)
         res["cases"].append(row)
-        del kc, vc
-        torch.cuda.empty_cache()
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
