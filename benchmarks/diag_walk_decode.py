@@ -55,12 +55,13 @@ def _where(a, b):
 def main():
     for variant in VARIANTS:
         for label, lens, ps, chunk, hq in CASES:
-            _case(label if variant == "4" else f"{label} ({variant})", lens, ps, chunk, hq, _VARIANT_OPTS[variant])
+            _case(label if variant == "4" else f"{label} ({variant})", len(label), lens, ps, chunk, hq,
+                  _VARIANT_OPTS[variant])
 
 
-def _case(label, lens, ps, chunk, hq, opts):
+def _case(label, seed, lens, ps, chunk, hq, opts):
     try:
-        q, kc, vc, table, sl = _inputs(lens, ps, seed=len(label.split(" (")[0]), device="cuda", hq=hq)
+        q, kc, vc, table, sl = _inputs(lens, ps, seed=seed, device="cuda", hq=hq)
         got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **opts)
         torch.cuda.synchronize()
         ref = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys")
