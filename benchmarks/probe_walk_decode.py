@@ -13,7 +13,9 @@ rows of every KV head, one contiguous 32 KB, probe=3; session 24 asked whether t
 nearer a flat read than one head's 256-byte slices), ``walk_w8`` / ``op_walk_w8`` /
 ``walk_w8_fused`` / ``walk_w8_ring`` (the same at 8 warps per program, session 25; bits:
 ``walk_w8_states_equal``, ``walk_w8_fused_equal``), ``walk_ws`` / ``op_walk_ws`` (a producer warp
-issuing the TMA loads, ``ws=True``, session 25; bits: ``walk_ws_states_equal``) and ``read_flat`` (every K/V byte read once:
+issuing the TMA loads, ``ws=True``, session 25; bits: ``walk_ws_states_equal``), ``walk_rows`` /
+``op_walk_rows`` / ``walk_rows_fused`` (one warp per program with the queries on M, ``rows=True``,
+session 26; bits: ``walk_rows_states_equal``, ``walk_rows_fused_equal``) and ``read_flat`` (every K/V byte read once:
 probe_decode_roofline.read_flat). Bits first: ``walk_states_equal`` (out, lse and pair lengths of
 every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the merged out and lse
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
@@ -107,6 +109,17 @@ def main():
                 fns["op_walk_ws"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, ws=True))
             except Exception as e:  # noqa: BLE001 - recorded
                 row["walk_ws"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
+            try:  # one warp per program, the queries on M (rows=True, session 26)
+                wr = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, rows=True)
+                row["walk_rows_states_equal"] = all(cb.beq(x, y) for x, y in zip(wr[:3], ref[:3])) and wr[3] == ref[3]
+                fns["walk_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, rows=True)
+                fns["op_walk_rows"] = lambda: merged(wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, rows=True))
+                fr = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, rows=True)
+                row["walk_rows_fused_equal"] = cb.beq(fr[4].reshape(-1), ro.reshape(-1)) and cb.beq(
+                    fr[5].reshape(-1), rl.reshape(-1))
+                fns["walk_rows_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, rows=True)
+            except Exception as e:  # noqa: BLE001 - recorded
+                row["walk_rows"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             try:  # the whole-row ring on its own: a failure here leaves the others timed
                 wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
                 fns["walk_ring_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
@@ -116,7 +129,7 @@ def main():
                 row[f"{name}_us"] = round(us, 2)
             for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "walk_ring_rows",
                          "walk_w8", "op_walk_w8", "walk_w8_fused", "walk_w8_ring", "walk_ws", "op_walk_ws",
-                         "read_flat"):
+                         "walk_rows", "op_walk_rows", "walk_rows_fused", "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

@@ -1,7 +1,8 @@
-"""Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True):
-its states against the 4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768, and
-the time of the walk, the producer-warp walk, the ring alone (probe=1) and the routed pair
-kernel, each a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
+"""Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True) and
+the one-warp walk with the queries on M (rows=True, session 26): their states against the
+4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768, and the time of the walk, the
+producer-warp walk, the one-warp walk, the ring alone (probe=1) and the routed pair kernel, each
+a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
 For a device call too short for the FA4 install; benchmarks/probe_walk_decode.py is the full
 probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
 (commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls) and built
@@ -44,10 +45,11 @@ def main():
                                ("batch 3", [300, 128, 1000], 256), ("C 768 long", [8192, 0, 7000], 768)):
         q, kc, vc, table, sl = _inputs(lens, PAGE, seed=len(label), device="cuda")
         ref = walk_decode(q, kc, vc, table, sl, scale, chunk)
-        got = walk_decode(q, kc, vc, table, sl, scale, chunk, ws=True)
-        torch.cuda.synchronize()
-        res["small"][label] = equal_states(got, ref)
-        print(label, res["small"][label], flush=True)
+        for name, opts in (("ws", {"ws": True}), ("rows", {"rows": True})):
+            got = walk_decode(q, kc, vc, table, sl, scale, chunk, **opts)
+            torch.cuda.synchronize()
+            res["small"][f"{label} ({name})"] = equal_states(got, ref)
+            print(label, name, res["small"][f"{label} ({name})"], flush=True)
     sh = cb.replace(cb.Shapes(), decode_page=PAGE)
     for bsz, ctx, q, kc, vc, pt, sl in cb.Bench("cuda", sh, None, False).decode_inputs(list(CASES)):  # the probe's
         npairs = pd.pair_count(pt.shape[1], PAGE, CHUNK)
@@ -55,10 +57,12 @@ def main():
         ref = walk_decode(q, kc, vc, pt, sl, scale, CHUNK)
         row = {"batch": bsz, "context": ctx, "C": CHUNK, "page": PAGE,
                "ws_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True), ref),
+               "rows_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True), ref),
                "pairs_equal": equal_states(pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed), ref)}
         row.update({f"{k}_us": round(v["us"], 2) for k, v in graph_times_us({
             "walk": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK),
             "walk_ws": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True),
+            "walk_rows": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True),
             "ring": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, probe=1),
             "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed)}).items()})
         print(row, flush=True)

@@ -25,6 +25,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from pair_decode_sm90_offline import assembled  # noqa: E402
 from rlk_ops.kernels.triton import walk_decode as wd  # noqa: E402
+from rlk_ops.kernels.triton import walk_rows as wr  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe", type=int, default=0, help="walk_decode's probe variant (PROBE)")
     ap.add_argument("--warps", type=int, default=wd.NUM_WARPS, help="warps per program (4 or 8)")
     ap.add_argument("--ws", action="store_true", help="the producer-warp variant (WS, maxnreg WS_MAXNREG)")
+    ap.add_argument("--rows", action="store_true", help="walk_rows.py: one warp, the queries on M")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
     return ap
 
@@ -46,6 +48,9 @@ def build(args: argparse.Namespace):
     consts = {"G": 4, "HQ": 16, "HKV": 4, "D": 128, "BN": wd.BLOCK_N, "M": wd.COLS, "NB": args.chunk // wd.BLOCK_N,
               "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
               "PROBE": args.probe, "NW": args.warps, "WS": int(args.ws)}
+    if args.rows:
+        consts = {k: v for k, v in consts.items() if k not in ("PROBE", "NW", "WS")}
+        consts.update(M=wr.ROWS, KS=wr.KSTEP, DS=wr.DSLAB)
     hkv, d = consts["HKV"], consts["D"]
     block = [wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d]   # probe 3: whole cache rows
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
@@ -53,14 +58,15 @@ def build(args: argparse.Namespace):
     types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",
              "lse": "*fp32", "pair_lens": "*i32", "scale_log2": "fp32", "bsz": "i32", "width": "i32", "chunk": "i32",
              "n_pairs": "i32", "merged_out": "*bf16", "merged_lse": "*fp32", "log_c": "*fp64"}
-    names = list(wd._walk_decode.arg_names)
+    fn = wr._walk_rows if args.rows else wd._walk_decode
+    names = list(fn.arg_names)
     sig = {n: types.get(n, "constexpr") for n in names}
     divisible = [n for n, t in types.items() if t.startswith("*")] + ["chunk"]
-    src = GluonASTSource(fn=wd._walk_decode, signature=sig,
+    src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(names.index(k),): v for k, v in consts.items()},
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": args.warps, "enable_fp_fusion": False,
+                            options={"num_warps": 1 if args.rows else args.warps, "enable_fp_fusion": False,
                                      **({"maxnreg": wd.WS_MAXNREG} if args.ws else {})})
     return kernel
 
@@ -70,7 +76,7 @@ def main():
     kernel = build(args)
     ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
     print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}, "
-          f"{args.warps} warps{', producer warp' if args.ws else ''}")
+          f"{'1 warp, queries on M (rows)' if args.rows else f'{args.warps} warps'}{', producer warp' if args.ws else ''}")
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
     print(f"  PTX: TMA copies {len(re.findall(r'cp[.]async[.]bulk[.]tensor', ptx))}, CTA barriers "
           f"{len(re.findall(r'bar[.]sync|barrier[.]sync', ptx))}, mma.sync {len(re.findall(r'mma[.]sync', ptx))}; "

@@ -52,6 +52,7 @@ from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
 
 BLOCK_N = 128      # FA4's key block on SM90 for head_dim 128
 COLS = 8           # the query heads of one KV head, padded: mma.sync's N
+ROWS_M = 16        # rows=True (walk_rows.py): the query heads on mma.sync's M, padded to 16
 NUM_WARPS = 4
 STAGES = 3         # tiles in the ring (32 KB each): two programs per SM
 WS_MAXNREG = 128   # ws=True: (4 + 4) warps x 128 registers = 32K a program, so two programs per SM
@@ -403,7 +404,7 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool =
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False):
+                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False, rows: bool = False):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
@@ -418,7 +419,9 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     releasing each slot through an ``empty`` barrier), registers capped at WS_MAXNREG so two
     programs still fit an SM. Built for sm90 under Triton 3.6 and 3.9 (session 25; the non-ws
     variants' SASS byte-identical to before the split into ``_walk_body``); on an H100 its states
-    equal the 4-warp walk's and it is no faster (benchmarks/quick_walk_ws.py; README)."""
+    equal the 4-warp walk's and it is no faster (benchmarks/quick_walk_ws.py; README). ``rows``: one
+    warp per (sequence, KV head) with the queries on the MMA's M axis (walk_rows.py, session 26;
+    Hq / Hkv up to 16; no probes, ``warps`` and ``ws`` do not apply)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -428,13 +431,18 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         raise ValueError(f"walk_decode warps must be 4 or 8, got {warps!r}")
     if ws and probe:
         raise ValueError(f"walk_decode ws=True runs without probes, got probe={probe!r}")
+    if rows and (probe or ws or warps != NUM_WARPS):
+        raise ValueError(f"walk_decode rows=True is one warp per program without probes or a producer warp, got "
+                         f"probe={probe!r}, ws={ws!r}, warps={warps!r}")
     if probe not in (0, 1, 2, 3):
         raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
                          f"whole rows), got {probe!r}")
     bsz, _, hq, d = q.shape
     pages, page, hkv, _ = k_cache.shape
-    if hq % hkv or hq // hkv > COLS:
-        raise ValueError(f"walk_decode needs Hq / Hkv <= {COLS} query heads per KV head, got Hq {hq}, Hkv {hkv}")
+    cols = ROWS_M if rows else COLS
+    if hq % hkv or hq // hkv > cols:
+        raise ValueError(f"walk_decode{' rows=True' if rows else ''} needs Hq / Hkv <= {cols} query heads per KV "
+                         f"head, got Hq {hq}, Hkv {hkv}")
     width = page_table.shape[1]
     n = pair_count(width, page, chunk_size)
     if merge and n > MERGE_MAX:
@@ -457,7 +465,16 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         extra["PROBE"] = probe
     if ws:  # a producer warp (its own warpgroup): registers capped so two programs still fit an SM
         extra.update(WS=1, maxnreg=WS_MAXNREG)
-    if bsz:
+    if bsz and rows:
+        from rlk_ops.kernels.triton.walk_rows import DSLAB, KSTEP, _walk_rows
+
+        k_desc, v_desc = descriptors(k_cache, v_cache)
+        _walk_rows[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out, lse,
+                                 pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
+                                 merge_mod._log_constants(dev) if merge else lse,
+                                 G=hq // hkv, HQ=hq, HKV=hkv, D=d, BN=BLOCK_N, M=ROWS_M, NB=chunk_size // BLOCK_N,
+                                 PAGE=page, NS=STAGES, **extra, KS=KSTEP, DS=DSLAB, num_warps=1, **C.LAUNCH)
+    elif bsz:
         k_desc, v_desc = descriptors(k_cache, v_cache, whole_rows=probe == 3)
         _walk_decode[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out,
                                    lse, pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
