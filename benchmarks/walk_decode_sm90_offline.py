@@ -49,8 +49,8 @@ def build(args: argparse.Namespace):
               "PAGE": args.page, "NS": wd.STAGES, "MERGE": int(args.merge), "NP": args.np, "DSL": args.dsl,
               "PROBE": args.probe, "NW": args.warps, "WS": int(args.ws)}
     if args.rows:
-        consts = {k: v for k, v in consts.items() if k not in ("PROBE", "NW", "WS")}
-        consts.update(M=wr.ROWS, KS=wr.KSTEP, DS=wr.DSLAB)
+        consts = {k: v for k, v in consts.items() if k not in ("PROBE", "NW", "WS", "DSL")}
+        consts.update(M=wr.ROWS, KS=wr.KSTEP, DS=wr.DSLAB, GP=4, SB=wr.MERGE_STEP)
     hkv, d = consts["HKV"], consts["D"]
     block = [wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d]   # probe 3: whole cache rows
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)

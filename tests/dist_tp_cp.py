@@ -5,6 +5,7 @@ on 2 cores). Assertions raise inside the worker; mp.spawn re-raises them in pyte
 with the rank's traceback. Rank 0 writes tables and drift numbers to ``out_dir``."""
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -213,8 +214,37 @@ def bad_input_checks(mesh, rank):
     k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)
     expect_everywhere(lambda: context_parallel_attention(q_bad, k_bad, k_bad, lay, group),
                       "rejected its input", f"must be this rank's token count {t}")
+    compare_bad_input_checks(mesh, rank, block, x, pos, cu)
     # after all that, every rank reaches the same next collective (none is stuck in one)
     preflight(None, "after the bad inputs", None, {"step": 1})
+
+
+def compare_bad_input_checks(mesh, rank, block, x, pos, cu):
+    """compare_block: a bad argument on one rank, or ranks whose global inputs differ (which
+    would make the verdicts wrong rather than fail), raise on every rank before any forward."""
+    def run(**kw):
+        args = dict(block=block, mesh=mesh, hidden_states=x, positions=pos, cu_seqlens=cu, sharding="zigzag")
+        return lambda: compare_block(**{**args, **kw})
+
+    expect_everywhere(run(seed="0" if rank == 1 else 0), "rank 1 rejected", "seed must be an int", "got '0'")
+    expect_everywhere(run(sharding="zigzag" if rank else "ring", chunks=8), "rank 0 rejected",
+                      "sharding must be one of")
+    expect_everywhere(run(seed=rank), "ranks disagree on seed: 0 on rank 0 but 1 on rank 1")
+    expect_everywhere(run(compile=rank == 3), "ranks disagree on compile: 0 on rank 0 but 1 on rank 3")
+    expect_everywhere(run(hidden_states=x + (rank == 2)), "ranks disagree on the values of hidden_states")
+    expect_everywhere(run(positions=pos.flip(0) if rank == 1 else pos), "ranks disagree on the values of positions")
+    other = copy.deepcopy(block)
+    with torch.no_grad():
+        other.k_norm.weight[3] += 1
+    expect_everywhere(run(block=other if rank == 3 else block), "ranks disagree on the block's weights")
+    x_nan = x.clone()
+    x_nan[5, 7] = float("nan") if rank == 2 else x_nan[5, 7]
+    expect_everywhere(run(hidden_states=x_nan), "rank 2 rejected", "hidden_states must be finite",
+                      "got nan at hidden_states[5, 7]")
+    expect_everywhere(run(positions=pos.to("meta")), "positions must be on the mesh's device type 'cpu', got meta")
+    xd = distribute_tensor(x, mesh, (Replicate(), Replicate()))
+    expect_everywhere(run(hidden_states=xd), "hidden_states must be the global batch as a plain tensor",
+                      "got a DTensor")
 
 
 def timeout_check(rank):

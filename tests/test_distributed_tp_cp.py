@@ -8,15 +8,20 @@ On 2x2, 1x2 and 2x1 meshes, contiguous and zigzag sharding:
 * canonical chunks: every tensor bitwise equal to the one-process canonical run;
 * DTensor inputs to rlk ops (register_sharding) give the plain-tensor bits;
 * bad input raises on every rank before any collective; a collective with a missing
-  peer times out instead of hanging.
+  peer times out instead of hanging;
+* compare_block's own bad arguments are rejected before any work (one process here;
+  across ranks, including ranks whose global inputs differ, in the 2x2 worker).
 """
 import json
 import os
 
 import pytest
+import torch
 
-from dist_tp_cp import worker_1x2_2x1, worker_2x2
+from dist_tp_cp import CHUNKS, block_inputs, worker_1x2_2x1, worker_2x2
 from dist_utils import run_workers
+from rlk_ops.distributed import DistributedInputError
+from rlk_ops.distributed import compare
 
 pytestmark = pytest.mark.distributed
 
@@ -44,3 +49,48 @@ def test_meshes_1x2_and_2x1(tmp_path):
     run_workers(worker_1x2_2x1, 2, str(tmp_path))
     assert _report(tmp_path) == ["attention_drift_1x2.json", "attention_drift_2x1.json", "block_1x2.json",
                                  "block_2x1.json"]
+
+
+def _nan_at(t, idx, value=float("nan")):
+    t = t.detach().clone()
+    t[idx] = value
+    return t
+
+
+_BLOCK, _X, _POS, _CU = block_inputs()
+_INF_BLOCK = block_inputs()[0]
+with torch.no_grad():
+    _INF_BLOCK.q_proj.weight[1, 2] = float("inf")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block=None), r"compare_block: block must be a rlk_ops.compile.Qwen3Attention, got NoneType"),
+    (dict(block=torch.nn.Linear(2, 2)), r"block must be a rlk_ops.compile.Qwen3Attention, got Linear"),
+    (dict(mesh="cpu"), r"mesh must be a DeviceMesh from rlk_ops.distributed.init_mesh, or None .*, got str"),
+    (dict(compile="no"), r"compile must be a bool, got 'no'"),
+    (dict(seed="0"), r"seed must be an int in \[-2\*\*63, 2\*\*63\) .*, got '0'"),
+    (dict(seed=1.0), r"seed must be an int .*, got 1.0"),
+    (dict(seed=True), r"seed must be an int .*, got True"),
+    (dict(seed=2 ** 64), rf"seed must be an int .*, got {2 ** 64}"),
+    (dict(hidden_states=_X.to("meta")), r"hidden_states must hold data .*, got a tensor on the meta device"),
+    (dict(positions=_POS.to("meta")), r"positions must hold data .*, got a tensor on the meta device"),
+    (dict(hidden_states=_nan_at(_X, (5, 7))), r"hidden_states must be finite .*, got nan at hidden_states\[5, 7\]"),
+    (dict(hidden_states=_nan_at(_X, (0, 1), float("-inf"))), r"got -inf at hidden_states\[0, 1\]"),
+    (dict(block=_INF_BLOCK), r"block.q_proj.weight must be finite .*, got inf at block.q_proj.weight\[1, 2\]"),
+])
+def test_compare_block_bad_input(monkeypatch, kwargs, match):
+    """One process (mesh=None): the error names the argument, and comes before any forward."""
+    def no_run(*a, **k):
+        raise AssertionError("compare_block ran the block before rejecting its input")
+
+    monkeypatch.setattr(compare, "_run", no_run)
+    args = dict(block=_BLOCK, mesh=None, hidden_states=_X, positions=_POS, cu_seqlens=_CU)
+    with pytest.raises(DistributedInputError, match=match):
+        compare.compare_block(**{**args, **kwargs})
+
+
+def test_compare_block_one_process_accepts_good_input():
+    """The checks reject nothing valid: a negative seed, list cu_seqlens, canonical chunks."""
+    for chunks in (None, CHUNKS):
+        c = compare.compare_block(_BLOCK, None, _X, _POS, _CU.tolist(), "zigzag", chunks, seed=-1)
+        assert c.claims_hold() and (chunks is None or all(r.bitwise for r in c.rows)), c.table()

@@ -3,8 +3,9 @@
 On the GPU (``cuda``, SM90): every pair's out, lse and length equal FA4's own pair call and the
 routed pair kernel's, at pages 128 and 256, several C, lengths on and off block and chunk
 boundaries, with NaN in every cache slot past a sequence in its last page (the tiles read them);
-empty sequences; batch 64; run to run and batch invariant. On any machine: the shapes it refuses,
-by name.
+empty sequences; batch 64; run to run and batch invariant; each launch variant, the one-warp
+``rows=True`` (walk_rows.py) included, and with rows=True 16 query heads per KV head. On any
+machine: the shapes and options it refuses, by name.
 """
 import math
 
@@ -120,20 +121,45 @@ def test_cuda_equals_the_pair_kernel_with_empty_sequences_and_other_group_sizes(
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs an SM90 GPU with FA4 (the walk is compared with it)")
+def test_cuda_rows_takes_16_query_heads_per_kv_head():
+    """rows=True holds up to 16 query heads of a KV head on mma.sync's M (the others up to 8):
+    every pair equal to FA4's pair call, and its own merge to the merge op."""
+    from rlk_ops.kernels.fa4.kernels import pair_attention
+    from rlk_ops.kernels.triton.merge import decode_pairs, merge_attn_states
+    from rlk_ops.kernels.triton.walk_decode import walk_decode
+
+    lens, hq, chunk = [700, 0, 3, 1300, 2048], 64, 256
+    q, kc, vc, table, sl = _inputs(lens, 128, seed=hq, device="cuda", hq=hq)
+    qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, 128, chunk)
+    ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)
+    _poison(kc, vc, table, lens, 128)
+    got = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, rows=True, merge=True)
+    assert got[3] == n_ref and bitwise_equal(got[2], ref_lens)
+    full = got[2] > 0
+    assert bitwise_equal(got[0][full], ref_out[full]) and bitwise_equal(got[1][full], ref_lse[full])
+    n = got[3]
+    ro, rl = merge_attn_states(got[0].view(n, len(lens), 1, hq, D), got[1].view(n, len(lens), hq, 1),
+                               state_lens=got[2].view(n, len(lens)))
+    assert bitwise_equal(got[4], ro) and bitwise_equal(got[5].view(-1), rl.reshape(-1))
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("ps,chunk,lens", [(128, 768, [8192, 300, 0, 129, 768, 7000]), (128, 128, [1, 129, 5000]),
                                            (256, 2048, [30000, 2048, 2049, 0])])
 @pytest.mark.parametrize("opts", VARIANTS, ids=VARIANT_IDS)
-def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens, opts):
+@pytest.mark.parametrize("hq", [HQ, 32])
+def test_cuda_in_program_merge_equals_the_merge_op(ps, chunk, lens, opts, hq):
     from rlk_ops.kernels.triton.merge import merge_attn_states
     from rlk_ops.kernels.triton.walk_decode import walk_decode
 
-    q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk, device="cuda")
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=chunk, device="cuda", hq=hq)
     _poison(kc, vc, table, lens, ps)
     out, lse, plens, n, mo, ml = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, merge=True, **opts)
     states = walk_decode(q, kc, vc, table, sl, D ** -0.5, chunk, **opts)
     assert all(bitwise_equal(a, b) for a, b in zip((out, lse, plens), states[:3]))
-    ro, rl = merge_attn_states(out.view(n, len(lens), 1, HQ, D), lse.view(n, len(lens), HQ, 1),
+    ro, rl = merge_attn_states(out.view(n, len(lens), 1, hq, D), lse.view(n, len(lens), hq, 1),
                                state_lens=plens.view(n, len(lens)))
     assert bitwise_equal(mo, ro) and bitwise_equal(ml.view(-1), rl.reshape(-1))
 

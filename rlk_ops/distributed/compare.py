@@ -13,13 +13,18 @@ canonical chunking on one process.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from rlk_ops.distributed.checks import metadata_device
+from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.distributed.checks import DistributedInputError, collect, metadata_device, preflight
 from rlk_ops.distributed.parallel_block import ParallelQwen3Attention
+from rlk_ops.ops._validate import first_bad, fmt_index, same_device
 
 # What each tensor is claimed to do against one device (README "CP-invariant").
 BITWISE_DEFAULT = ("attention out", "lse", "dQ")
@@ -136,19 +141,99 @@ def _to_natural(res: dict, layout) -> dict:
     return out
 
 
+def _fail(msg):
+    raise ValueError(f"compare_block: {msg}")
+
+
+def _check_args(block, mesh, hidden_states, positions, compile, seed):
+    """compare_block's own arguments (the rest are ParallelQwen3Attention's and prepare()'s)."""
+    if not isinstance(block, Qwen3Attention):
+        _fail(f"block must be a rlk_ops.compile.Qwen3Attention, got {type(block).__name__}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        _fail(f"mesh must be a DeviceMesh from rlk_ops.distributed.init_mesh, or None (one process), "
+              f"got {type(mesh).__name__}")
+    device = mesh.device_type if isinstance(mesh, DeviceMesh) else None
+    for name, t in (("hidden_states", hidden_states), ("positions", positions)):
+        if isinstance(t, DTensor):
+            _fail(f"{name} must be the global batch as a plain tensor, the same on every rank (compare_block "
+                  f"shards it), got a DTensor with placements {tuple(t.placements)}")
+        if isinstance(t, torch.Tensor) and device not in (None, t.device.type):
+            _fail(f"{name} must be on the mesh's device type {device!r}, got {t.device}")
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            _fail(f"{name} must hold data (the comparison reads it), got a tensor on the meta device")
+    if isinstance(hidden_states, torch.Tensor) and isinstance(positions, torch.Tensor):
+        same_device("compare_block", {"hidden_states": hidden_states, "positions": positions})
+    if not isinstance(compile, bool):
+        _fail(f"compile must be a bool, got {compile!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -2 ** 63 <= seed < 2 ** 63:
+        _fail(f"seed must be an int in [-2**63, 2**63) (it seeds the output gradient), got {seed!r}")
+
+
+def _check_finite(tensors):
+    """NaN is unequal to itself: with a non-finite input no tensor could compare bitwise."""
+    for name, t in tensors:
+        t = t.detach()
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            i = first_bad(bad)
+            _fail(f"{name} must be finite (NaN or inf makes NaN outputs, unequal to themselves: nothing could "
+                  f"compare bitwise), got {float(t[i])} at {fmt_index(name, i)}")
+
+
+def _digest(*tensors) -> int:
+    """63 bits of a hash of the tensors' bytes: whether ranks hold the same values."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def compare_block(block, mesh, hidden_states, positions, cu_seqlens, sharding: str = "contiguous",
                   chunks: int | None = None, compile: bool = False, seed: int = 0) -> Comparison:
     """Forward + backward of ``block`` on ``mesh`` (twice eagerly, once compiled if
-    asked) and on one process, from the same global inputs (identical on every rank)."""
+    asked) and on one process, from the same global inputs (identical on every rank).
+
+    Bad input raises ``DistributedInputError`` on every rank before any work: the
+    arguments, then ParallelQwen3Attention's and prepare()'s checks, then that inputs
+    are finite and that every rank holds the same hidden_states, positions, weights
+    and seed (a rank with other values would make the verdicts wrong, not fail)."""
+    meta = {"compile": 0, "seed": 0, "the block's weights": 0}
+
+    def args():
+        _check_args(block, mesh, hidden_states, positions, compile, seed)
+        _check_finite((f"block.{n}", p) for n, p in block.named_parameters())
+        # before ParallelQwen3Attention, whose distribute_tensor overwrites replicated weights with rank 0's
+        meta.update({"compile": int(compile), "seed": seed, "the block's weights": _digest(*block.parameters())})
+
+    problem = collect([args])
+    if not isinstance(mesh, DeviceMesh):  # one process (or a bad mesh, the same on every rank)
+        if problem:
+            raise DistributedInputError(problem)
+    else:  # a bad argument on one rank must not leave the others waiting in the next collective
+        preflight(None, "compare_block", problem, meta)
     cfg = block.config
+    pb = ParallelQwen3Attention(block, mesh, sharding, chunks)
+    x, pos, lay = pb.prepare(hidden_states, positions, cu_seqlens)
+    digests = {"the values of hidden_states": 0, "the values of positions": 0}
+
+    def values():
+        _check_finite([("hidden_states", hidden_states)])
+        if mesh is not None:
+            digests.update(zip(digests, (_digest(hidden_states), _digest(positions))))
+
+    problem = collect([values])
+    if mesh is None:
+        if problem:
+            raise DistributedInputError(problem)
+    else:
+        preflight(None, "compare_block", problem, digests)
+
     g = torch.Generator().manual_seed(seed)
     dy_full = torch.randn(hidden_states.shape, generator=g).to(hidden_states.device)
     ref_mod = ParallelQwen3Attention(block, None, sharding if chunks else "contiguous", chunks)
     x1, p1, lay1 = ref_mod.prepare(hidden_states, positions, cu_seqlens)
     ref = _to_natural(_run(ref_mod, x1, p1, lay1, lay1.shard(dy_full)), lay1)
 
-    pb = ParallelQwen3Attention(block, mesh, sharding, chunks)
-    x, pos, lay = pb.prepare(hidden_states, positions, cu_seqlens)
     dy = lay.shard(dy_full)
     first = _run(pb, x, pos, lay, dy)
     second = _run(pb, x, pos, lay, dy)

@@ -466,8 +466,9 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if ws:  # a producer warp (its own warpgroup): registers capped so two programs still fit an SM
         extra.update(WS=1, maxnreg=WS_MAXNREG)
     if bsz and rows:
-        from rlk_ops.kernels.triton.walk_rows import DSLAB, KSTEP, _walk_rows
+        from rlk_ops.kernels.triton.walk_rows import DSLAB, KSTEP, MERGE_STEP, _walk_rows
 
+        extra = {"MERGE": 1, "NP": C.pow2(n), "GP": C.pow2(hq // hkv), "SB": MERGE_STEP} if merge else {}
         k_desc, v_desc = descriptors(k_cache, v_cache)
         _walk_rows[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out, lse,
                                  pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,

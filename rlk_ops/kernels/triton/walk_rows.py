@@ -30,11 +30,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from rlk_ops.kernels.triton import walk_decode as W
-from rlk_ops.kernels.triton.walk_decode import _approx, _block, _cta_barrier, _entry, _issue, _merge_own, _wait
+from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
+from rlk_ops.kernels.triton.walk_decode import _approx, _block, _cta_barrier, _entry, _issue, _wait
 
 ROWS = W.ROWS_M     # mma.sync's M: the query heads of one KV head, padded
 KSTEP = 16         # head-dim columns of Q and K^T per mma.sync step
 DSLAB = 32         # head-dim columns of one O accumulator slab
+MERGE_STEP = 8     # merge=True: states whose out rows are loaded together (_merge_rows)
 _NEG_INF = gl.constexpr(float("-inf"))
 _LN2 = gl.constexpr(W._LN2.value)
 
@@ -72,8 +74,8 @@ def _store_slab(out, acc, inv, pair, head, rmask, dd: gl.constexpr, HQ: gl.const
 def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_log2, bsz, width, chunk,
                n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
-               NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, DSL: gl.constexpr = 16,
-               KS: gl.constexpr = 16, DS: gl.constexpr = 32):
+               NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, GP: gl.constexpr = 4,
+               SB: gl.constexpr = 8, KS: gl.constexpr = 16, DS: gl.constexpr = 32):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == 1, "one warp per (sequence, KV head)")
     gl.static_assert(D == 4 * DS, "four O slabs")
@@ -206,5 +208,52 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
         mbarrier.invalidate(bars.index(s))
     if MERGE:  # every state of (b, h) is stored: this CTA's own global stores, visible after a barrier
         _cta_barrier()
-        _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, M, NP, DSL, 1)
+        _merge_rows(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G, HQ, D, GP, NP, SB)
+
+
+@gluon.jit
+def _merge_rows(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: gl.constexpr, HQ: gl.constexpr,
+                D: gl.constexpr, GP: gl.constexpr, NP: gl.constexpr, SB: gl.constexpr):
+    """rlk::merge_attn_states of sequence b's chunk states for KV head h's G query heads, with
+    the merge op's steps as walk_decode's ``_merge_own`` takes them (merge.py's exp, log and max,
+    one IEEE op each): M = max lse; w = exp(lse - M) per state (0 where lse is -inf); L and acc =
+    the sums of w and w * out over the states in ascending order, each from +0; out =
+    div_rn(acc, L) (0 where L = 0); lse = M + log(L). One warp: every state's lse in one tile
+    (the state axis in-thread) gives M and L; then the out rows, SB states a step, their loads
+    independent of the sums, so they are in flight together (``_merge_own`` loads every state of a
+    few head-dim columns a step instead: 16 dependent rounds at D = 128). A state past n_pairs
+    loads as lse -inf and out 0 and adds +0, which leaves a sum that is not -0 unchanged (none is:
+    each starts as +0 + its first term)."""
+    l2d: gl.constexpr = gl.BlockedLayout([1, NP], [32, 1], [1, 1], [1, 0])   # [GP, NP]; rows replicated over lanes
+    lo: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])     # [GP, D], 16 bytes a load
+    rows = bsz * HQ
+    g = gl.arange(0, GP, layout=gl.SliceLayout(1, l2d))
+    ks = gl.arange(0, NP, layout=gl.SliceLayout(0, l2d))
+    r = b.to(gl.int64) * HQ + h * G + g
+    l2 = gl.load(lse + ks[None, :] * rows + r[:, None], mask=(g < G)[:, None] & (ks < n_pairs)[None, :],
+                 other=_NEG_INF)
+    mx = _max_lse(l2, 1)
+    m_safe = gl.where(mx == _NEG_INF, 0.0, mx)
+    w = _mexp(l2 - m_safe[:, None], 1)
+    w = gl.where(l2 != _NEG_INF, w, 0.0)
+    total = gl.sum(gl.where((ks == 0)[None, :], 0.0 + w, w), axis=1)     # [GP], in ascending order
+    go = gl.arange(0, GP, layout=gl.SliceLayout(1, lo))
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, lo))
+    ro = b.to(gl.int64) * HQ + h * G + go
+    gmask = go < G
+    m_o = gl.convert_layout(m_safe, gl.SliceLayout(1, lo))
+    acc = gl.zeros([GP, D], gl.float32, lo)
+    for k0 in range(0, n_pairs, SB):
+        for kk in gl.static_range(SB):
+            k = k0 + kk
+            live = gmask & (k < n_pairs)
+            lk = gl.load(lse + k * rows + ro, mask=live, other=_NEG_INF)
+            ok = gl.load(out + (k * rows + ro)[:, None] * D + do[None, :], mask=live[:, None], other=0.0)
+            wk = gl.where(lk != _NEG_INF, _mexp(lk - m_o, 1), 0.0)
+            acc = acc + wk[:, None] * ok.to(gl.float32)
+    tot = gl.convert_layout(total, gl.SliceLayout(1, lo))
+    res = gl.div_rn(acc, tot[:, None] + gl.zeros([GP, D], gl.float32, lo))
+    res = gl.where(tot[:, None] == 0.0, 0.0, res)
+    gl.store(merged_out + ro[:, None] * D + do[None, :], res.to(gl.bfloat16), mask=gmask[:, None])
+    gl.store(merged_lse + r, mx + _mlog(total, log_c), mask=g < G)
 
