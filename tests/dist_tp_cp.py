@@ -190,6 +190,13 @@ def bad_input_checks(mesh, rank):
     # heads not divisible by tp: rejected by every rank at construction
     bad_block = init_block(Qwen3Attention(**{**SMALL, "num_kv_heads": 1}))
     expect_everywhere(lambda: ParallelQwen3Attention(bad_block, mesh), "num_kv_heads = 1", "tp = 2")
+    # the caller's block is left as it was: rank 0's replicated weights are copied into the module, not into it
+    other = init_block(Qwen3Attention(**SMALL))
+    with torch.no_grad():
+        other.k_norm.weight.add_(float(rank))
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    ParallelQwen3Attention(other, mesh, "zigzag")
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters()), "the caller's block was changed"
     pb = ParallelQwen3Attention(block, mesh, "zigzag")
     # a sequence not divisible by the cp chunking (2 * cp = 4 for zigzag)
     cu_bad = torch.tensor([0, 200, 250, 384], dtype=torch.int32)

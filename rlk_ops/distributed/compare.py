@@ -202,7 +202,7 @@ def compare_block(block, mesh, hidden_states, positions, cu_seqlens, sharding: s
     def args():
         _check_args(block, mesh, hidden_states, positions, compile, seed)
         _check_finite((f"block.{n}", p) for n, p in block.named_parameters())
-        # before ParallelQwen3Attention, whose distribute_tensor overwrites replicated weights with rank 0's
+        # each rank's own weights: ParallelQwen3Attention would run with rank 0's replicated ones whatever they are
         meta.update({"compile": int(compile), "seed": seed, "the block's weights": _digest(*block.parameters())})
 
     problem = collect([args])

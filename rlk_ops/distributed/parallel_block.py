@@ -99,7 +99,9 @@ class ParallelQwen3Attention(nn.Module):
         params = dict(block.named_parameters())
         for name in _PARAMS:
             w = params[name].detach()
-            w = w.clone() if mesh is None else distribute_tensor(w, mesh, PLACEMENTS[name])
+            # a copy either way: distribute_tensor broadcasts rank 0's replicated weights into the tensor it is
+            # given, which would overwrite the caller's block on the other ranks
+            w = w.clone() if mesh is None else distribute_tensor(w.clone(), mesh, PLACEMENTS[name])
             setattr(self, name.split(".")[0], _Holder(w))
 
     # ------------------------------------------------------------------ inputs
