@@ -1,8 +1,10 @@
 """Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True) and
 the one-warp walk with the queries on M (rows=True, session 26): their states against the
-4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768, and the time of the walk, the
-producer-warp walk, the one-warp walk, the ring alone (probe=1) and the routed pair kernel, each
-a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
+4-warp walk's on small cases, then at 64 x ctx, page 128, C = 768 (with the one-warp walk's own
+merge against the merge op: ``rows_fused_equal``), and the time of the walk, the producer-warp
+walk, the one-warp walk, each walk + the merge op (``op_walk``, ``op_walk_rows``), the one-warp
+walk merging its own states (``walk_rows_fused``), the ring alone (probe=1) and the routed pair
+kernel, each a CUDA graph, replayed in interleaved rounds (_report.graph_times_us, median us).
 For a device call too short for the FA4 install; benchmarks/probe_walk_decode.py is the full
 probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
 (commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls) and built
@@ -26,6 +28,7 @@ import canonical as cb  # noqa: E402  (benchmarks/canonical.py: the probe's deco
 from _report import graph_times_us  # noqa: E402  (benchmarks/_report.py)
 from test_triton_pair_decode import D, _inputs  # noqa: E402
 
+from rlk_ops.kernels.triton import merge as tm  # noqa: E402
 from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 from rlk_ops.kernels.triton.walk_decode import walk_decode  # noqa: E402
 
@@ -59,10 +62,21 @@ def main():
                "ws_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True), ref),
                "rows_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True), ref),
                "pairs_equal": equal_states(pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed), ref)}
+        def merged(st):
+            o, lse, plens, n = st
+            return tm.merge_attn_states(o.view(n, bsz, 1, sh.hq, sh.d), lse.view(n, bsz, sh.hq, 1),
+                                        state_lens=plens.view(n, bsz))
+
+        mo, ml = merged(ref)
+        fused = walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True)
+        row["rows_fused_equal"] = torch.equal(fused[4], mo) and torch.equal(fused[5].view(-1), ml.reshape(-1))
         row.update({f"{k}_us": round(v["us"], 2) for k, v in graph_times_us({
             "walk": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK),
             "walk_ws": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True),
             "walk_rows": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True),
+            "op_walk": lambda: merged(walk_decode(q, kc, vc, pt, sl, scale, CHUNK)),
+            "op_walk_rows": lambda: merged(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True)),
+            "walk_rows_fused": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True),
             "ring": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, probe=1),
             "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed)}).items()})
         print(row, flush=True)
