@@ -33,9 +33,10 @@ CASES = [("one block", [128], 128, 128, 16), ("partial block", [100], 128, 128, 
          ("two chunks", [256], 128, 128, 16), ("G 2", [256], 128, 256, 8), ("G 8", [256], 128, 256, 32),
          ("batch 3", [300, 128, 1000], 128, 256, 16), ("page 256", [700], 256, 256, 16),
          ("C 768 long", [8192], 128, 768, 16)]
-# walk_decode's launch variants, by name (VARIANTS=4,8,ws,rows): 4 or 8 warps per program, the producer
-# warp (ws=True), or one warp with the queries on M (rows=True); run one variant over every case before the next, so a variant that hangs (the
-# call's time limit stops it) has left the others' lines printed
+# walk_decode's launch variants, by name (VARIANTS=4,8,ws,rows): 4 or 8 warps per program, the
+# producer warp (ws=True), or one warp with the queries on M (rows=True); run one variant over every
+# case before the next, so a variant that hangs (the call's time limit stops it) has left the
+# others' lines printed
 _VARIANT_OPTS = {"4": {}, "8": {"warps": 8}, "ws": {"ws": True}, "rows": {"rows": True}}
 VARIANTS = tuple(os.environ.get("VARIANTS", "4,8,ws,rows").split(","))
 

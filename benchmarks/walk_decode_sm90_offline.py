@@ -3,7 +3,8 @@ report what the compiler made of it: the block loop's SASS (instructions per war
 top opcodes), registers, spills and shared memory, TMA copies and CTA barriers in the PTX.
 
     python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
-                                                  [--dsl 8] [--probe 0] [--warps 4] [--ws] [--sass FILE]
+                                                  [--dsl 8] [--probe 0] [--warps 4] [--ws] [--rows]
+                                                  [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 builds it too). Nothing here runs the kernel: bits and speed
 are measured on the GPU (tests/test_walk_decode.py, benchmarks/probe_walk_decode.py).
@@ -75,8 +76,9 @@ def main():
     args = parser().parse_args()
     kernel = build(args)
     ttgir, ptx, usage, body, ops = assembled(kernel, args.sass)
+    warps = "1 warp, queries on M (rows)" if args.rows else f"{args.warps} warps"
     print(f"walk_decode sm90 (Triton {triton.__version__}), merge {args.merge}, C {args.chunk}, page {args.page}, "
-          f"{'1 warp, queries on M (rows)' if args.rows else f'{args.warps} warps'}{', producer warp' if args.ws else ''}")
+          f"{warps}{', producer warp' if args.ws else ''}")
     print(f"  loop SASS per warp per key block: {len(body)} instructions; {ops.most_common(12)}")
     print(f"  PTX: TMA copies {len(re.findall(r'cp[.]async[.]bulk[.]tensor', ptx))}, CTA barriers "
           f"{len(re.findall(r'bar[.]sync|barrier[.]sync', ptx))}, mma.sync {len(re.findall(r'mma[.]sync', ptx))}; "
