@@ -204,6 +204,13 @@ def bad_input_checks(mesh, rank):
     # only rank 1 has a bad dtype: all ranks raise, naming rank 1
     x_r = x.float() if rank == 1 else x
     expect_everywhere(lambda: pb.prepare(x_r, pos, cu), "rank 1 rejected", "hidden_states must have")
+    # only rank 1 passes a DTensor (prepare makes them itself), only rank 2 positions on another device
+    x_dt = distribute_tensor(x, mesh, (Replicate(), Replicate()))  # a collective: every rank makes it
+    expect_everywhere(lambda: pb.prepare(x_dt if rank == 1 else x, pos, cu), "rank 1 rejected",
+                      "hidden_states must be a plain torch.Tensor [384, 128] (the global batch",
+                      "got a DTensor with placements (Replicate(), Replicate())")
+    expect_everywhere(lambda: pb.prepare(x, pos.to("meta") if rank == 2 else pos, cu), "rank 2 rejected",
+                      "positions is on meta but hidden_states is on cpu")
     # ranks disagree on the batch layout (each one valid on its own)
     cu_r = torch.tensor([0, 200, 248, 384] if rank == 0 else [0, 48, 248, 384], dtype=torch.int32)
     expect_everywhere(lambda: pb.prepare(x, pos, cu_r), "ranks disagree on seq_lens_hash")

@@ -1,5 +1,7 @@
 """Issue 7, single process: the cp sequence layouts, the one-process paths that serve as
 references, the canonical mode's cost, and the errors raised before any collective."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +71,11 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
     ([0, 200, 100], "contiguous", 1, None, ["non-decreasing", "cu_seqlens[2] = 100"]),
     ([0, 8], "diagonal", 1, None, ["mode must be one of", "'diagonal'"]),
     ([0, 8], "contiguous", 0, None, ["cp must be a positive int, got 0"]),
+    # bool is an int subclass: True once passed as 1 (cp = 1, or 1 canonical chunk)
+    ([0, 8], "contiguous", True, None, ["cp must be a positive int, got True"]),
+    ([0, 8], "contiguous", 1, True, ["chunks (canonical token chunks per sequence) must be an int or None",
+                                     "got bool True"]),
+    ([0, 8], "contiguous", 2, 4.0, ["chunks", "must be an int or None, got float 4.0"]),
 ])
 def test_layout_errors_name_the_argument(cu, mode, cp, chunks, fragments):
     with pytest.raises(LayoutError) as e:
@@ -79,6 +86,8 @@ def test_layout_errors_name_the_argument(cu, mode, cp, chunks, fragments):
         build_layout(torch.tensor([0, 8]), 1, 0)
     with pytest.raises(LayoutError, match=r"rank must be in \[0, 1\], got 2"):
         build_layout([0, 8], 2, 2)
+    with pytest.raises(LayoutError, match=r"rank must be in \[0, 1\], got True"):  # once taken as rank 1
+        build_layout([0, 8], 2, True)
     for bad in ([0, 8.9, 24], ["0", "8"], None):  # once truncated by int(), or a TypeError
         with pytest.raises(LayoutError, match=r"cu_seqlens must be an int32 tensor or a list of ints"):
             build_layout(bad, 1, 0)
@@ -204,6 +213,28 @@ def test_local_errors_before_any_communication():
         pb(xl, pl, build_layout(cu, 1, 0, "contiguous"))
 
 
+def test_prepare_names_a_bad_input_type_or_device():
+    """prepare() once said "got []" for a list hidden_states (not its type), accepted positions on
+    another device than hidden_states, and took chunks=True as 1 canonical chunk."""
+    block = init_block(Qwen3Attention(**SMALL))
+    pb = ParallelQwen3Attention(block, None, "zigzag")
+    x, pos, cu = packed_batch(LENS, SMALL["hidden_size"], requires_grad=False)
+    with pytest.raises(DistributedInputError, match=r"hidden_states must be a torch.Tensor \[384, 128\], got list"):
+        pb.prepare([], pos, cu)
+    with pytest.raises(DistributedInputError, match=r"positions must be a torch.Tensor int64 \[384\], got tuple"):
+        pb.prepare(x, tuple(pos.tolist()), cu)
+    with pytest.raises(DistributedInputError, match=r"hidden_states must be a torch.Tensor \[384, 128\], got ndarray"):
+        pb.prepare(x.float().numpy(), pos, cu, local=True)  # cp = 1: this rank's shard is the whole batch
+    with pytest.raises(DistributedInputError, match=r"positions is on meta but hidden_states is on cpu; all inputs "
+                                                     r"must share a device"):
+        pb.prepare(x, pos.to("meta"), cu)
+    with pytest.raises(DistributedInputError, match=r"hidden_states is on meta but positions is on cpu|"
+                                                     r"positions is on cpu but hidden_states is on meta"):
+        pb.prepare(x.to("meta"), pos, cu)
+    with pytest.raises(DistributedInputError, match=r"chunks .* must be an int or None, got bool True"):
+        ParallelQwen3Attention(block, None, "contiguous", chunks=True)
+
+
 def test_reduction_helpers_name_bad_arguments():
     """canonical_reduce sums the parts in ``order``: a duplicate index once summed a part twice
     (order (0, 0) of [1, 10] gave 2); sync_grads needs one valid kind per tensor (a missing or
@@ -290,8 +321,8 @@ dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=
 from rlk_ops.compile import Qwen3Attention
 from rlk_ops.compile.examples import init_block, packed_batch
 from rlk_ops.distributed import ParallelQwen3Attention, init_mesh
-pb = ParallelQwen3Attention(init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)),
-                            init_mesh(1, 1, "cpu"), "contiguous")
+pb_block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+pb = ParallelQwen3Attention(pb_block, init_mesh(1, 1, "cpu"), "contiguous")
 x, pos, cu = packed_batch([8, 16], 128)
 xd, pd, lay = pb.prepare(x, pos, cu)
 print("ran", tuple(pb(xd, pd, lay).shape))
@@ -299,6 +330,17 @@ try:
     pb(xd.to_local(), pd, lay)
 except ValueError as e:
     print("refused:", e)
+# prepare() takes plain tensors and makes the DTensors itself (it once took a DTensor too)
+from torch.distributed.tensor import Replicate, distribute_tensor
+x_dt = distribute_tensor(x, pb.mesh, (Replicate(), Replicate()))
+for module, args in ((pb, (x_dt, pos, cu)), (pb, (xd, pd, cu)),
+                     (ParallelQwen3Attention(pb_block, None), (x, distribute_tensor(pos, pb.mesh,
+                                                                                   (Replicate(), Replicate())), cu))):
+    try:
+        module.prepare(*args)
+        print("prepare took a DTensor")
+    except ValueError as e:
+        print("prepare refused:", type(e).__name__, e)
 dist.destroy_process_group()
 """
 
@@ -313,3 +355,24 @@ def test_parallel_block_forward_names_inputs_not_from_prepare():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ran (24, 128)" in proc.stdout
     assert "refused: ParallelQwen3Attention: hidden_states must be the DTensor prepare() returned" in proc.stdout
+
+
+def test_parallel_block_prepare_names_a_dtensor_input():
+    """prepare() takes the plain global batch (or this rank's plain shard) and makes the
+    DTensors: a DTensor hidden_states or positions is named with its placements, on the
+    mesh through the preflight (same 1 x 1 mesh subprocess as above)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHECK], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("prepare ")]
+    assert len(refused) == 3 and "prepare took a DTensor" not in proc.stdout, proc.stdout
+    on_mesh = (r"prepare refused: DistributedInputError ParallelQwen3Attention.prepare: rank 0 rejected its input: "
+               r"ParallelQwen3Attention: {} must be a plain torch.Tensor {} \(the global batch; prepare\(\) makes "
+               r"the DTensor\), got a DTensor with placements \(Replicate\(\), {}\)")
+    assert re.fullmatch(on_mesh.format("hidden_states", r"\[24, 128\]", "Replicate\\(\\)"), refused[0]), refused[0]
+    assert re.fullmatch(on_mesh.format("hidden_states", r"\[24, 128\]", "Shard\\(dim=0\\)"), refused[1]), refused[1]
+    assert re.fullmatch(r"prepare refused: DistributedInputError ParallelQwen3Attention: positions must be a plain "
+                        r"torch.Tensor int64 \[24\] .*got a DTensor with placements \(Replicate\(\), "
+                        r"Replicate\(\)\)", refused[2]), refused[2]

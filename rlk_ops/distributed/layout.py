@@ -48,12 +48,15 @@ def _fail(msg: str) -> None:
 def n_chunks_for(mode: str, cp: int, chunks: int | None) -> int:
     if mode not in MODES:
         _fail(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(cp, int) or cp < 1:
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         _fail(f"cp must be a positive int, got {cp!r}")
     unit = cp if mode == "contiguous" else 2 * cp
     if chunks is None:
         return unit
-    if not isinstance(chunks, int) or chunks < 1 or chunks % unit:
+    if not isinstance(chunks, int) or isinstance(chunks, bool):  # True would pass as 1
+        _fail(f"chunks (canonical token chunks per sequence) must be an int or None, got "
+              f"{type(chunks).__name__} {chunks!r}")
+    if chunks < 1 or chunks % unit:
         need = "cp" if mode == "contiguous" else "2 * cp"
         _fail(f"chunks (canonical token chunks per sequence) must be a positive multiple of {need} = {unit} "
               f"for {mode} sharding, got {chunks!r}")
@@ -179,7 +182,7 @@ def build_layout(cu_seqlens, cp: int, rank: int, mode: str = "contiguous", chunk
     Raises ``LayoutError`` naming the sequence when a length is not divisible by the
     chunk count (cp, 2*cp for zigzag, or the canonical ``chunks``)."""
     n_chunks = n_chunks_for(mode, cp, chunks)
-    if not isinstance(rank, int) or not 0 <= rank < cp:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < cp:
         _fail(f"rank must be in [0, {cp - 1}], got {rank!r}")
     lens = seq_lens_from_cu(cu_seqlens)
     why = f"{mode} sharding over cp = {cp}" if chunks is None else f"{chunks} canonical chunks, {mode} over cp = {cp}"

@@ -31,6 +31,7 @@ from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_cod
 from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for
 from rlk_ops.distributed.local_block import Topology, local_forward
 from rlk_ops.distributed.mesh import PLACEMENTS, groups, mesh_sizes
+from rlk_ops.ops._validate import same_device
 
 _PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")
 
@@ -121,17 +122,23 @@ class ParallelQwen3Attention(nn.Module):
             state["layout"] = lay = build_layout(cu_seqlens, cp, self.topology.cp_rank, self.sharding, self.chunks)
             want = lay.local_tokens if local else lay.total_tokens
             which = "this rank's token count (local=True)" if local else "the packed token count"
-            if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 \
-                    or tuple(hidden_states.shape) != (want, cfg.hidden_size):
+            plain = "this rank's shard (local=True)" if local else "the global batch"
+            for name, t, shape in (("hidden_states", hidden_states, f"[{want}, {cfg.hidden_size}]"),
+                                   ("positions", positions, f"int64 [{want}]")):
+                if isinstance(t, DTensor):  # prepare() shards the batch itself and returns the DTensors
+                    _fail(f"{name} must be a plain torch.Tensor {shape} ({plain}; prepare() makes the DTensor), "
+                          f"got a DTensor with placements {tuple(t.placements)}")
+                if not isinstance(t, torch.Tensor):
+                    _fail(f"{name} must be a torch.Tensor {shape}, got {type(t).__name__}")
+            if hidden_states.dim() != 2 or tuple(hidden_states.shape) != (want, cfg.hidden_size):
                 _fail(f"hidden_states must be [{want}, {cfg.hidden_size}] ({which}, hidden_size), got "
-                      f"{list(getattr(hidden_states, 'shape', []))}")
+                      f"{list(hidden_states.shape)}")
             if hidden_states.dtype != self.o_proj.weight.dtype:
                 _fail(f"hidden_states must have the weights' dtype {self.o_proj.weight.dtype}, "
                       f"got {hidden_states.dtype}")
-            if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 \
-                    or tuple(positions.shape) != (want,):
-                _fail(f"positions must be int64 [{want}], got {getattr(positions, 'dtype', None)} "
-                      f"{list(getattr(positions, 'shape', []))}")
+            if positions.dtype != torch.int64 or tuple(positions.shape) != (want,):
+                _fail(f"positions must be int64 [{want}], got {positions.dtype} {list(positions.shape)}")
+            same_device("ParallelQwen3Attention.prepare", {"hidden_states": hidden_states, "positions": positions})
 
         problem = collect([local_checks])
         if self.mesh is None:
