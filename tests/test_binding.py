@@ -432,3 +432,153 @@ def test_demo_refuses_to_generate_when_binding_fails(monkeypatch):
         from rlk_ops.rollout import demo
 
         demo.run(layers=1, sequences=2, progress=False, negative_control=False, backward=False)
+
+
+# ------------------------------------------------------------------ mandate on agreeing sides
+# Each pair below agrees with itself field by field, so only the mandate can fail it
+# (found by mutation testing: with a mandate check dropped the pair bound).
+def _edit(side, fn):
+    side = json.loads(json.dumps(side))
+    for entry in side["entries"]:
+        for node in entry["graph"]["forward"]:
+            fn(entry, node)
+    return side
+
+
+def _violates(result, name, text):
+    f = result.failure(name)
+    assert f is not None, f"{name} did not fail:\n{result.summary()}"
+    assert f.status == "violates" and text in f.detail, f.message()
+    return f
+
+
+def test_a_fallback_on_both_sides_is_not_strict(variants):
+    side = variants("fa4_fell_back")
+    result = bind(side, side)
+    assert result.comparable and not result.passed
+    _violates(result, "layer[0].attention.fallback", "a fallback is not strict")
+    _violates(result, "ops.attention_fwd.fallback", "a fallback is not strict")
+
+
+def test_head_ownership_must_match_the_graph(variants):
+    """A TP rank that states the wrong head range for the heads its graph runs."""
+    tp2 = variants("tp2")
+    wrong = {**tp2, "topology": {**tp2["topology"], "head_ownership": {"q": [0, 4], "kv": [0, 2]}}}
+    result = bind(wrong, wrong)
+    assert not result.comparable
+    _violates(result, "topology.head_ownership", "owns 4 q / 2 kv heads but the graph runs 2 / 1")
+
+
+def test_two_plain_pytorch_sides_do_not_bind(variants):
+    result = bind(variants("plain"), variants("plain"))
+    assert not result.comparable and not result.passed
+    _violates(result, "attention.layers", "no rlk attention op in the graph")
+
+
+def test_both_sides_without_k_norm_is_not_qwen3(variants):
+    result = bind(variants("no_k_norm"), variants("no_k_norm"))
+    assert result.comparable and not result.passed
+    _violates(result, "layer[0].k.stages", "the Qwen3 path is 'linear>rmsnorm>rope'")
+    assert result.failure("layer[0].q.stages") is None
+
+
+def test_a_split_plan_that_contradicts_the_policy_fails(train, variants):
+    """Both sides' backends recorded a chunked plan under split_kv 'disabled'."""
+    plan = {"backend": "flashinfer", "policy": "disabled", "plan": "chunks:256"}
+    a = {**train, "plans": [{**plan, "op": "attention_fwd"}]}
+    b = {**variants("decode16"), "plans": [{**plan, "op": "paged_attention"}]}
+    result = bind(a, b)
+    _violates(result, "layer[0].attention.split_plan", "policy 'disabled' means plan 'single_pass'")
+
+
+def test_scale_causal_and_recompiles_are_checked_on_agreeing_sides(train):
+    def scale(entry, node):
+        if "softmax_scale" in node["args"]:
+            node["args"]["softmax_scale"] = 0.3  # head_dim 16: the mandate is 0.25
+
+    def not_causal(entry, node):
+        if "causal" in node["args"]:
+            node["args"]["causal"] = 0
+
+    def recompiled(entry, node):
+        entry["graph"]["recompiles"] = 1
+
+    side = _edit(train, scale)
+    _violates(bind(side, side), "layer[0].attention.softmax_scale", "head_dim ** -0.5")
+    side = _edit(train, not_causal)
+    _violates(bind(side, side), "layer[0].attention.causal", "the mandate is causal True")
+    _fails(bind(train, side), "layer[0].attention.causal", SEMANTIC, True, False)
+    side = _edit(train, recompiled)
+    _violates(bind(side, side), "graph.recompiles", "not analysed")
+
+
+def test_dtype_the_strict_kernels_do_not_cover(variants):
+    side = _decode(_model(dtype=torch.float64))
+    result = bind(side, side)
+    assert result.comparable and not result.passed
+    _violates(result, "layer[0].attention.dtype", "not a dtype the strict kernels cover")
+    mandate = Mandate.from_contract(AttentionContract(dtype="bfloat16", head_dim=16))
+    _violates(bind(variants("fp16"), variants("fp16"), mandate), "layer[0].attention.dtype", "the mandate is bfloat16")
+
+
+def test_mandate_from_contract_pins_split_kv(train, rollout):
+    mandate = Mandate.from_contract(AttentionContract(split_kv="canonical:128", head_dim=16))
+    result = bind(train, rollout, mandate)
+    assert result.comparable and not result.passed
+    _violates(result, "layer[0].attention.split_kv", "the mandate is 'canonical:128'")
+
+
+def test_forward_attention_spec_must_claim_prefill_decode_invariance(train, rollout, monkeypatch):
+    """A forward attention op whose backend spec leaves prefill/decode invariance open
+    (None) is not strict, even though nothing says False."""
+    import dataclasses
+
+    from rlk_ops.meta.specs import REGISTRY, DeterminismSpec
+
+    spec = REGISTRY["paged_attention"]
+    monkeypatch.setitem(REGISTRY, "paged_attention", dataclasses.replace(
+        spec, backends={**spec.backends, "cpu": DeterminismSpec(True, True, None)}))
+    result = bind(train, rollout)
+    _violates(result, "ops.paged_attention.determinism", "prefill_decode_invariant must be True")
+
+
+def test_flashinfer_decode_does_not_bind_to_training(train, variants):
+    """What a rollout decoding with FlashInfer records: its spec says the decode bits are
+    not attention_fwd's (prefill_decode_invariant False), so the op fails on its own."""
+    side = json.loads(json.dumps(variants("decode16")))
+    for entry in side["entries"]:
+        for r in entry["provenance"]:
+            if r["op"] == "paged_attention":
+                r["requested_backend"] = r["actual_backend"] = "flashinfer"
+    result = bind(train, side)
+    f = result.failure("ops.paged_attention.determinism")
+    assert f is not None and "prefill_decode_invariant" in f.detail, result.summary()
+
+
+def test_a_cuda_flag_blocks_when_either_side_ran_on_cuda(train, rollout):
+    other = json.loads(json.dumps(rollout))
+    for entry in other["entries"]:
+        for r in entry["provenance"]:
+            r["device"] = "cuda:0"
+    other["environment"]["cuda.matmul.allow_tf32"] = not train["environment"]["cuda.matmul.allow_tf32"]
+    for a, b in ((train, other), (other, train)):
+        f = bind(a, b).failure("env.cuda.matmul.allow_tf32")
+        assert f is not None and f.tier == SEMANTIC and "blocking" in f.detail
+
+
+def test_an_entry_point_that_ran_nothing_fails_its_side(train, variants):
+    """A rollout side whose second entry point compiled nothing cannot borrow the first
+    entry point's values for fields it never showed."""
+    idle = {"name": "idle", "graph": None, "provenance": []}
+    side = {**variants("decode16"), "entries": variants("decode16")["entries"] + [idle]}
+    result = bind(train, side)
+    assert not result.passed
+    f = result.failure("layer[0].attention.split_kv")
+    assert f is not None and f.rollout == {"decode": "disabled", "idle": "missing"}, result.summary()
+
+
+def test_load_side_checks_the_format(tmp_path, train):
+    path = tmp_path / "side.json"
+    path.write_text(json.dumps({**train, "format": "something/else"}))
+    with pytest.raises(ValueError, match="format must be 'rlk_ops.binding.side/1'"):
+        binding.load_side(str(path))
