@@ -12,8 +12,12 @@ quad shuffles. O = bf16(P) @ V takes P from the accumulator registers (the A ope
 in the same registers) and V in four 32-column slabs, so each slab's accumulator is its own
 [16, 32] tile. Q and each K tile are read in head-dim steps of 16 (K^T's B operand per step),
 which keeps the registers under 255 with no spill. The tensor core does 4x the work of the
-keys-on-M tile (16 rows for G = 4): ~256 mma.sync per block against a block's ~6,700-cycle share
-of the H200's bandwidth at batch 64 (two programs per SM).
+keys-on-M tile (16 rows for G = 4): 256 mma.sync per block against a block's ~7,000-cycle share
+of the H200's bandwidth at batch 64 (two programs per SM; 64 blocks in ~234 us at 8k).
+
+Status (session 26): built for sm90 under Triton 3.6 and 3.9 (255 registers, no spill, 102 KB of
+shared memory; benchmarks/walk_decode_sm90_offline.py --rows); no GPU was lent, so its bits
+(tests/test_walk_decode.py) and speed (benchmarks/probe_walk_decode.py) have not run. Not routed.
 
 Arithmetic, per key block (a chunk's blocks from its last to its first, chunks in ascending
 order): the steps of walk_decode.py's docstring, the same IEEE operations in the same order.
