@@ -74,6 +74,26 @@ def _approx(x, OP: gl.constexpr):
 
 
 @gluon.jit
+def _fold32(part, r3, x):
+    """FA4's thread sums: fma(part, r, x[..., 0]) + x[..., 1] + ... + x[..., 31], one fp32 add
+    after another in index order, for x [M, 4, 32] with the last axis in-thread. Each column is
+    picked out with reshapes and splits (no arithmetic), as pair_decode's ``_thread_sums`` does:
+    gl.sum's order is the compiler's (Triton 3.6 folds in index order, 3.9 in a tree)."""
+    M: gl.constexpr = x.shape[0]
+    for k in gl.static_range(32):
+        y = x
+        for bit in gl.static_range(5):
+            y0, y1 = gl.split(gl.reshape(y, [M, 4, 32 >> (bit + 1), 2]))
+            y = y1 if (k >> bit) % 2 == 1 else y0
+        y = gl.convert_layout(gl.reshape(y, [M, 4]), part.type.layout)  # the same registers: no data movement
+        if k == 0:
+            acc = gl.fma(part, r3[:, None], y)
+        else:
+            acc = acc + y
+    return acc
+
+
+@gluon.jit
 def _block(i, nc, last_keys, chunk, NB: gl.constexpr, BN: gl.constexpr):
     """Walk step i's chunk c, block j (from the chunk's last to its first) and the keys of
     block j inside the chunk (more than BN: all valid)."""
@@ -249,7 +269,6 @@ def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_
     psm = gl.allocate_shared_memory(gl.float32, [BN, M], flat)
     kk = gl.arange(0, BN, layout=rows_l)
     vk = gl.arange(0, BN, layout=gl.SliceLayout(1, ld_v))
-    first = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums3))) == 0
     tq = gl.arange(0, 4, layout=gl.SliceLayout(0, part_l))
 
     m = gl.full([M], _NEG_INF, gl.float32, cols_l)
@@ -291,8 +310,7 @@ def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_
             _cta_barrier()
             x = gl.convert_layout(gl.reshape(x, [M, 4, 32]), sums3)
             r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
-            x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
-            part = gl.sum(x, axis=2)
+            part = _fold32(part, r3, x)
             # V of step i: O^T = O^T * r + V^T @ P^T
             _wait(2 * i + 1, bars, NS)
             if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
@@ -337,7 +355,9 @@ def _merge_own(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: g
     state axis is in-thread, so each sum is one thread's sequential reduction; a state that is
     not present (lse -inf) adds +0 (its w is 0, its out loaded as 0), which leaves a sum other
     than -0 unchanged, and the first term is added to +0 first, as the op's walk does, so no sum
-    is -0 where the op's is not."""
+    is -0 where the op's is not. Its sums are gl.sum over the in-thread state axis: Triton 3.6
+    folds them in index order (the GPU runs where these bits were checked), 3.9 in a tree, so
+    under 3.9 they are not the op's (walk_rows.py's ``_merge_rows`` walks the states by hand)."""
     m3: gl.constexpr = gl.BlockedLayout([1, 1, NP], [8, 4, 1], [1, NW, 1], [2, 1, 0])
     l2d: gl.constexpr = gl.SliceLayout(1, m3)                # [M, NP]
     rows = bsz * HQ
@@ -468,7 +488,9 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if bsz and rows:
         from rlk_ops.kernels.triton.walk_rows import DSLAB, KSTEP, MERGE_STEP, _walk_rows
 
-        extra = {"MERGE": 1, "NP": C.pow2(n), "GP": C.pow2(hq // hkv), "SB": MERGE_STEP} if merge else {}
+        # 16 query heads: 4 states a step (8 spilled offline, Triton 3.6 and 3.9)
+        step = MERGE_STEP if hq // hkv <= 8 else MERGE_STEP // 2
+        extra = {"MERGE": 1, "NP": C.pow2(n), "GP": C.pow2(hq // hkv), "SB": step} if merge else {}
         k_desc, v_desc = descriptors(k_cache, v_cache)
         _walk_rows[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out, lse,
                                  pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,

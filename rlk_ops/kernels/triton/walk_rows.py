@@ -1,5 +1,5 @@
 """The TMA walk (walk_decode.py) with the queries on the MMA's M axis: one warp per (sequence,
-KV head), no CTA barrier and no shared-memory round trip per key block.
+KV head), no cross-warp barrier and no shared-memory round trip per key block.
 
 Why (issue 8, page 128, batch 64, session 26): walk_decode puts the keys on M over four warps,
 so each key block's softmax needs a cross-warp max and a shared-memory transpose of P to give
@@ -20,7 +20,10 @@ shared memory; benchmarks/walk_decode_sm90_offline.py --rows); no GPU was lent, 
 (tests/test_walk_decode.py) and speed (benchmarks/probe_walk_decode.py) have not run. Not routed.
 
 Arithmetic, per key block (a chunk's blocks from its last to its first, chunks in ascending
-order): the steps of walk_decode.py's docstring, the same IEEE operations in the same order.
+order): the steps of walk_decode.py's docstring, the same IEEE operations in the same order. The
+thread sums are walk_decode's ``_fold32`` (each column picked out, one add after another), not
+gl.sum: Triton 3.9 lowers gl.sum's in-thread part as a tree, 3.6 in index order. Under 3.6 the
+two give byte-identical SASS here and in every walk_decode variant (session 26, offline).
 The states (out, lse, pair_lens) are pair_decode's, chunk-major (pair c * B + b).
 
 Launched by ``walk_decode(..., rows=True)``, which checks what it needs (page_size % 128 == 0,
@@ -35,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from rlk_ops.kernels.triton import walk_decode as W
 from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
-from rlk_ops.kernels.triton.walk_decode import _approx, _block, _cta_barrier, _entry, _issue, _wait
+from rlk_ops.kernels.triton.walk_decode import _approx, _block, _cta_barrier, _entry, _fold32, _issue, _wait
 
 ROWS = W.ROWS_M     # mma.sync's M: the query heads of one KV head, padded
 KSTEP = 16         # head-dim columns of Q and K^T per mma.sync step
@@ -141,7 +144,6 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
 
     kk = gl.arange(0, BN, layout=cols_l)
     vk = gl.arange(0, M, layout=gl.SliceLayout(1, ld_v))
-    first = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums3))) == 0
     tq = gl.arange(0, 4, layout=gl.SliceLayout(0, part_l))
 
     m = gl.full([M], _NEG_INF, gl.float32, rows_l)
@@ -168,8 +170,7 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
         x = gl.reshape(gl.permute(gl.reshape(p, [M, 16, 4, 2]), [0, 2, 1, 3]), [M, 4, 32])
         x = gl.convert_layout(x, sums3)
         r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
-        x = gl.where(first[None, None, :], gl.fma(part[:, :, None], r3[:, None, None], x), x)
-        part = gl.sum(x, axis=2)
+        part = _fold32(part, r3, x)
         # V of step i: O = O * r + bf16(P) @ V, four slabs of the head dim
         _wait(2 * i + 1, bars, NS)
         vtile = ring.index((2 * i + 1) % NS)
@@ -223,11 +224,11 @@ def _merge_rows(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: 
     one IEEE op each): M = max lse; w = exp(lse - M) per state (0 where lse is -inf); L and acc =
     the sums of w and w * out over the states in ascending order, each from +0; out =
     div_rn(acc, L) (0 where L = 0); lse = M + log(L). One warp: every state's lse in one tile
-    (the state axis in-thread) gives M and L; then the out rows, SB states a step, their loads
-    independent of the sums, so they are in flight together (``_merge_own`` loads every state of a
-    few head-dim columns a step instead: 16 dependent rounds at D = 128). A state past n_pairs
-    loads as lse -inf and out 0 and adds +0, which leaves a sum that is not -0 unchanged (none is:
-    each starts as +0 + its first term)."""
+    (the state axis in-thread) gives M (a max: exact in any order); then the states SB at a time,
+    their lse and out rows loaded together, 16 bytes a load (``_merge_own`` reads one head-dim
+    column of one row per thread), and both sums walk them one add after another (not gl.sum,
+    whose order is the compiler's). A state past n_pairs loads as lse -inf and out 0 and adds +0,
+    which leaves a sum that is not -0 unchanged (none is: each starts as +0 + its first term)."""
     l2d: gl.constexpr = gl.BlockedLayout([1, NP], [32, 1], [1, 1], [1, 0])   # [GP, NP]; rows replicated over lanes
     lo: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])     # [GP, D], 16 bytes a load
     rows = bsz * HQ
@@ -238,15 +239,13 @@ def _merge_rows(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: 
                  other=_NEG_INF)
     mx = _max_lse(l2, 1)
     m_safe = gl.where(mx == _NEG_INF, 0.0, mx)
-    w = _mexp(l2 - m_safe[:, None], 1)
-    w = gl.where(l2 != _NEG_INF, w, 0.0)
-    total = gl.sum(gl.where((ks == 0)[None, :], 0.0 + w, w), axis=1)     # [GP], in ascending order
     go = gl.arange(0, GP, layout=gl.SliceLayout(1, lo))
     do = gl.arange(0, D, layout=gl.SliceLayout(0, lo))
     ro = b.to(gl.int64) * HQ + h * G + go
     gmask = go < G
     m_o = gl.convert_layout(m_safe, gl.SliceLayout(1, lo))
     acc = gl.zeros([GP, D], gl.float32, lo)
+    total = gl.zeros([GP], gl.float32, gl.SliceLayout(1, lo))
     for k0 in range(0, n_pairs, SB):
         for kk in gl.static_range(SB):
             k = k0 + kk
@@ -254,10 +253,11 @@ def _merge_rows(out, lse, merged_out, merged_lse, log_c, b, h, bsz, n_pairs, G: 
             lk = gl.load(lse + k * rows + ro, mask=live, other=_NEG_INF)
             ok = gl.load(out + (k * rows + ro)[:, None] * D + do[None, :], mask=live[:, None], other=0.0)
             wk = gl.where(lk != _NEG_INF, _mexp(lk - m_o, 1), 0.0)
+            total = total + wk
             acc = acc + wk[:, None] * ok.to(gl.float32)
-    tot = gl.convert_layout(total, gl.SliceLayout(1, lo))
-    res = gl.div_rn(acc, tot[:, None] + gl.zeros([GP, D], gl.float32, lo))
-    res = gl.where(tot[:, None] == 0.0, 0.0, res)
+    res = gl.div_rn(acc, total[:, None] + gl.zeros([GP, D], gl.float32, lo))
+    res = gl.where(total[:, None] == 0.0, 0.0, res)
     gl.store(merged_out + ro[:, None] * D + do[None, :], res.to(gl.bfloat16), mask=gmask[:, None])
-    gl.store(merged_lse + r, mx + _mlog(total, log_c), mask=g < G)
+    mx_o = gl.convert_layout(mx, gl.SliceLayout(1, lo))
+    gl.store(merged_lse + ro, mx_o + _mlog(total, log_c), mask=gmask)
 
