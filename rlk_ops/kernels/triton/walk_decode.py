@@ -117,6 +117,32 @@ def _entry(table_row, i, nc, last_keys, chunk, n_steps, NB: gl.constexpr, BN: gl
 
 
 @gluon.jit
+def _extent(seq_lens, table, b, width, chunk, NB: gl.constexpr, BN: gl.constexpr):
+    """Sequence b's length, chunks holding keys, keys of its last chunk, walk steps (key blocks)
+    and page-table row."""
+    seq = gl.load(seq_lens + b)
+    nc = gl.cdiv(seq, chunk)
+    last_keys = seq - (nc - 1) * chunk
+    n_steps = gl.where(nc > 0, (nc - 1) * NB + gl.cdiv(last_keys, BN), 0)
+    return seq, nc, last_keys, n_steps, table + b.to(gl.int64) * width
+
+
+@gluon.jit
+def _ring_start(table_row, nc, last_keys, chunk, n_steps, roff, col, k_desc, v_desc, ring, bars,
+                NB: gl.constexpr, BN: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr):
+    """The ring's first three tiles (K and V of step 0, K of step 1) issued; returns the cache
+    rows of steps 1 and 2 (the loop issues V of step i + 1 and K of step i + 2 from them)."""
+    n_tiles = 2 * n_steps
+    e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    _issue(0, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(1, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    _issue(2, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
+    e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    return e1, e2
+
+
+@gluon.jit
 def _issue(t, row, col, k_desc, v_desc, ring, bars, n_tiles, NS: gl.constexpr):
     """Tile t of the walk (K of step t // 2 when t is even, else its V) into ring slot t % NS."""
     if t < n_tiles:
@@ -152,12 +178,8 @@ def _walk_decode(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_
     else:
         b = pid // HKV
         h = pid % HKV
-    seq = gl.load(seq_lens + b)
-    nc = gl.cdiv(seq, chunk)                                # chunks holding keys
-    last_keys = seq - (nc - 1) * chunk
-    n_steps = gl.where(nc > 0, (nc - 1) * NB + gl.cdiv(last_keys, BN), 0)
+    seq, nc, last_keys, n_steps, table_row = _extent(seq_lens, table, b, width, chunk, NB, BN)
     n_tiles = 2 * n_steps
-    table_row = table + b.to(gl.int64) * width
     if PROBE == 3:  # probe: the ring over whole cache rows (all KV heads), a quarter-block per program
         roff = h * (BN // HKV)
         col = 0
@@ -238,12 +260,8 @@ def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_
         e1 = 0
         e2 = 0
     else:
-        e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        _issue(0, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-        _issue(1, e0 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-        _issue(2, e1 + roff, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-        e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+        e1, e2 = _ring_start(table_row, nc, last_keys, chunk, n_steps, roff, col, k_desc, v_desc, ring, bars, NB, BN,
+                             PAGE, NS)
 
     # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
     qc = gl.arange(0, M, layout=cols_l)

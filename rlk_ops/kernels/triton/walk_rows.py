@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from rlk_ops.kernels.triton import walk_decode as W
 from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
-from rlk_ops.kernels.triton.walk_decode import _approx, _block, _cta_barrier, _entry, _fold32, _issue, _wait
+from rlk_ops.kernels.triton.walk_decode import (_approx, _block, _cta_barrier, _entry, _extent, _fold32, _issue,
+                                                  _ring_start, _wait)
 
 ROWS = W.ROWS_M     # mma.sync's M: the query heads of one KV head, padded
 KSTEP = 16         # head-dim columns of Q and K^T per mma.sync step
@@ -101,24 +102,16 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
     pid = gl.program_id(0)
     b = pid // HKV
     h = pid % HKV
-    seq = gl.load(seq_lens + b)
-    nc = gl.cdiv(seq, chunk)                                # chunks holding keys
-    last_keys = seq - (nc - 1) * chunk
-    n_steps = gl.where(nc > 0, (nc - 1) * NB + gl.cdiv(last_keys, BN), 0)
+    seq, nc, last_keys, n_steps, table_row = _extent(seq_lens, table, b, width, chunk, NB, BN)
     n_tiles = 2 * n_steps
-    table_row = table + b.to(gl.int64) * width
     col = h * D
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [NS] + k_desc.block_type.shape, k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(bars.index(s), count=1)
-    e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    _issue(0, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(1, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    _issue(2, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)
-    e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
+    e1, e2 = _ring_start(table_row, nc, last_keys, chunk, n_steps, 0, col, k_desc, v_desc, ring, bars, NB, BN, PAGE,
+                         NS)
 
     # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
     qr = gl.arange(0, M, layout=rows_l)
