@@ -94,6 +94,17 @@ def _fold32(part, r3, x):
 
 
 @gluon.jit
+def _quad_total(part, tq):
+    """A chunk's L = (s0 + s1) + (s2 + s3) from the thread sums part [M, 4] (tq: the column index);
+    each s_t is one thread sum plus three +0, exact in any order."""
+    s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
+    s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
+    s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
+    s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
+    return (s0 + s1) + (s2 + s3)
+
+
+@gluon.jit
 def _block(i, nc, last_keys, chunk, NB: gl.constexpr, BN: gl.constexpr):
     """Walk step i's chunk c, block j (from the chunk's last to its first) and the keys of
     block j inside the chunk (more than BN: all valid)."""
@@ -347,11 +358,7 @@ def _walk_body(q, k_desc, v_desc, ring, bars, empty, out, lse, pair_lens, scale_
             acc = acc * r[None, :]
             acc = mma_v2(v, gl.convert_layout(p.to(gl.bfloat16), op_b), acc)
             if j == 0:  # the chunk's first block: its state is done
-                s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
-                s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
-                s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
-                s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
-                total = gl.convert_layout((s0 + s1) + (s2 + s3), cols_l)
+                total = gl.convert_layout(_quad_total(part, tq), cols_l)
                 o = acc * _approx(total, "rcp")[None, :]
                 ls = gl.fma(m, scale_log2, _approx(total, "lg2")) * _LN2
                 pair = c * bsz + b

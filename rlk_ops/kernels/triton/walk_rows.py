@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from rlk_ops.kernels.triton import walk_decode as W
 from rlk_ops.kernels.triton.merge import _exp as _mexp, _log as _mlog, _max_lse
 from rlk_ops.kernels.triton.walk_decode import (_approx, _block, _cta_barrier, _entry, _extent, _fold32, _issue,
-                                                  _ring_start, _wait)
+                                                  _quad_total, _ring_start, _wait)
 
 ROWS = W.ROWS_M     # mma.sync's M: the query heads of one KV head, padded
 KSTEP = 16         # head-dim columns of Q and K^T per mma.sync step
@@ -183,11 +183,7 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
         e1 = e2
         e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
         if j == 0:  # the chunk's first block: its state is done
-            s0 = gl.sum(gl.where(tq[None, :] == 0, part, 0.0), axis=1)
-            s1 = gl.sum(gl.where(tq[None, :] == 1, part, 0.0), axis=1)
-            s2 = gl.sum(gl.where(tq[None, :] == 2, part, 0.0), axis=1)
-            s3 = gl.sum(gl.where(tq[None, :] == 3, part, 0.0), axis=1)
-            total = gl.convert_layout((s0 + s1) + (s2 + s3), rows_l)
+            total = gl.convert_layout(_quad_total(part, tq), rows_l)
             inv = _approx(total, "rcp")
             ls = gl.fma(m, scale_log2, _approx(total, "lg2")) * _LN2
             pair = c * bsz + b
