@@ -41,12 +41,11 @@ class ProvenanceLog:
     def record(self, op: str, requested: str, actual: str, fallback: bool,
                reason: str | None, device: str) -> None:
         key = (op, requested, actual, fallback, device)
-        rec = self._records.get(key)
-        if rec is None:
-            with self._lock:
-                rec = self._records.setdefault(
-                    key, CallRecord(op, requested, actual, fallback, reason, device))
-        rec.calls += 1
+        with self._lock:  # the count too: ``+=`` on an attribute is a read and a write
+            rec = self._records.get(key)
+            if rec is None:
+                rec = self._records[key] = CallRecord(op, requested, actual, fallback, reason, device)
+            rec.calls += 1
 
     def records(self) -> list[CallRecord]:
         return list(self._records.values())
