@@ -215,7 +215,8 @@ def test_local_errors_before_any_communication():
 
 def test_prepare_names_a_bad_input_type_or_device():
     """prepare() once said "got []" for a list hidden_states (not its type), accepted positions on
-    another device than hidden_states, and took chunks=True as 1 canonical chunk."""
+    another device than hidden_states or a batch on another device than the weights, and took
+    chunks=True as 1 canonical chunk."""
     block = init_block(Qwen3Attention(**SMALL))
     pb = ParallelQwen3Attention(block, None, "zigzag")
     x, pos, cu = packed_batch(LENS, SMALL["hidden_size"], requires_grad=False)
@@ -231,6 +232,8 @@ def test_prepare_names_a_bad_input_type_or_device():
     with pytest.raises(DistributedInputError, match=r"hidden_states is on meta but positions is on cpu|"
                                                      r"positions is on cpu but hidden_states is on meta"):
         pb.prepare(x.to("meta"), pos, cu)
+    with pytest.raises(DistributedInputError, match=r"hidden_states must be on the weights' device cpu, got meta"):
+        pb.prepare(x.to("meta"), pos.to("meta"), cu)  # the inputs agree with each other, not with the weights
     with pytest.raises(DistributedInputError, match=r"chunks .* must be an int or None, got bool True"):
         ParallelQwen3Attention(block, None, "contiguous", chunks=True)
 

@@ -139,6 +139,10 @@ class ParallelQwen3Attention(nn.Module):
             if positions.dtype != torch.int64 or tuple(positions.shape) != (want,):
                 _fail(f"positions must be int64 [{want}], got {positions.dtype} {list(positions.shape)}")
             same_device("ParallelQwen3Attention.prepare", {"hidden_states": hidden_states, "positions": positions})
+            w = self.o_proj.weight
+            w_dev = w.to_local().device if isinstance(w, DTensor) else w.device
+            if hidden_states.device != w_dev:
+                _fail(f"hidden_states must be on the weights' device {w_dev}, got {hidden_states.device}")
 
         problem = collect([local_checks])
         if self.mesh is None:
