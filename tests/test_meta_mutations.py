@@ -89,6 +89,20 @@ def test_side_description_records_non_strict_runs():
     assert probe.describe_side("train", [], model_id="m")["runtime"]["strict"] is True
 
 
+def test_side_description_takes_the_mode_its_entries_ran_under():
+    """describe_side once read the strict mode when it was called, not when the entries ran."""
+    q, k, v = _qkv()
+    with rlk_ops.strict(False):
+        loose = probe.run_entry("attention", rlk_ops.attention, q, k, v)
+    side = probe.describe_side("train", [loose], model_id="m")  # described in strict mode
+    assert loose["strict"] is False and side["runtime"]["strict"] is False
+    assert side["entries"][0]["strict"] is False  # each entry keeps its own
+    strict = probe.run_entry("attention", rlk_ops.attention, q, k, v)
+    with pytest.raises(ValueError, match=r"entries ran under different strict modes, got "
+                                         r"\{'loose': False, 'strict': True\}"):
+        probe.describe_side("train", [dict(loose, name="loose"), dict(strict, name="strict")], model_id="m")
+
+
 # ------------------------------------------------------------------ contract
 def test_split_kv_sizes_at_the_bounds():
     with pytest.raises(ValueError, match=r"canonical:C needs C a positive multiple of 128, got 0"):

@@ -193,8 +193,10 @@ def flashinfer_plans(records: list[dict]) -> list[dict]:
 
 def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
     """Compile ``fn`` with the capturing backend, run it on ``args`` (and one backward
-    when asked), and return the entry's evidence: graph, provenance, plan records."""
+    when asked), and return the entry's evidence: graph, provenance, plan records, and
+    the strict mode it ran under."""
     from rlk_ops.compile.boundary import inspect_boundary
+    from rlk_ops.kernels.dispatch import strict_mode
 
     before = _plan_logs()
     with provenance.capture() as log:
@@ -203,21 +205,28 @@ def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
     graph = {"forward": [asdict(n) for n in report.forward], "backward": [asdict(n) for n in report.backward],
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
              "leaks": [leak.target for leak in report.leaks]}
-    return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans)}
+    return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans),
+            "strict": strict_mode()}
 
 
 def describe_side(side: str, entries: list[dict], *, model_id: str, model_id_kind: str = "given",
                   topology: Topology | None = None, compiled: bool = False) -> dict:
     """A side description from executed entries (``run_entry``). ``compiled``: whether
-    this side's production path runs under torch.compile (recorded only)."""
+    this side's production path runs under torch.compile (recorded only). ``runtime.strict``
+    is the mode the entries ran under (entries that ran under different modes are refused);
+    with no entries, the mode now (a configured side)."""
     from rlk_ops.kernels.dispatch import strict_mode
 
     plans = [p for e in entries for p in e.get("plans", [])]
+    modes = {e["name"]: e["strict"] for e in entries if "strict" in e}
+    if len(set(modes.values())) > 1:
+        raise ValueError(f"describe_side: the entries ran under different strict modes, got {modes}")
+    strict = next(iter(modes.values())) if modes else strict_mode()
     return {
         "format": FORMAT, "side": side,
         "model": {"id": model_id, "kind": model_id_kind},
         "topology": (topology or Topology()).as_dict(),
-        "runtime": {"compiled": compiled, "strict": strict_mode()},
+        "runtime": {"compiled": compiled, "strict": strict},
         "entries": [{k: v for k, v in e.items() if k != "plans"} for e in entries],
         "plans": plans,
         "environment": probe(),
