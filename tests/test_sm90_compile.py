@@ -62,9 +62,7 @@ def test_variant_builds_for_sm90(argv):
                                              (["--warps", "8", "--merge"], True), (["--ws"], True),
                                              (["--ws", "--merge"], True), (["--rows"], True),
                                              (["--rows", "--merge"], True), (["--rows", "--page", "256", "--chunk",
-                                                                             "2048"], True),
-                                             (["--rows", "--prefetch", "3"], True),
-                                             (["--rows", "--merge", "--prefetch", "4"], True)],
+                                                                             "2048"], True)],
                          ids=lambda a: ("_".join(x.lstrip("-") for x in a) or "plain") if isinstance(a, list)
                          else ("mma" if a else "ring_only"))
 def test_walk_builds_for_sm90(argv, arithmetic):
@@ -76,5 +74,4 @@ def test_walk_builds_for_sm90(argv, arithmetic):
     assert ".target sm_90" in ptx and "cp.async.bulk.tensor" in ptx
     assert ("mma.sync" in ptx) == arithmetic         # probes 1 and 3: the ring without arithmetic
     assert ("setmaxnreg" in ptx) == ("--ws" in argv)  # the producer warp's partition: its own register budget
-    assert ("prefetch.global.L2" in ptx) == ("--prefetch" in argv)  # rows: the L2 look-ahead (session 27)
     assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"

@@ -47,11 +47,6 @@ def test_refused_shapes_are_named():
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, rows=True, ws=True)
     with pytest.raises(ValueError, match=r"rows=True needs Hq / Hkv <= 16 query heads per KV head, got Hq 68, Hkv 4"):
         wd.walk_decode(torch.zeros(1, 1, 68, D, dtype=torch.bfloat16), kc, vc, table, sl, 1.0, 256, rows=True)
-    for bad in (1, 9, True, 3.0):
-        with pytest.raises(ValueError, match=rf"prefetch must be 0 \(off\) or 3\.\.8 key blocks ahead, got {bad!r}"):
-            wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, rows=True, prefetch=bad)
-    with pytest.raises(ValueError, match=r"walk_decode prefetch=3 needs rows=True"):
-        wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, prefetch=3)
     with pytest.raises(ValueError, match="walk_decode needs a CUDA device"):
         wd.walk_decode(q, kc, vc, table, sl, 1.0, 256, rows=True)
     with pytest.raises(ValueError, match="walk_decode needs a CUDA device"):
@@ -71,10 +66,9 @@ def test_cuda_other_architectures_are_refused_by_name(monkeypatch):
 
 # the walk's launch variants, each checked for the same bits: 4 warps (the default), 8 warps
 # (session 25), a producer warp issuing the TMA loads (ws=True, session 25), one warp with the
-# queries on M (rows=True, walk_rows.py, session 26), the same asking 3 blocks ahead into L2
-# (prefetch=3, session 27)
-VARIANTS = [{}, {"warps": 8}, {"ws": True}, {"rows": True}, {"rows": True, "prefetch": 3}]
-VARIANT_IDS = ["4warps", "8warps", "producer", "rows", "rows_pf3"]
+# queries on M (rows=True, walk_rows.py, session 26)
+VARIANTS = [{}, {"warps": 8}, {"ws": True}, {"rows": True}]
+VARIANT_IDS = ["4warps", "8warps", "producer", "rows"]
 
 
 def _sm90():

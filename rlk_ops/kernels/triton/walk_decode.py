@@ -449,8 +449,7 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool =
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False, rows: bool = False,
-                prefetch: int = 0):
+                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False, rows: bool = False):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
@@ -467,9 +466,7 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     variants' SASS byte-identical to before the split into ``_walk_body``); on an H100 its states
     equal the 4-warp walk's and it is no faster (benchmarks/quick_walk_ws.py; README). ``rows``: one
     warp per (sequence, KV head) with the queries on the MMA's M axis (walk_rows.py, session 26;
-    Hq / Hkv up to 16; no probes, ``warps`` and ``ws`` do not apply). ``prefetch`` (rows only; 0 off):
-    each block step also asks step i + ``prefetch`` (3 or more; the ring holds up to i + 2) into L2
-    with cp.async.bulk.prefetch.L2 (session 27); the bits are the same."""
+    Hq / Hkv up to 16; no probes, ``warps`` and ``ws`` do not apply)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -482,10 +479,6 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if rows and (probe or ws or warps != NUM_WARPS):
         raise ValueError(f"walk_decode rows=True is one warp per program without probes or a producer warp, got "
                          f"probe={probe!r}, ws={ws!r}, warps={warps!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not (prefetch == 0 or 3 <= prefetch <= 8):
-        raise ValueError(f"walk_decode prefetch must be 0 (off) or 3..8 key blocks ahead, got {prefetch!r}")
-    if prefetch and not rows:
-        raise ValueError(f"walk_decode prefetch={prefetch!r} needs rows=True")
     if probe not in (0, 1, 2, 3):
         raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
                          f"whole rows), got {probe!r}")
@@ -523,8 +516,6 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         # 16 query heads: 4 states a step (8 spilled offline, Triton 3.6 and 3.9)
         step = MERGE_STEP if hq // hkv <= 8 else MERGE_STEP // 2
         extra = {"MERGE": 1, "NP": C.pow2(n), "GP": C.pow2(hq // hkv), "SB": step} if merge else {}
-        if prefetch:
-            extra.update(PF=prefetch, k_cache=k_cache, v_cache=v_cache)
         k_desc, v_desc = descriptors(k_cache, v_cache)
         _walk_rows[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out, lse,
                                  pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,

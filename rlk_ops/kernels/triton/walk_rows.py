@@ -50,22 +50,6 @@ _LN2 = gl.constexpr(W._LN2.value)
 
 
 @gluon.jit
-def _l2_prefetch(k_cache, v_cache, row, col, HKV: gl.constexpr, D: gl.constexpr, BN: gl.constexpr):
-    """K and V of the key block at cache row ``row`` (one KV head's D columns from ``col``) asked
-    into L2 ahead of the ring: ``prefetch.global.L2`` of each 128-byte line (two per row at
-    D = 128), 16 per thread. Moves no data into the program; the bits cannot change.
-    (``cp.async.bulk.prefetch.L2`` takes its address in uniform registers: ptxas loops over the
-    lanes, ~1,500 instructions per block.)"""
-    gl.static_assert(D == 128, "two 128-byte lines a row")
-    pf_l: gl.constexpr = gl.BlockedLayout([2 * BN // 32], [32], [1], [0])
-    idx = gl.arange(0, 2 * BN, layout=pf_l)
-    off = (row + idx // 2).to(gl.int64) * (HKV * D) + col + (idx % 2) * (D // 2)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$2]; prefetch.global.L2 [$3]; mov.u32 $0, 0; mov.u32 $1, 0;",
-                              "=r,=r,l,l", [k_cache + off, v_cache + off], dtype=(gl.int32, gl.int32),
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _scores(qs, tile, M: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, KS: gl.constexpr, mma: gl.constexpr):
     """S = Q @ K^T [M, BN] from Q [M, D] and a K tile [BN, D] in shared memory, K-steps of KS."""
     op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -99,8 +83,7 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
                n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
                NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, GP: gl.constexpr = 4,
-               SB: gl.constexpr = 8, KS: gl.constexpr = 16, DS: gl.constexpr = 32, PF: gl.constexpr = 0,
-               k_cache=None, v_cache=None):
+               SB: gl.constexpr = 8, KS: gl.constexpr = 16, DS: gl.constexpr = 32):
     gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == 1, "one warp per (sequence, KV head)")
     gl.static_assert(D == 4 * DS, "four O slabs")
@@ -199,10 +182,6 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
         _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
         e1 = e2
         e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        if PF > 0:  # step i + PF's K and V into L2 (PF >= 3: the ring holds up to step i + 2)
-            if i + PF < n_steps:
-                ep = e2 if PF == 3 else _entry(table_row, i + PF, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-                _l2_prefetch(k_cache, v_cache, ep, col, HKV, D, BN)
         if j == 0:  # the chunk's first block: its state is done
             total = gl.convert_layout(_quad_total(part, tq), rows_l)
             inv = _approx(total, "rcp")
