@@ -7,8 +7,8 @@ walk and its halves form, each alone and merging its own states (``walk_rows_fus
 ``walk_rows_halves_fused``), the walks + the merge op (``op_walk``, ``op_walk_rows``), the ring
 alone (probe=1) and the routed pair kernel, each a CUDA graph, replayed in interleaved rounds
 (_report.graph_times_us, median us). The producer-warp walk is no longer timed (session 27: it
-ran no faster in session 25). For a device call too short for the FA4 install; benchmarks/probe_walk_decode.py is the full
-probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
+ran no faster in session 25). For a device call too short for the FA4 install;
+benchmarks/probe_walk_decode.py is the full probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
 (commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls) and built
 its 64 x ctx inputs itself (same shapes; canonical.Bench.decode_inputs since).
 
