@@ -15,9 +15,12 @@ which keeps the registers under 255 with no spill. The tensor core does 4x the w
 keys-on-M tile (16 rows for G = 4): 256 mma.sync per block against a block's ~7,000-cycle share
 of the H200's bandwidth at batch 64 (two programs per SM; 64 blocks in ~234 us at 8k).
 
-Status (session 26): built for sm90 under Triton 3.6 and 3.9 (255 registers, no spill, 102 KB of
-shared memory; benchmarks/walk_decode_sm90_offline.py --rows); no GPU was lent, so its bits
-(tests/test_walk_decode.py) and speed (benchmarks/probe_walk_decode.py) have not run. Not routed.
+Status: built for sm90 under Triton 3.6 and 3.9 (255 registers, no spill, 102 KB of shared
+memory; benchmarks/walk_decode_sm90_offline.py --rows). Session 27, on an H100: its states and
+its own merge are bitwise equal to the routed pair kernel's and the merge op's (19 CUDA tests,
+the probe at 64 x 8k and 32k), and it runs at 1.040-1.050x FA4 single pass (the 4-warp walk
+1.042-1.057x; results/h100/session27/). Not routed. ``HALVES`` (``halves=True``, session 27):
+the ring as six [BN, D / 2] half tiles, each slot refilled as soon as its half of S or O is done.
 
 Arithmetic, per key block (a chunk's blocks from its last to its first, chunks in ascending
 order): the steps of walk_decode.py's docstring, the same IEEE operations in the same order. The
