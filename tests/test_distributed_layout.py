@@ -316,9 +316,14 @@ def test_parallel_block_runs_an_empty_batch_on_one_process():
     assert pb(xd, pd, lay).shape == (0, 128)
 
 
+# Each step prints a marker before it starts, and the process runs with faulthandler on: the
+# subprocess once aborted in a fresh-clone CI run (rc -6, "terminate called without an active
+# exception", session 27) and did not again in 40 runs, alone or under load; if it happens again
+# the markers and faulthandler's stack dump say which step it was.
 _MESH_CHECK = """
 import datetime, tempfile
 import torch.distributed as dist
+print("step: init", flush=True)
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=60))
 from rlk_ops.compile import Qwen3Attention
@@ -327,14 +332,17 @@ from rlk_ops.distributed import ParallelQwen3Attention, init_mesh
 pb_block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
 pb = ParallelQwen3Attention(pb_block, init_mesh(1, 1, "cpu"), "contiguous")
 x, pos, cu = packed_batch([8, 16], 128)
+print("step: prepare and forward", flush=True)
 xd, pd, lay = pb.prepare(x, pos, cu)
 print("ran", tuple(pb(xd, pd, lay).shape))
+print("step: forward refusal", flush=True)
 try:
     pb(xd.to_local(), pd, lay)
 except ValueError as e:
     print("refused:", e)
 # prepare() takes plain tensors and makes the DTensors itself (it once took a DTensor too)
 from torch.distributed.tensor import Replicate, distribute_tensor
+print("step: prepare refusals", flush=True)
 x_dt = distribute_tensor(x, pb.mesh, (Replicate(), Replicate()))
 for module, args in ((pb, (x_dt, pos, cu)), (pb, (xd, pd, cu)),
                      (ParallelQwen3Attention(pb_block, None), (x, distribute_tensor(pos, pb.mesh,
@@ -344,33 +352,41 @@ for module, args in ((pb, (x_dt, pos, cu)), (pb, (xd, pd, cu)),
         print("prepare took a DTensor")
     except ValueError as e:
         print("prepare refused:", type(e).__name__, e)
+print("step: destroy", flush=True)
 dist.destroy_process_group()
+print("step: done", flush=True)
 """
 
 
-def test_parallel_block_forward_names_inputs_not_from_prepare():
-    """On a mesh, forward takes prepare()'s DTensors; a plain tensor (or one on another mesh)
-    is named instead of failing inside local_map (a one-process, 1 x 1 mesh, in a subprocess)."""
+@pytest.fixture(scope="module")
+def mesh_check():
+    """_MESH_CHECK's output (stdout), run once for the tests below; a nonzero exit fails them
+    with the last step reached and stderr (faulthandler's dump included)."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _MESH_CHECK], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ran (24, 128)" in proc.stdout
-    assert "refused: ParallelQwen3Attention: hidden_states must be the DTensor prepare() returned" in proc.stdout
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _MESH_CHECK], capture_output=True,
+                          text=True, timeout=300)
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step: ")]
+    assert proc.returncode == 0, (f"rc {proc.returncode} after {steps[-1] if steps else 'no step'}\n"
+                                  f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    assert steps[-1] == "step: done", proc.stdout
+    return proc.stdout
 
 
-def test_parallel_block_prepare_names_a_dtensor_input():
+def test_parallel_block_forward_names_inputs_not_from_prepare(mesh_check):
+    """On a mesh, forward takes prepare()'s DTensors; a plain tensor (or one on another mesh)
+    is named instead of failing inside local_map (a one-process, 1 x 1 mesh, in a subprocess)."""
+    assert "ran (24, 128)" in mesh_check
+    assert "refused: ParallelQwen3Attention: hidden_states must be the DTensor prepare() returned" in mesh_check
+
+
+def test_parallel_block_prepare_names_a_dtensor_input(mesh_check):
     """prepare() takes the plain global batch (or this rank's plain shard) and makes the
     DTensors: a DTensor hidden_states or positions is named with its placements, on the
     mesh through the preflight (same 1 x 1 mesh subprocess as above)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _MESH_CHECK], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("prepare ")]
-    assert len(refused) == 3 and "prepare took a DTensor" not in proc.stdout, proc.stdout
+    refused = [line for line in mesh_check.splitlines() if line.startswith("prepare ")]
+    assert len(refused) == 3 and "prepare took a DTensor" not in mesh_check, mesh_check
     on_mesh = (r"prepare refused: DistributedInputError ParallelQwen3Attention.prepare: rank 0 rejected its input: "
                r"ParallelQwen3Attention: {} must be a plain torch.Tensor {} \(the global batch; prepare\(\) makes "
                r"the DTensor\), got a DTensor with placements \(Replicate\(\), {}\)")
