@@ -385,7 +385,7 @@ def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, c
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["describe", "--side", "train", "--out", "OUT", "--rope-theta", "0"], "rope_theta must be a finite number > 0"),
+    (["describe", "--side", "train", "--out", "OUT", "--rope-theta", "0"], "rope_theta must be a finite number >= 1"),
     (["describe", "--side", "train", "--out", "OUT", "--rms-norm-eps", "-1"], "rms_norm_eps must be a finite number"),
     (["describe", "--side", "train", "--out", "OUT", "--split-kv", "auto"],
      "split_kv must be 'disabled' or 'canonical:C'"),

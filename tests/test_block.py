@@ -245,7 +245,8 @@ def test_inspect_cli_lists_forward_and_backward_ops():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("rope_theta", 0.0, "rope_theta must be a finite number > 0, got 0.0"),
+    ("rope_theta", 0.0, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
+    ("rope_theta", 0.5, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.5"),
     ("rms_norm_eps", -1.0, "rms_norm_eps must be a finite number >= 0, got -1.0"),
     ("rotary_dim", 7, r"rotary_dim must be None or even and in \(0, head_dim=128\], got 7"),
     ("split_kv", "bogus", "split_kv must be 'disabled', 'auto'"),

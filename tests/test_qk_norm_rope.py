@@ -85,7 +85,9 @@ def test_compiled_equals_eager():
     (lambda a: a.update(pos=a["pos"][:5]), r"positions must have x's leading shape \[37\]"),
     (lambda a: a.update(rd=7), r"rotary_dim must be even and in \(0, head_dim=16\], got 7"),
     (lambda a: a.update(eps=-1.0), r"eps must be a finite number >= 0, got -1.0"),
-    (lambda a: a.update(theta=0.0), r"theta must be a finite number > 0, got 0.0"),
+    (lambda a: a.update(theta=0.0), r"theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
+    # theta < 1 gives frequencies > 1: angles past what the reference sincos reduces exactly (once inf/NaN)
+    (lambda a: a.update(theta=1e-30), r"theta must be a finite number >= 1 \(the RoPE base\), got 1e-30"),
     (lambda a: a["pos"].__setitem__(3, -2), r"positions\[3\] = -2 is negative"),
 ])
 def test_bad_input_names_the_argument(mutate, pattern):

@@ -126,7 +126,8 @@ CASES = [
     ("positions too large", rope(pos=torch.tensor([0, 1, 2, 3, 10**8])), r"positions\[4\] = 100000000 exceeds"),
     ("odd rotary_dim", rope(rotary_dim=5), r"rotary_dim must be even and in \(0, head_dim=8\], got 5"),
     ("rotary_dim too large", rope(rotary_dim=10), r"rotary_dim must be even and in \(0, head_dim=8\], got 10"),
-    ("theta <= 0", rope(theta=0.0), r"theta must be a finite number > 0, got 0.0"),
+    ("theta <= 0", rope(theta=0.0), r"theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
+    ("theta < 1", rope(theta=1e-30), r"theta must be a finite number >= 1 \(the RoPE base\), got 1e-30"),
     ("rope 1-D x", rope(x_shape=(8,), pos=torch.arange(1)), r"x must be \[..., heads, head_dim\]"),
     # norm
     ("eps < 0", norm(eps=-1e-6), r"eps must be a finite number >= 0, got -1e-06"),
@@ -419,3 +420,81 @@ def test_value_checks_during_cuda_graph_capture_raise_a_clear_error(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with rlk_ops.value_checks(True):
         assert V.value_checks_enabled(on_cuda, "paged_attention") is True
+
+
+_X = torch.randn(2, 3, 2, 8)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: rlk_ops.qk_rmsnorm(_X, torch.ones(8), "a"), r"qk_rmsnorm: eps must be a float, got str 'a'"),
+    (lambda: rlk_ops.qk_rmsnorm(_X, torch.ones(8), None), r"qk_rmsnorm: eps must be a float, got NoneType None"),
+    (lambda: rlk_ops.qk_rmsnorm([1.0], torch.ones(8)), r"qk_rmsnorm: x must be a torch.Tensor, got list \[1.0\]"),
+    (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), 1e6, 4.0),
+     r"rope: rotary_dim must be an int, got float 4.0"),
+    (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), "1e6"), r"rope: theta must be a float, got str"),
+    (lambda: rlk_ops.rope(_X, [0, 1]), r"rope: positions must be a torch.Tensor, got list \[0, 1\]"),
+    (lambda: rlk_ops.qk_norm_rope(_X, _X, torch.ones(8), torch.ones(8), torch.zeros(2, 3, dtype=torch.int64),
+                                  rotary_dim=True), r"qk_norm_rope: rotary_dim must be an int, got bool True"),
+    (lambda: rlk_ops.attention(1.0, _X, _X), r"attention_fwd: q must be a torch.Tensor, got float 1.0"),
+    (lambda: rlk_ops.attention(_X, _X, _X, max_seqlen_q=3.0), r"max_seqlen_q must be an int, got float 3.0"),
+    (lambda: rlk_ops.attention(_X, _X, _X, max_seqlen_k=2 ** 70), r"max_seqlen_k must fit in int64, got 1180591"),
+    # any non-empty string once ran causal
+    (lambda: rlk_ops.attention(_X, _X, _X, causal="no"), r"attention_fwd: causal must be a bool, got str 'no'"),
+    (lambda: rlk_ops.attention(_X[0], _X[0], _X[0], cu_seqlens_q=[0, 3], cu_seqlens_k=[0, 3]),
+     r"cu_seqlens_q must be a torch.Tensor or None, got list"),
+    (lambda: rlk_ops.linear(torch.randn(2, 3), torch.randn(4, 3), 1.0),
+     r"linear: bias must be a torch.Tensor or None, got float 1.0"),
+    (lambda: rlk_ops.merge_attn_states(None, torch.zeros(1)), r"merge_attn_states: out_parts must be a torch.Tensor"),
+    (lambda: rlk_ops.paged_attention(_X, *_paged()[1:4], [9]), r"paged_attention: seq_lens must be a torch.Tensor"),
+    (lambda: rlk_ops.paged_kv_append(*_cache(), torch.ones(1, 2, 8), torch.ones(1, 2, 8), 3),
+     r"paged_kv_append: slot_mapping must be a torch.Tensor, got int 3"),
+    (lambda: rlk_ops.paged_kv_gather(*_cache(), None, torch.ones(1, dtype=torch.int32)),
+     r"paged_kv_gather: page_table must be a torch.Tensor, got NoneType"),
+    (lambda: rlk_ops.all_gather(_X, 1.0), r"all_gather: dim must be an int, got float 1.0"),
+    (lambda: rlk_ops.reduce_scatter(_X, "1"), r"reduce_scatter: dim must be an int, got str '1'"),
+])
+def test_public_arguments_of_the_wrong_type_are_named(call, pattern):
+    """Python arguments of the wrong type: once float("a")'s ValueError, the op schema's
+    "Expected a value of type 'int'", or an AttributeError from inside a check."""
+    with pytest.raises(RlkInputError, match=pattern):
+        call()
+
+
+def test_public_arguments_take_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    x, pos = torch.randn(3, 2, 8), torch.arange(3)
+    assert torch.equal(rlk_ops.rope(x, pos, np.float64(1e4), np.int64(8)), rlk_ops.rope(x, pos, 1e4, 8))
+    q = torch.randn(1, 3, 2, 8)
+    assert torch.equal(rlk_ops.attention(q, q, q, causal=np.bool_(False))[0], rlk_ops.attention(q, q, q, causal=False)[0])
+
+
+def test_append_of_rows_that_require_grad_is_refused_before_writing():
+    """k or v requiring grad: the append once wrote K and then failed on V (a cache view taken
+    under no_grad), or wrote both and left the cache requiring grad, so that every later append
+    was refused. Under torch.no_grad the same rows are written, and the cache records nothing."""
+    kv = torch.zeros(2, 8, 4, 2, 8)
+    k_cache, v_cache = kv.unbind(0)
+    rows = torch.ones(2, 2, 8, requires_grad=True)
+    for k, v, name in ((rows, torch.ones(2, 2, 8), "k"), (torch.ones(2, 2, 8), rows, "v")):
+        with pytest.raises(RlkInputError, match=rf"paged_kv_append: {name} must not require grad: .*{name}.detach\(\)"):
+            rlk_ops.paged_kv_append(k_cache, v_cache, k, v, torch.tensor([0, 1]))
+        assert not kv.any() and not kv.requires_grad
+    with torch.no_grad():
+        rlk_ops.paged_kv_append(k_cache, v_cache, rows, rows * 2, torch.tensor([0, 1]))
+    assert int(kv[0].sum()) == 32 and int(kv[1].sum()) == 64 and not k_cache.requires_grad
+    rlk_ops.paged_kv_append(k_cache, v_cache, torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.tensor([2]))
+    assert int(kv[0].sum()) == 48
+
+
+def test_caches_that_share_memory_through_two_storages_are_refused():
+    """Two storages over one buffer (torch.from_numpy of overlapping numpy views): the overlap
+    check once compared storage objects and let V rows overwrite K rows."""
+    np = pytest.importorskip("numpy")
+    buf = np.zeros((12, 4, 2, 8), np.float32)
+    k_cache, v_cache = torch.from_numpy(buf[:8]), torch.from_numpy(buf[4:])
+    with pytest.raises(RlkInputError, match="k_cache and v_cache must not overlap in memory"):
+        rlk_ops.paged_kv_append(k_cache, v_cache, torch.ones(1, 2, 8), torch.full((1, 2, 8), 2.0), torch.tensor([16]))
+    assert not buf.any()
+    rows = torch.from_numpy(buf[:8].reshape(-1, 2, 8)[:1])  # k read from k_cache's memory
+    with pytest.raises(RlkInputError, match="k must not overlap k_cache in memory"):
+        rlk_ops.paged_kv_append(k_cache, torch.zeros(8, 4, 2, 8), rows, torch.ones(1, 2, 8), torch.tensor([5]))

@@ -47,8 +47,9 @@ class Qwen3AttentionConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         # the ops check these again, but a config is built before the first (maybe compiled) forward
-        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta >= 1):
+            raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
+                             f"{self.rope_theta!r}")
         if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
                 and self.rms_norm_eps >= 0):
             raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= 0, got "

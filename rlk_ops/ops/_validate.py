@@ -15,6 +15,8 @@ Every error names the op, the argument, the expected and the actual value. Two k
 from __future__ import annotations
 
 import contextlib
+import numbers
+import operator
 import os
 from typing import Iterator
 
@@ -55,6 +57,63 @@ def positive_ints(owner: str, **values) -> None:
 
 def fail(op: str, msg: str) -> None:
     raise RlkInputError(f"rlk::{op}: {msg}")
+
+
+# ------------------------------------------------------------------ public arguments
+# The public functions check their Python arguments before the op call: the op schema's
+# own errors ("Expected a value of type 'int' for argument 'rotary_dim'") name neither the
+# rlk argument's meaning nor the value, and float("a") names nothing at all.
+_INT64 = (-(2 ** 63), 2 ** 63)
+
+
+def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
+    """Each value a torch.Tensor (those named in ``optional`` may also be None)."""
+    for name, value in values.items():
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, torch.Tensor):
+            kind = "a torch.Tensor or None" if name in optional else "a torch.Tensor"
+            fail(op, f"{name} must be {kind}, got {type(value).__name__} {_short(value)}")
+
+
+def float_arg(op: str, name: str, value) -> float:
+    """A real number (int, float, numpy scalar; not bool) as a float; its range is the op's check."""
+    if isinstance(value, torch.SymFloat):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
+    return float(value)
+
+
+def int_arg(op: str, name: str, value) -> int:
+    """An integer (int, numpy integer; not bool) that fits in int64, as an int."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        i = operator.index(value)
+    except TypeError:
+        fail(op, f"{name} must be an int, got {type(value).__name__} {_short(value)}")
+    if not _INT64[0] <= i < _INT64[1]:
+        fail(op, f"{name} must fit in int64, got {i}")
+    return i
+
+
+def bool_arg(op: str, name: str, value) -> bool:
+    """A bool (Python's or numpy's), or the ints 0 and 1."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def shape_str(t: torch.Tensor) -> str:

@@ -33,9 +33,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
               max_seqlen_k: int | None = None, split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention; returns (out, lse)."""
-    scale = V.softmax_scale("attention_fwd", q, softmax_scale)
-    return torch.ops.rlk.attention_fwd(q, k, v, int(bool(causal)), scale, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_q or 0, max_seqlen_k or 0, spell(split_kv))
+    op = "attention_fwd"
+    V.tensors(op, ("cu_seqlens_q", "cu_seqlens_k"), q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k)
+    scale = V.softmax_scale(op, q, softmax_scale)
+    max_q = 0 if max_seqlen_q is None else V.int_arg(op, "max_seqlen_q", max_seqlen_q)
+    max_k = 0 if max_seqlen_k is None else V.int_arg(op, "max_seqlen_k", max_seqlen_k)
+    return torch.ops.rlk.attention_fwd(q, k, v, int(V.bool_arg(op, "causal", causal)), scale, cu_seqlens_q,
+                                       cu_seqlens_k, max_q, max_k, spell(split_kv))
 
 
 define("attention_fwd")

@@ -38,12 +38,14 @@ def group_name(group=None) -> str:
 
 def all_gather(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order. Differentiable."""
-    return torch.ops.rlk.all_gather(x, dim, group_name(group))
+    V.tensors("all_gather", x=x)
+    return torch.ops.rlk.all_gather(x, V.int_arg("all_gather", "dim", dim), group_name(group))
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
     """Sum ``x`` over ranks (fixed rank order, fp32) and keep this rank's block of ``dim``."""
-    return torch.ops.rlk.reduce_scatter(x, dim, group_name(group))
+    V.tensors("reduce_scatter", x=x)
+    return torch.ops.rlk.reduce_scatter(x, V.int_arg("reduce_scatter", "dim", dim), group_name(group))
 
 
 define("all_gather")

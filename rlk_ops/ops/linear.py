@@ -17,6 +17,7 @@ from rlk_ops.ops._library import autograd, define, fake, impl
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T + bias``. Differentiable."""
+    V.tensors("linear", ("bias",), x=x, weight=weight, bias=bias)
     return torch.ops.rlk.linear(x, weight, bias)
 
 

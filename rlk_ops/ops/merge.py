@@ -26,6 +26,7 @@ from rlk_ops.ops.attention import lse_dtype
 
 def merge_attn_states(out_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N partial (out, lse) states stacked on dim 0; returns (out, lse). Differentiable."""
+    V.tensors("merge_attn_states", out_parts=out_parts, lse_parts=lse_parts)
     return torch.ops.rlk.merge_attn_states(out_parts, lse_parts)
 
 

@@ -26,12 +26,14 @@ from rlk_ops.ops._library import define, fake, impl
 def paged_kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """Write K/V rows into their slots, in place."""
+    V.tensors("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
     torch.ops.rlk.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
 
 
 def paged_kv_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical per-sequence K and V, zero past seq_len."""
+    V.tensors("paged_kv_gather", k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens)
     return torch.ops.rlk.paged_kv_gather(k_cache, v_cache, page_table, seq_lens)
 
 
@@ -55,9 +57,15 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
         if c.is_inference() and not torch.is_inference_mode_enabled():
             V.fail(op, f"{name} is an inference tensor, which cannot be written in place outside "
                        f"torch.inference_mode(); create the cache outside inference mode or append inside it")
+    if torch.is_grad_enabled():  # the write would record a gradient into the cache (or fail half-way on a view)
+        for name, t in (("k", k), ("v", v)):
+            if t.requires_grad:
+                V.fail(op, f"{name} must not require grad: the append writes values into the cache and records "
+                           f"no gradient; pass {name}.detach() or append under torch.no_grad()")
     if V.value_checks_enabled(slot_mapping, op):
         _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-    kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
+    with torch.no_grad():  # a data write: no autograd history on the cache, whatever the caller's mode
+        kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
 
 
 @fake("paged_kv_append")
@@ -93,11 +101,11 @@ _SHARED_CACHE = ("k_cache and v_cache must not overlap in memory, got overlappin
 
 
 def _overlap(a, b):
-    """Whether two tensors may share a byte: their spans [first, last element] in one storage
-    intersect (exact for contiguous tensors, conservative for strided ones)."""
+    """Whether two tensors (on one device) may share a byte: their address spans [first, last
+    element] intersect (exact for contiguous tensors, conservative for strided ones). Addresses,
+    not storage objects: two storages can wrap one buffer (e.g. torch.from_numpy of two
+    overlapping numpy views)."""
     if a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
 
     def span(t):

@@ -32,8 +32,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  positions: torch.Tensor, eps: float = 1e-6, theta: float = 1e6,
                  rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope(qk_rmsnorm(q))`` and ``rope(qk_rmsnorm(k))`` in one op. Differentiable."""
-    rd = q.shape[-1] if rotary_dim is None else rotary_dim
-    return torch.ops.rlk.qk_norm_rope(q, k, q_weight, k_weight, positions, float(eps), float(theta), rd)
+    op = "qk_norm_rope"
+    V.tensors(op, q=q, k=k, q_weight=q_weight, k_weight=k_weight, positions=positions)
+    rd = q.shape[-1] if rotary_dim is None else V.int_arg(op, "rotary_dim", rotary_dim)
+    return torch.ops.rlk.qk_norm_rope(q, k, q_weight, k_weight, positions, V.float_arg(op, "eps", eps),
+                                      V.float_arg(op, "theta", theta), rd)
 
 
 define("qk_norm_rope")
@@ -98,7 +101,7 @@ def _check(q, k, q_weight, k_weight, positions, eps, theta, rotary_dim):
     V.same_device(op, {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight, "positions": positions})
     if not (eps >= 0 and math.isfinite(eps)):
         V.fail(op, f"eps must be a finite number >= 0, got {eps}")
-    if not (theta > 0 and math.isfinite(theta)):
-        V.fail(op, f"theta must be a finite number > 0, got {theta}")
+    if not (theta >= 1 and math.isfinite(theta)):  # MAX_POSITION holds for frequencies <= 1
+        V.fail(op, f"theta must be a finite number >= 1 (the RoPE base), got {theta}")
     if rotary_dim <= 0 or rotary_dim > d or rotary_dim % 2:
         V.fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")

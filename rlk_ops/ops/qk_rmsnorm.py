@@ -22,7 +22,8 @@ from rlk_ops.ops._library import autograd, define, fake, impl
 
 def qk_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Qwen3 q_norm/k_norm. Differentiable."""
-    return torch.ops.rlk.qk_rmsnorm(x, weight, float(eps))
+    V.tensors("qk_rmsnorm", x=x, weight=weight)
+    return torch.ops.rlk.qk_rmsnorm(x, weight, V.float_arg("qk_rmsnorm", "eps", eps))
 
 
 define("qk_rmsnorm")

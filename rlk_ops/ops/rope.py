@@ -2,7 +2,7 @@
 
     x          [..., H, D]  (e.g. [T, H, D] packed or [B, S, H, D] dense)
     positions  [...]        int64, x's leading shape, absolute token positions >= 0
-    theta      float > 0    (Qwen3: 1e6)
+    theta      float >= 1   (Qwen3: 1e6; frequencies <= 1 keep the angles within MAX_POSITION)
     rotary_dim even, 0 < rotary_dim <= D (None in the public fn: D)
     y          x's shape, contiguous, x.dtype
 
@@ -24,14 +24,15 @@ from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import autograd, define, fake, impl
 
 # The largest position whose angle (position * inv_freq_0 = position) the reference
-# sincos reduces exactly.
+# sincos reduces exactly; every other angle is smaller while theta >= 1 (inv_freq_i <= 1).
 MAX_POSITION = int(SINCOS_MAX_ABS)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6, rotary_dim: int | None = None) -> torch.Tensor:
     """Apply RoPE to q or k. Differentiable in x."""
-    rd = x.shape[-1] if rotary_dim is None else rotary_dim
-    return torch.ops.rlk.rope(x, positions, float(theta), rd)
+    V.tensors("rope", x=x, positions=positions)
+    rd = x.shape[-1] if rotary_dim is None else V.int_arg("rope", "rotary_dim", rotary_dim)
+    return torch.ops.rlk.rope(x, positions, V.float_arg("rope", "theta", theta), rd)
 
 
 define("rope")
@@ -89,8 +90,8 @@ def _check(op, x, positions, theta, rotary_dim, name="x"):
     d = x.shape[-1]
     if rotary_dim <= 0 or rotary_dim > d or rotary_dim % 2:
         V.fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
-    if not (theta > 0 and math.isfinite(theta)):
-        V.fail(op, f"theta must be a finite number > 0, got {theta}")
+    if not (theta >= 1 and math.isfinite(theta)):  # MAX_POSITION holds for frequencies <= 1
+        V.fail(op, f"theta must be a finite number >= 1 (the RoPE base), got {theta}")
 
 
 def _check_values(op, positions):
