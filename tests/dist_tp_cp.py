@@ -228,6 +228,35 @@ def bad_input_checks(mesh, rank):
     k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)
     expect_everywhere(lambda: context_parallel_attention(q_bad, k_bad, k_bad, lay, group),
                       "rejected its input", f"must be this rank's token count {t}")
+    # per-rank differences the preflight once missed: a config field the forward reads (each rank ran
+    # with its own rope_theta), one rank's parameter dtype, no block at all, and a softmax_scale
+    odd = init_block(Qwen3Attention(**{**SMALL, "rope_theta": 1e4 if rank == 3 else 1e6}))
+    expect_everywhere(lambda: ParallelQwen3Attention(odd, mesh), "ranks disagree on rope_theta: 1000000.0 on rank 0 "
+                      "but 10000.0 on rank 3")
+    mixed = copy.deepcopy(block)
+    if rank == 1:
+        mixed.q_proj.float()
+    expect_everywhere(lambda: ParallelQwen3Attention(mixed, mesh), "rank 1 rejected",
+                      "block.q_proj.weight must have o_proj.weight's dtype torch.bfloat16")
+    expect_everywhere(lambda: ParallelQwen3Attention(None if rank == 2 else block, mesh), "rank 2 rejected",
+                      "block must be an rlk_ops.compile.Qwen3Attention, got NoneType")
+    q4 = torch.zeros(t, 4, 32, dtype=DT)
+    expect_everywhere(lambda: context_parallel_attention(q4, kv, kv, lay, group, softmax_scale=0.5 + cp_rank),
+                      "ranks disagree on softmax_scale: 0.5 on rank", "but 1.5 on rank")
+    expect_everywhere(lambda: context_parallel_attention(q4, kv, kv, lay, group,
+                                                         softmax_scale="a" if cp_rank else None),
+                      "rejected its input", "softmax_scale must be a float or None, got 'a'")
+    # a bad position (the same batch on every rank): rope once refused it on the rank holding that
+    # token alone, after the others had entered the cp all_gather
+    pos_bad = pos.clone()
+    pos_bad[20] = -1
+    expect_everywhere(lambda: pb.prepare(x, pos_bad, cu), "rank 0 rejected", "positions[20] = -1 is negative")
+    # preflight itself: ranks with other keys (gloo once aborted the process on rows of other
+    # lengths), a value that is not a number on one rank (once a TypeError there alone)
+    expect_everywhere(lambda: preflight(None, "keys", None, {"a": 1} if rank == 1 else {"a": 1, "b": 2}),
+                      "metadata values, expected")
+    expect_everywhere(lambda: preflight(None, "values", None, {"a": None if rank == 2 else 1}), "rank 2 rejected",
+                      "metadata a must be an int or a float, got None")
     compare_bad_input_checks(mesh, rank, block, x, pos, cu)
     # after all that, every rank reaches the same next collective (none is stuck in one)
     preflight(None, "after the bad inputs", None, {"step": 1})

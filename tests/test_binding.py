@@ -582,3 +582,41 @@ def test_load_side_checks_the_format(tmp_path, train):
     path.write_text(json.dumps({**train, "format": "something/else"}))
     with pytest.raises(ValueError, match="format must be 'rlk_ops.binding.side/1'"):
         binding.load_side(str(path))
+
+
+def _malformed(side, path, value):
+    """A deep copy of ``side`` with ``path`` (keys and indices) set to ``value`` (None: deleted)."""
+    out = json.loads(json.dumps(side))
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is None:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (("entries", 0, "graph", "forward"), None, r"entries\[0\].graph.forward must be a list, got NoneType"),
+    (("entries", 0, "provenance", 0, "device"), None, r"entries\[0\].provenance\[0\] must be an object with op, "
+                                                       r"device"),
+    (("entries", 0, "graph", "forward", 0, "args"), None, r"entries\[0\].graph.forward\[0\] must be a node object"),
+    (("entries", 0), "attention", r"entries\[0\] must be an object, got str 'attention'"),
+    (("model",), "m", r"model must be an object, got str 'm'"),
+    (("topology",), "tp=1", r"topology must be an object, got str"),
+    (("environment",), [1], r"environment must be an object, got list \[1\]"),
+])
+def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
+    """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,
+    and the CLI printed a traceback with exit 1, the code of a binding that failed."""
+    from rlk_ops.__main__ import main
+
+    bad = _malformed(train, path, value)
+    with pytest.raises(binding.SideFormatError, match="the training side: " + message):
+        bind(bad, rollout)
+    with pytest.raises(binding.SideFormatError, match="the rollout side: " + message):
+        bind(train, _malformed(rollout, path, value))
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    (tmp_path / "rollout.json").write_text(json.dumps(rollout))
+    assert main(["check", "--train", str(tmp_path / "bad.json"), "--rollout", str(tmp_path / "rollout.json")]) == 2

@@ -247,7 +247,9 @@ def test_inspect_cli_lists_forward_and_backward_ops():
 @pytest.mark.parametrize("field,value,message", [
     ("rope_theta", 0.0, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
     ("rope_theta", 0.5, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.5"),
+    ("rope_theta", True, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got True"),
     ("rms_norm_eps", -1.0, "rms_norm_eps must be a finite number >= 0, got -1.0"),
+    ("attention_bias", "no", "attention_bias must be a bool, got 'no'"),  # once made biases
     ("rotary_dim", 7, r"rotary_dim must be None or even and in \(0, head_dim=128\], got 7"),
     ("split_kv", "bogus", "split_kv must be 'disabled', 'auto'"),
     ("split_kv", "fixed:256", "split_kv must be 'disabled' or 'canonical:C'"),
@@ -282,3 +284,34 @@ def test_example_inputs_name_bad_lengths():
             decode_batch(block, bad)
     with pytest.raises(ValueError, match=r"decode_batch page_size must be a positive int, got 0"):
         decode_batch(block, [3], page_size=0)
+
+
+def test_block_constructor_names_a_bad_config_or_dtype():
+    """A dict for the config once failed with an AttributeError, an int dtype inside nn.Linear."""
+    with pytest.raises(ValueError, match=r"config must be a Qwen3AttentionConfig or None .*got dict"):
+        Qwen3Attention({"hidden_size": 128})
+    with pytest.raises(ValueError, match=r"dtype must be a floating-point torch.dtype, got torch.int32"):
+        Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.int32)
+
+
+def test_rollout_forward_under_grad_mode_leaves_the_cache_a_plain_tensor():
+    """forward_rollout with grad enabled once wrote k/v with their autograd history into the
+    caller's cache (then requires_grad, so every later append was refused); it now writes their
+    values: the same cache bits as under no_grad, and the next step runs."""
+    from rlk_ops.compile.examples import init_block
+
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32))
+    caches = [torch.zeros(4, 8, 2, 32) for _ in range(4)]
+    table, x = torch.tensor([[2, 0]], dtype=torch.int32), torch.randn(1, 3, 128)
+    args = (torch.arange(3).view(1, 3), table, torch.tensor([3], dtype=torch.int32), torch.tensor([16, 17, 18]))
+    out = block.forward_rollout(x, args[0], caches[0], caches[1], *args[1:])
+    with torch.no_grad():
+        ref = block.forward_rollout(x, args[0], caches[2], caches[3], *args[1:])
+    assert not caches[0].requires_grad and not caches[1].requires_grad
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and torch.equal(out.detach(), ref)
+    block.forward_rollout(torch.randn(1, 1, 128), torch.tensor([[3]]), caches[0], caches[1], table,
+                          torch.tensor([4], dtype=torch.int32), torch.tensor([19]))
+    with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got Tensor \[2, 2\]"):
+        block.forward_rollout(x, torch.zeros(2, 2, dtype=torch.int64), caches[0], caches[1], *args[1:])
+    with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got NoneType \[\]"):
+        block.forward_rollout(x, None, caches[0], caches[1], *args[1:])

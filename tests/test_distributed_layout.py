@@ -395,3 +395,59 @@ def test_parallel_block_prepare_names_a_dtensor_input(mesh_check):
     assert re.fullmatch(r"prepare refused: DistributedInputError ParallelQwen3Attention: positions must be a plain "
                         r"torch.Tensor int64 \[24\] .*got a DTensor with placements \(Replicate\(\), "
                         r"Replicate\(\)\)", refused[2]), refused[2]
+
+
+def test_layout_names_a_huge_or_meta_cu_seqlens():
+    """cu_seqlens[-1] = 2**40 once went to the allocator (can't allocate memory), a meta tensor
+    to a NotImplementedError; prepare compares the token count before building the layout."""
+    with pytest.raises(LayoutError, match=r"cu_seqlens\[-1\] \(the packed token count\) must be below 2\*\*31, "
+                                          r"got 1099511627776"):
+        build_layout([0, 2 ** 40], 1, 0)
+    with pytest.raises(LayoutError, match=r"cu_seqlens must hold values .* got a meta tensor"):
+        build_layout(torch.tensor([0, 4], dtype=torch.int32, device="meta"), 1, 0)
+    pb = ParallelQwen3Attention(init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2,
+                                                          head_dim=32)), None)
+    x, pos, _ = packed_batch([8, 16], 128)
+    with pytest.raises(DistributedInputError, match=r"hidden_states must be \[2147483646, 128\] \(the packed token "
+                                                    r"count, hidden_size\), got \[24, 128\]"):
+        pb.prepare(x, pos, [0, 2 ** 31 - 2])  # valid int32, never built
+
+
+def test_cp_attention_names_a_zero_head_dim():
+    from rlk_ops.distributed import context_parallel_attention
+
+    lay = build_layout([0, 24], 1, 0)
+    q, kv = torch.zeros(24, 4, 0), torch.zeros(24, 2, 0)
+    with pytest.raises(DistributedInputError, match=r"head_dim \(their last dim\) >= 1, got q \[24, 4, 0\]"):
+        context_parallel_attention(q, kv, kv, lay)
+
+
+def test_parallel_block_names_bad_positions_taps_and_block_in_one_process():
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    with pytest.raises(DistributedInputError, match=r"block must be an rlk_ops.compile.Qwen3Attention, got dict"):
+        ParallelQwen3Attention({}, None)
+    mixed = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    mixed.k_norm.float()
+    with pytest.raises(DistributedInputError, match=r"block.k_norm.weight must have o_proj.weight's dtype "
+                                                    r"torch.bfloat16 and device cpu, got torch.float32 on cpu"):
+        ParallelQwen3Attention(mixed, None)
+    pb = ParallelQwen3Attention(block, None, "contiguous")
+    x, pos, cu = packed_batch([8, 16], 128)
+    bad = pos.clone()
+    bad[20] = 2 ** 62
+    with pytest.raises(DistributedInputError, match=r"rlk::rope: positions\[20\] = 4611686018427387904 exceeds"):
+        pb.prepare(x, bad, cu)
+    xd, pd, lay = pb.prepare(x, pos, cu)
+    with pytest.raises(ValueError, match=r"taps must be a dict or None, got list"):
+        pb(xd, pd, lay, taps=[])
+
+
+def test_preflight_encodes_floats_bit_for_bit():
+    from rlk_ops.distributed import checks
+
+    for value in (1e6, 0.1, -0.0, float("inf"), 1e-300):
+        bits, problem = checks._encode("x", value)
+        assert problem is None and checks._decode(bits, 1.0) == repr(value)
+    assert checks._encode("x", 0.0)[0] != checks._encode("x", -0.0)[0]  # distinct bits, distinct values
+    assert checks._encode("x", "1")[1] == "metadata x must be an int or a float, got '1'"
+    assert checks._encode("x", 2 ** 64)[1] == "metadata x must be an int or a float, got 18446744073709551616"

@@ -178,3 +178,25 @@ def test_boundary_report_names_what_a_mutating_op_writes():
     (append,) = [n for n in report.forward if n.op == "rlk::paged_kv_append"]
     assert append.via == "auto_functionalized_v2" and append.spec["mutates"] == ["k_cache", "v_cache"]
     assert "[mutates]" in report.table()
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("head_dim", 0, "a positive int"),  # once a ZeroDivisionError in fields()
+    ("head_dim", "128", "a positive int"),
+    ("key_block", True, "a positive int"),
+    ("causal", "yes", "a bool"),
+    ("softmax_scale", "a", r"None \(head_dim \*\* -0.5\) or a finite float"),  # once accepted
+    ("softmax_scale", float("nan"), r"None \(head_dim \*\* -0.5\) or a finite float"),
+    ("dtype", torch.bfloat16, "a string"),
+])
+def test_attention_contract_fields_are_checked_when_built(field, value, want):
+    from rlk_ops.meta.contract import AttentionContract
+
+    with pytest.raises(ValueError, match=rf"AttentionContract {field} must be {want}, got "):
+        AttentionContract(**{field: value})
+    assert AttentionContract(head_dim=64, softmax_scale=0.1).fields()["softmax_scale"] == 0.1
+
+
+def test_inspect_boundary_names_a_function_that_is_not_callable():
+    with pytest.raises(TypeError, match=r"inspect_boundary: fn must be a callable .*got NoneType"):
+        inspect_boundary(None, torch.zeros(2))

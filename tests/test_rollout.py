@@ -273,6 +273,23 @@ def test_cache_sizes_must_be_positive_ints(name, value):
         PagedKVCache(**args)
 
 
+@pytest.mark.parametrize("kw,pattern", [
+    ({"dtype": "bfloat16"}, r"dtype must be a floating-point torch.dtype, got 'bfloat16'"),
+    ({"dtype": torch.int32}, r"dtype must be a floating-point torch.dtype, got torch.int32"),  # once: at the append
+    ({"device": "foo"}, r"device must be a torch.device or its name, got 'foo'"),
+    ({"seed": 1.5}, r"seed must be an int in \[0, 2\*\*63\) \(it shuffles the free list\), got 1.5"),
+    ({"seed": None}, r"seed must be an int .*got None"),
+])
+def test_cache_dtype_device_and_seed_are_named(kw, pattern):
+    with pytest.raises(ValueError, match="PagedKVCache " + pattern):
+        PagedKVCache(1, 4, 4, 1, 8, **kw)
+    cache = PagedKVCache(1, 4, 4, 1, 8)
+    cache.add(0)
+    with pytest.raises(ValueError, match=r"reserve_batch: each request must be a \(seq, n_new\) pair, got \(0,\)"):
+        cache.reserve_batch([(0,)])
+    assert cache.free_pages == 4
+
+
 def _engine(num_pages=3, page_size=4, **kw):
     model = _tiny()
     cfg = model.config
@@ -289,6 +306,12 @@ def _engine(num_pages=3, page_size=4, **kw):
     ([Request(0, [1, 2], 1, forced=[1.5])], r"request 0: forced\[0\] = 1.5 is not a token id"),
     ([Request(0, [1, 2], 1.5)], r"request 0: needs a non-empty prompt and an int max_new_tokens >= 1"),
     ([Request(0, list(range(10)), 4)], r"request 0: needs 13 cached tokens = 4 pages of 4, but the cache has 3"),
+    # a tensor prompt once failed on its truth value, None on len()
+    ([Request(1, torch.tensor([1, 2, 3]), 2)], r"request 1: prompt must be a list of token ids, got Tensor"),
+    ([Request(1, None, 2)], r"request 1: prompt must be a list of token ids, got NoneType"),
+    ([Request(1, [1, 2], 2, forced=torch.tensor([3, 4]))],
+     r"request 1: forced must be a list of token ids or None, got Tensor"),
+    ([(1, [1, 2], 2)], r"requests must be Request objects, got tuple"),
 ])
 def test_bad_requests_are_refused_before_any_is_admitted(reqs, pattern):
     eng, cache = _engine()

@@ -47,15 +47,18 @@ class Qwen3AttentionConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         # the ops check these again, but a config is built before the first (maybe compiled) forward
-        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta >= 1):
+        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                and math.isfinite(self.rope_theta) and self.rope_theta >= 1):
             raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
                              f"{self.rope_theta!r}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and math.isfinite(self.rms_norm_eps)
-                and self.rms_norm_eps >= 0):
+        if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
             raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= 0, got "
                              f"{self.rms_norm_eps!r}")
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"Qwen3AttentionConfig attention_bias must be a bool, got {self.attention_bias!r}")
         rd = self.rotary_dim
-        if rd is not None and (not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > self.head_dim):
+        if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd <= 0 or rd % 2 or rd > self.head_dim):
             raise ValueError(f"Qwen3AttentionConfig rotary_dim must be None or even and in (0, head_dim="
                              f"{self.head_dim}], got {rd!r}")
         policy = SplitKVPolicy.parse(spell(self.split_kv))  # raises with the policy's own message
@@ -75,6 +78,11 @@ class _Norm(nn.Module):
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3AttentionConfig | None = None, *, dtype=torch.bfloat16, device=None, **overrides):
         super().__init__()
+        if config is not None and not isinstance(config, Qwen3AttentionConfig):
+            raise ValueError(f"Qwen3Attention: config must be a Qwen3AttentionConfig or None (fields may also be "
+                             f"passed as keywords), got {type(config).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"Qwen3Attention: dtype must be a floating-point torch.dtype, got {dtype!r}")
         cfg = config or Qwen3AttentionConfig()
         if overrides:
             cfg = Qwen3AttentionConfig(**{**cfg.__dict__, **overrides})
@@ -145,8 +153,14 @@ class Qwen3Attention(nn.Module):
         attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``)."""
         self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]")
         b, sq, hidden = hidden_states.shape
+        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, sq):
+            raise ValueError(f"Qwen3Attention: positions must be a tensor [B, Sq] = [{b}, {sq}] (hidden_states' "
+                             f"leading shape), got {type(positions).__name__} "
+                             f"{list(getattr(positions, 'shape', []))}")
         q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
-        rlk_ops.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
+        # the cache holds values: under grad mode k and v carry the weights' history, which an
+        # in-place write would graft onto the caller's cache
+        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping)
         attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
                                             seq_lens, split_kv=self.config.split_kv)
         out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(

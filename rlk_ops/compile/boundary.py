@@ -245,6 +245,8 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     ``more_calls`` are further argument tuples (e.g. other sequence lengths): the
     graphs compiled for them beyond the first call's are counted as ``recompiles``;
     the reported rlk nodes are those of the first call's graphs."""
+    if not callable(fn):
+        raise TypeError(f"inspect_boundary: fn must be a callable (a function or module), got {type(fn).__name__}")
     report = BoundaryReport()
     fw_graphs: list[torch.fx.GraphModule] = []
     bw_graphs: list[torch.fx.GraphModule] = []

@@ -9,10 +9,16 @@ argument, or proceeds knowing that all ranks agree.
 """
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 import torch.distributed as dist
 
 _MSG_BYTES = 480
+# metadata values a row carries: the row has one length on every rank whatever each rank
+# passes (gloo aborts the process on an all_gather of rows of different lengths)
+_MAX_META = 32
 
 
 class DistributedInputError(ValueError):
@@ -33,19 +39,47 @@ def metadata_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def preflight(group, what: str, problem: str | None, metadata: dict[str, int]) -> None:
+def _encode(name: str, value) -> tuple[int, str | None]:
+    """A metadata value as one int64: an int as itself, a float as its IEEE bits (so that ranks
+    compare floats exactly); anything else is this rank's problem (the row still goes out)."""
+    if isinstance(value, bool):
+        return int(value), None
+    if isinstance(value, int) and -(2 ** 63) <= value < 2 ** 63:
+        return value, None
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0], None
+    return 0, f"metadata {name} must be an int or a float, got {value!r}"
+
+
+def _decode(value: int, like) -> str:
+    if isinstance(like, float):
+        x = struct.unpack("<d", struct.pack("<q", value))[0]
+        return repr(x) if not math.isnan(x) else "nan"
+    return str(value)
+
+
+def preflight(group, what: str, problem: str | None, metadata: dict[str, int | float]) -> None:
     """All ranks of ``group`` call this with their local ``problem`` (None if fine) and
-    ``metadata`` (same keys on every rank). Raises ``DistributedInputError`` on every
-    rank if any rank had a problem or any metadata value differs across ranks."""
+    ``metadata`` (same keys on every rank; ints, or floats compared bit for bit). Raises
+    ``DistributedInputError`` on every rank if any rank had a problem or any metadata value
+    differs across ranks. Every rank sends one row of the same length whatever it passed,
+    so a rank with other keys, or a value that is not a number, is named, not a crash."""
     require_initialized(what)
     names = list(metadata)
+    values = []
+    for n in names[:_MAX_META]:
+        v, bad = _encode(n, metadata[n])
+        values.append(v)
+        problem = problem or bad
+    if len(names) > _MAX_META:
+        problem = problem or f"preflight carries at most {_MAX_META} metadata values, got {len(names)}"
     text = (problem or "").encode()[:_MSG_BYTES]
-    row = torch.zeros(3 + len(names) + _MSG_BYTES, dtype=torch.int64)
+    row = torch.zeros(3 + _MAX_META + _MSG_BYTES, dtype=torch.int64)
     row[0] = 1 if problem is None else 0
     row[1] = len(names)
     row[2] = len(text)
-    row[3:3 + len(names)] = torch.tensor([int(metadata[n]) for n in names], dtype=torch.int64)
-    row[3 + len(names):3 + len(names) + len(text)] = torch.tensor(list(text), dtype=torch.int64)
+    row[3:3 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    row[3 + _MAX_META:3 + _MAX_META + len(text)] = torch.tensor(list(text), dtype=torch.int64)
     device = metadata_device(group)
     ws = dist.get_world_size(group)
     parts = [torch.empty(row.numel(), dtype=torch.int64, device=device) for _ in range(ws)]
@@ -55,7 +89,7 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int]) -
     for i in range(ws):
         if int(rows[i, 0]) == 0:
             n = int(rows[i, 2])
-            start = 3 + int(rows[i, 1])
+            start = 3 + _MAX_META
             msg = bytes(rows[i, start:start + n].tolist()).decode(errors="replace")
             raise DistributedInputError(f"{what}: rank {ranks[i]} rejected its input: {msg}")
     for i in range(ws):
@@ -66,8 +100,9 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int]) -
         col = rows[:, 3 + k]
         if bool((col != col[0]).any()):
             j = int((col != col[0]).nonzero()[0])
-            raise DistributedInputError(f"{what}: ranks disagree on {name}: {int(col[0])} on rank {ranks[0]} "
-                                        f"but {int(col[j])} on rank {ranks[j]}")
+            like = metadata[name]
+            raise DistributedInputError(f"{what}: ranks disagree on {name}: {_decode(int(col[0]), like)} on rank "
+                                        f"{ranks[0]} but {_decode(int(col[j]), like)} on rank {ranks[j]}")
 
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}

@@ -52,18 +52,25 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise DistributedInputError(f"context_parallel_attention: group must be the cp ProcessGroup (e.g. "
                                         f"mesh.get_group('cp')) or None, got {type(group).__name__}")
-        if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                          or not isinstance(softmax_scale, (int, float))):
+    scale_ok = softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool))
+
+    def check_scale():
+        if not scale_ok:
             raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a float or None, got "
                                         f"{softmax_scale!r}")
+
+    if not check and not torch.compiler.is_compiling():
+        check_scale()
     if check and not torch.compiler.is_compiling():
-        problem = collect([lambda: check_local(q, k, v, layout, group)])
+        problem = collect([check_scale, lambda: check_local(q, k, v, layout, group)])
         if group is None:
             if problem:
                 raise DistributedInputError(problem)
         else:
             meta = {"local_tokens": _dim(q, 0), "num_heads": _dim(q, 1), "num_kv_heads": _dim(k, 1),
-                    "head_dim": _dim(q, -1), "dtype": dtype_code(getattr(q, "dtype", None))}
+                    "head_dim": _dim(q, -1), "dtype": dtype_code(getattr(q, "dtype", None)),
+                    # each rank's own scale would run silently (a float: compared bit for bit)
+                    "softmax_scale": float(softmax_scale) if scale_ok and softmax_scale is not None else -1.0}
             lay_meta = layout.metadata() if isinstance(layout, CPLayout) else [-1] * 6
             meta.update(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"), lay_meta))
             preflight(group, "context_parallel_attention", problem, meta)
@@ -114,6 +121,8 @@ def check_local(q, k, v, layout: CPLayout, group) -> None:
     if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[1] % max(k.shape[1], 1) or k.shape[1] == 0:
         raise ValueError(f"{what}: need k.shape == v.shape == [T_local, Hkv, D] with Hq % Hkv == 0 and q's D; "
                          f"got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"{what}: q, k and v need head_dim (their last dim) >= 1, got q {list(q.shape)}")
 
 
 def _attend(q, ks, vs, cu_q, cu_k, max_q, max_k, scale, per_kv_head):

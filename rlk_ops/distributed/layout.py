@@ -79,6 +79,8 @@ def seq_lens_from_cu(cu_seqlens) -> list[int]:
             _fail(f"cu_seqlens must be torch.int32, got {cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1:
             _fail(f"cu_seqlens must be 1-D [batch + 1], got shape {list(cu_seqlens.shape)}")
+        if cu_seqlens.device.type == "meta":
+            _fail("cu_seqlens must hold values (a host or device tensor, or a list of ints), got a meta tensor")
         cu = [int(v) for v in cu_seqlens.cpu().tolist()]
     elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
                                                        for v in cu_seqlens):
@@ -90,6 +92,8 @@ def seq_lens_from_cu(cu_seqlens) -> list[int]:
         _fail(f"cu_seqlens must have at least 2 entries [batch + 1], got {len(cu)}")
     if cu[0] != 0:
         _fail(f"cu_seqlens[0] must be 0, got {cu[0]}")
+    if cu[-1] >= 2 ** 31:  # the attention ops take int32 cu_seqlens
+        _fail(f"cu_seqlens[-1] (the packed token count) must be below 2**31, got {cu[-1]}")
     for i in range(len(cu) - 1):
         if cu[i + 1] < cu[i]:
             _fail(f"cu_seqlens must be non-decreasing, but cu_seqlens[{i + 1}] = {cu[i + 1]} < "

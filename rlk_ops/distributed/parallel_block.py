@@ -28,10 +28,12 @@ from torch.distributed.tensor.experimental import local_map
 
 from rlk_ops.compile.block import Qwen3Attention
 from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
-from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for
+from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for, seq_lens_from_cu
 from rlk_ops.distributed.local_block import Topology, local_forward
 from rlk_ops.distributed.mesh import PLACEMENTS, groups, mesh_sizes
+from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import same_device
+from rlk_ops.ops.rope import MAX_POSITION
 
 _PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight")
 
@@ -61,12 +63,19 @@ def _fail(msg):
 class ParallelQwen3Attention(nn.Module):
     def __init__(self, block: Qwen3Attention, mesh=None, sharding: str = "contiguous", chunks: int | None = None):
         super().__init__()
-        cfg = block.config
         tp, cp = mesh_sizes(mesh)
+        is_block = isinstance(block, Qwen3Attention)
+        cfg = block.config if is_block else None
         self.mesh, self.sharding, self.chunks, self.config = mesh, sharding, chunks, cfg
-        dtype = block.o_proj.weight.dtype
+        dtype = block.o_proj.weight.dtype if is_block else None
 
         def local_checks():
+            if not is_block:
+                _fail(f"block must be an rlk_ops.compile.Qwen3Attention, got {type(block).__name__}")
+            for name, p in block.named_parameters():  # each rank's own: the preflight compares o_proj's
+                if p.dtype != dtype or p.device != block.o_proj.weight.device:
+                    _fail(f"block.{name} must have o_proj.weight's dtype {dtype} and device "
+                          f"{block.o_proj.weight.device}, got {p.dtype} on {p.device}")
             if sharding not in MODES:
                 _fail(f"sharding must be one of {MODES}, got {sharding!r}")
             n_chunks_for(sharding, cp, chunks)
@@ -86,10 +95,14 @@ class ParallelQwen3Attention(nn.Module):
             if mesh.size() != dist.get_world_size():
                 raise DistributedInputError(f"ParallelQwen3Attention: the mesh must span all {dist.get_world_size()} "
                                             f"ranks, got {mesh.size()}")
-            preflight(None, "ParallelQwen3Attention", problem, {
-                "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim, "dtype": dtype_code(dtype), "tp": tp, "cp": cp,
-                "sharding": MODES.index(sharding) if sharding in MODES else -1, "chunks": chunks or 0})
+            # every config field the forward reads: a rank built with another rope_theta or eps would
+            # otherwise run with its own value, silently
+            fields = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps")
+            meta = {f: getattr(cfg, f) if is_block else -1 for f in fields}
+            meta.update({"rotary_dim": (cfg.rotary_dim or 0) if is_block else -1, "dtype": dtype_code(dtype),
+                         "tp": tp, "cp": cp, "sharding": MODES.index(sharding) if sharding in MODES else -1,
+                         "chunks": chunks if isinstance(chunks, int) else -1})
+            preflight(None, "ParallelQwen3Attention", problem, meta)
         tp_group, cp_group, tp_rank, cp_rank = groups(mesh)
         self.topology = Topology(
             tp=tp, cp=cp, tp_rank=tp_rank, cp_rank=cp_rank,
@@ -119,6 +132,11 @@ class ParallelQwen3Attention(nn.Module):
         state = {}
 
         def local_checks():
+            if not local and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1:
+                total = sum(seq_lens_from_cu(cu_seqlens))  # before the layout: a huge cu_seqlens[-1] is not built
+                if total != hidden_states.shape[0]:
+                    _fail(f"hidden_states must be [{total}, {cfg.hidden_size}] (the packed token count, hidden_size), "
+                          f"got {list(hidden_states.shape)}")
             state["layout"] = lay = build_layout(cu_seqlens, cp, self.topology.cp_rank, self.sharding, self.chunks)
             want = lay.local_tokens if local else lay.total_tokens
             which = "this rank's token count (local=True)" if local else "the packed token count"
@@ -143,6 +161,9 @@ class ParallelQwen3Attention(nn.Module):
             w_dev = w.to_local().device if isinstance(w, DTensor) else w.device
             if hidden_states.device != w_dev:
                 _fail(f"hidden_states must be on the weights' device {w_dev}, got {hidden_states.device}")
+            # the values too: rope would refuse a bad position on the rank that holds it alone, after
+            # the others had entered the cp all_gather
+            V.check_positions_values("rope", positions, MAX_POSITION)
 
         problem = collect([local_checks])
         if self.mesh is None:
@@ -167,7 +188,11 @@ class ParallelQwen3Attention(nn.Module):
         """hidden_states [T, hidden] and positions [T] from ``prepare``. Returns y [T, hidden]
         (and the detached attention out [T, Hq, D], lse [Hq, T] with ``return_attention``),
         as DTensors in cp layout order (plain tensors when mesh is None). ``taps``
-        (eager only): a dict that receives this rank's q, k, v with gradients retained."""
+        (eager only): a dict that receives this rank's q, k, v with gradients retained (checked
+        before any collective; a rank passing another kind of taps than the others still raises
+        alone)."""
+        if taps is not None and not isinstance(taps, dict):
+            _fail(f"taps must be a dict or None, got {type(taps).__name__}")
         self._check_forward(hidden_states, positions, layout)
         weights = [getattr(self, n.split(".")[0]).weight for n in _PARAMS]
         if self.mesh is None:

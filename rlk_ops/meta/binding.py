@@ -627,9 +627,66 @@ def _env_results(train: dict, rollout: dict) -> list[FieldResult]:
     return out
 
 
+class SideFormatError(ValueError):
+    """A side description that is not shaped as ``probe.describe_side`` writes it."""
+
+
+_SIDE_DICTS = ("model", "topology", "runtime", "environment")
+_NODE_KEYS = ("op", "index", "inputs", "args")
+_RECORD_KEYS = ("op", "device", "requested_backend", "actual_backend")
+
+
+def check_side(side, where: str) -> None:
+    """The structure ``bind`` reads, checked before it reads it: a malformed file once
+    raised a bare KeyError ('forward', 'device', 'args') or AttributeError from inside the
+    binding. Raises ``SideFormatError`` naming ``where`` and the path of the first problem."""
+    def bad(path, want, got):
+        raise SideFormatError(f"{where}: {path} must be {want}, got {type(got).__name__} {repr(got)[:80]}")
+
+    if not isinstance(side, dict):
+        bad("the side description", "a JSON object", side)
+    for key in _SIDE_DICTS:
+        if side.get(key) is not None and not isinstance(side[key], dict):
+            bad(key, "an object", side[key])
+    if side.get("plans") is not None and not isinstance(side["plans"], list):
+        bad("plans", "a list", side["plans"])
+    entries = side.get("entries")
+    if not isinstance(entries, list):
+        bad("entries", "a list", entries)
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            bad(f"entries[{i}]", "an object", e)
+        records = e.get("provenance")
+        if records is not None and not isinstance(records, list):
+            bad(f"entries[{i}].provenance", "a list", records)
+        for j, r in enumerate(records or []):
+            if not isinstance(r, dict) or any(k not in r for k in _RECORD_KEYS):
+                bad(f"entries[{i}].provenance[{j}]", f"an object with {', '.join(_RECORD_KEYS)}", r)
+        graph = e.get("graph")
+        if graph is None:
+            continue
+        if not isinstance(graph, dict):
+            bad(f"entries[{i}].graph", "an object or null", graph)
+        for key in ("recompiles", "graph_breaks"):
+            if not isinstance(graph.get(key), int):
+                bad(f"entries[{i}].graph.{key}", "an int", graph.get(key))
+        for key in ("forward", "backward", "leaks"):
+            if not isinstance(graph.get(key), list):
+                bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))
+        for key in ("forward", "backward"):
+            for j, n in enumerate(graph[key]):
+                if not isinstance(n, dict) or any(k not in n for k in _NODE_KEYS) or not isinstance(n["op"], str) \
+                        or "::" not in n["op"] or not isinstance(n["inputs"], list) or not isinstance(n["args"], dict):
+                    bad(f"entries[{i}].graph.{key}[{j}]", "a node object with op 'ns::name', index, inputs (a list) "
+                        "and args (an object)", n)
+
+
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
-    """Classify every field of the pair; see the module docstring."""
+    """Classify every field of the pair; see the module docstring. A side that is not
+    shaped as ``probe.describe_side`` writes it raises ``SideFormatError``."""
     mandate = mandate or Mandate()
+    check_side(train, "the training side")
+    check_side(rollout, "the rollout side")
     fa, fb = side_facts(train), side_facts(rollout)
     ctxs = ({n: f.value for n, f in fa.items()} | {"heads_check": _heads_check(fa)},
             {n: f.value for n, f in fb.items()} | {"heads_check": _heads_check(fb)})
@@ -655,6 +712,7 @@ def load_side(path: str, side_name: str | None = None) -> dict:
     if not isinstance(side.get("entries"), list):
         raise ValueError(f"{path}: not a side description (entries must be a list, got "
                          f"{type(side.get('entries')).__name__})")
+    check_side(side, path)
     return side
 
 

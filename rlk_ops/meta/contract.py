@@ -27,6 +27,7 @@ MAX_CANONICAL_CHUNK (2^20) is accepted.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -105,6 +106,21 @@ class AttentionContract:
     p_rounding: str = "input_dtype"  # P is fed to the PV product in the input dtype
 
     def __post_init__(self):
+        def bad(name, want):
+            raise ValueError(f"AttentionContract {name} must be {want}, got {getattr(self, name)!r}")
+
+        for name in ("head_dim", "key_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "a positive int")
+        if not isinstance(self.causal, bool):
+            bad("causal", "a bool")
+        s = self.softmax_scale
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)):
+            bad("softmax_scale", "None (head_dim ** -0.5) or a finite float")
+        for name in ("dtype", "accumulation", "lse", "p_rounding"):
+            if not isinstance(getattr(self, name), str):
+                bad(name, "a string")
         object.__setattr__(self, "split_kv", str(SplitKVPolicy.parse(self.split_kv)))
 
     @property

@@ -23,6 +23,15 @@ class PagedKVCache:
                  dtype=torch.bfloat16, device="cpu", seed: int = 0):
         positive_ints("PagedKVCache", num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                       num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"PagedKVCache dtype must be a floating-point torch.dtype, got {dtype!r}")
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"PagedKVCache device must be a torch.device or its name, got {device!r}") from e
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"PagedKVCache seed must be an int in [0, 2**63) (it shuffles the free list), "
+                             f"got {seed!r}")
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -83,7 +92,10 @@ class PagedKVCache:
         concatenated slot_mapping."""
         seen: set[int] = set()
         need = 0
-        for seq, n_new in requests:  # every check before any page is taken
+        for item in requests:  # every check before any page is taken
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"reserve_batch: each request must be a (seq, n_new) pair, got {item!r}")
+            seq, n_new = item
             self._known(seq)
             _count(f"n_new of sequence {seq!r}", n_new)
             if seq in seen:

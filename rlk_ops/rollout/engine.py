@@ -135,6 +135,14 @@ class RolloutEngine:
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         seen: set = set()
         for r in requests:
+            if not isinstance(r, Request):
+                raise ValueError(f"requests must be Request objects, got {type(r).__name__}")
+            for name, toks in (("prompt", r.prompt), ("forced", r.forced)):
+                if not isinstance(toks, (list, tuple)) and not (name == "forced" and toks is None):
+                    # a tensor or an array once failed on its truth value
+                    raise ValueError(f"request {r.seq_id!r}: {name} must be a list of token ids"
+                                     f"{' or None' if name == 'forced' else ''}, got {type(toks).__name__} "
+                                     f"(e.g. tensor.tolist())")
             if r.seq_id in seen or r.seq_id in self.cache:
                 raise ValueError(f"request {r.seq_id!r}: seq_id appears twice in the requests or is already in "
                                  f"the cache; each running sequence needs its own id")
