@@ -177,6 +177,20 @@ def test_qk_rmsnorm_batch_invariant(dtype):
     assert bitwise_equal(rlk_ops.qk_rmsnorm(x, w, 1e-6), full)
 
 
+def test_qk_rmsnorm_of_one_wide_row_is_batch_invariant():
+    """A single row of >= 32768 elements (ATen's grain): ``mean`` split its sum across threads when
+    the row was the whole input, not when another row came with it (session 28, found by review:
+    2 of 20 fp32 rows of 40000 differed by 1 ulp with 2 threads; 16 of 27 tokens of a tiny model
+    with hidden 40000 between rollout and training). The sums now go through numerics.rowsum."""
+    w = torch.ones(40000)
+    for seed in range(20):
+        x = torch.randn(2, 1, 40000, generator=torch.Generator().manual_seed(seed))
+        assert bitwise_equal(rlk_ops.qk_rmsnorm(x[:1], w, 1e-6), rlk_ops.qk_rmsnorm(x, w, 1e-6)[:1]), seed
+        pos = torch.zeros(2, dtype=torch.int64)
+        alone, both = rlk_ops.qk_norm_rope(x[:1], x[:1], w, w, pos[:1]), rlk_ops.qk_norm_rope(x, x, w, w, pos)
+        assert bitwise_equal(alone[0], both[0][:1]) and bitwise_equal(alone[1], both[1][:1]), seed
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_batch_invariant(dtype):
     x = torch.randn(41, 4, 128, dtype=dtype)

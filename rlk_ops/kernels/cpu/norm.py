@@ -12,9 +12,13 @@ from rlk_ops.kernels.cpu import numerics as nx
 
 
 
-def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in the accumulation dtype and mean(x**2) over the last dim, as ATen's mean (the sum, then
+    a division by the count) but with the sum from nx.rowsum: ``.mean`` split one row of >= 32768
+    elements across threads when it was the whole input and not when other rows came with it, so a
+    row's variance once depended on the batch (session 28: fp32 rows of 40000, 1 ulp)."""
     x32 = x.to(nx.acc_dtype(x.dtype)).contiguous()
-    return x32, x32.pow(2).mean(-1, keepdim=True)
+    return x32, (nx.rowsum(x32.pow(2)) / x.shape[-1])[..., None]
 
 
 def qk_rmsnorm(x, weight, eps):
