@@ -28,6 +28,17 @@ def _seed(text: str) -> int:
     return value
 
 
+MAX_PAGE_SIZE = 4096
+
+
+def _page_size(text: str) -> int:
+    """argparse type: a page size in [1, MAX_PAGE_SIZE] (10**8 once reached the allocator)."""
+    value = _positive_int(text)
+    if value > MAX_PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"expected a page size in [1, {MAX_PAGE_SIZE}], got {value}")
+    return value
+
+
 def _preflight(parser: argparse.ArgumentParser, args) -> None:
     """What would otherwise fail after the job ran, or deep inside it: a CUDA device that is
     not there, an output file whose folder does not exist, describe's model options."""
@@ -40,9 +51,19 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
     for flag in ("json", "out"):
         path = getattr(args, flag, None)
         if isinstance(path, str):
+            if not path:
+                parser.error(f"--{flag} needs a file path, got an empty string")
+            if os.path.isdir(path):
+                parser.error(f"--{flag} {path}: is a folder; give a file path in it")
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 parser.error(f"--{flag} {path}: the folder {folder} does not exist")
+    if args.command == "demo":
+        from rlk_ops.meta.contract import SplitKVPolicy
+
+        if SplitKVPolicy.parse(args.split_kv).kind not in ("disabled", "canonical"):
+            parser.error(f"--split-kv {args.split_kv}: the demo compares rollout with training, which computes "
+                         f"disabled or canonical:C only (fixed:N and auto are rollout-only lanes)")
     if args.command == "describe":
         from rlk_ops.rollout.model import TinyQwen3Config
 
@@ -80,7 +101,7 @@ def _demo(args) -> int:
                       chunk=args.chunk, page_size=args.page_size, max_running=args.max_running, seed=args.seed,
                       greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet)
     print(demo.summary(report))
-    if args.json:
+    if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     ok = report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
@@ -156,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="disabled | canonical (= canonical:768) | canonical:C (training and rollout must share "
                         "the policy; fixed:N and auto are rollout-only lanes that no training forward computes)")
     p.add_argument("--chunk", type=_positive_int, default=96, help="prefill chunk size (tokens)")
-    p.add_argument("--page-size", type=_positive_int, default=16)
+    p.add_argument("--page-size", type=_page_size, default=16)
     p.add_argument("--max-running", type=_positive_int, default=4, help="sequences decoding at once")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--greedy", action="store_true", help="greedy instead of the seeded sampler")
@@ -183,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-kv", type=_split_kv, default="disabled")
     p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--rms-norm-eps", type=float, default=1e-6)
-    p.add_argument("--page-size", type=_positive_int, default=16, help="rollout only")
+    p.add_argument("--page-size", type=_page_size, default=16, help="rollout only")
     p.add_argument("--entries", default="prefill,decode", help="rollout only: prefill, decode or both")
     p.add_argument("--tp", type=_positive_int, default=1)
     p.add_argument("--cp", type=_positive_int, default=1)

@@ -394,11 +394,22 @@ def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, c
     (["demo", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
     (["demo", "--seed", "100000000000000"], "expected an int in [0, 2**32), got 100000000000000"),
     (["describe", "--side", "train", "--out", "OUT", "--tp", "3"], "--tp 3 must divide the demo model's"),
+    # once a traceback after the whole run (a folder, an empty path) or from the allocator (the page size)
+    (["demo", "--json", "DIR"], "is a folder; give a file path in it"),
+    (["demo", "--json="], "--json needs a file path, got an empty string"),
+    (["describe", "--side", "train", "--out", "DIR"], "is a folder; give a file path in it"),
+    (["describe", "--side", "train", "--out="], "--out needs a file path, got an empty string"),
+    (["describe", "--side", "rollout", "--out", "OUT", "--page-size", "100000000"],
+     "expected a page size in [1, 4096], got 100000000"),
+    (["demo", "--page-size", "100000000"], "expected a page size in [1, 4096], got 100000000"),
+    # accepted by the option's type, then a StrictModeError / ValueError traceback from the demo
+    (["demo", "--split-kv", "auto"], "--split-kv auto: the demo compares rollout with training"),
+    (["demo", "--no-strict", "--split-kv", "fixed:256"], "fixed:N and auto are rollout-only lanes"),
 ])
 def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
     from rlk_ops.__main__ import main
 
-    argv = [str(tmp_path / "out.json") if a == "OUT" else a for a in argv]
+    argv = [str(tmp_path / "out.json") if a == "OUT" else str(tmp_path) if a == "DIR" else a for a in argv]
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -49,3 +49,44 @@ def test_environment_record():
     env = provenance.environment()
     assert env["torch"] == torch.__version__ and "gpu_arch" in env and "flash_attn_4" in env
 
+
+
+@pytest.mark.parametrize("value", [None, [], 0, "off"])
+def test_strict_mode_takes_a_bool_only(value):
+    """bool(None) and bool([]) once turned strict mode off silently, while "off" left it on."""
+    with pytest.raises(TypeError, match=rf"set_strict_mode: enabled must be a bool, got {type(value).__name__}"):
+        rlk_ops.set_strict_mode(value)
+    with pytest.raises(TypeError, match=r"strict: enabled must be a bool"):
+        with rlk_ops.strict(value):
+            pass
+    assert rlk_ops.strict_mode()
+
+
+def test_use_backend_names_a_backend_that_is_not_a_name():
+    with pytest.raises(ValueError, match=r"use_backend: the backend for linear must be a backend name \(str\), got "
+                                         r"list \['cpu'\]"):
+        with rlk_ops.use_backend(linear=["cpu"]):
+            pass
+
+
+def test_fa4_names_an_op_it_does_not_cover():
+    """Once a KeyError from the loader's table of required controls (reached with FA4 installed)."""
+    from rlk_ops.kernels.dispatch import BackendUnavailable
+    from rlk_ops.kernels.fa4 import loader
+
+    with pytest.raises(BackendUnavailable, match=r"FA4 has no kernel for rlk::linear \(it covers attention_bwd, "):
+        loader.check_available("linear")
+
+
+def test_a_collective_falls_back_to_c10d_not_to_the_cpu_reference(single_process_group):
+    """Non-strict, an unavailable backend for a collective once fell back to 'cpu', which has no
+    collectives, and the error lost the first backend's reason; its fallback is c10d, recorded."""
+    x = torch.randn(4, 3)
+    with pytest.raises(rlk_ops.StrictModeError, match=r"rlk::all_gather on cpu: backend 'triton' unavailable"):
+        with rlk_ops.use_backend(all_gather="triton"):
+            rlk_ops.all_gather(x)
+    with rlk_ops.strict(False), rlk_ops.use_backend(all_gather="triton"), provenance.capture() as log:
+        out = rlk_ops.all_gather(x)
+    assert torch.equal(out, x)
+    (rec,) = log.fallbacks()
+    assert (rec.requested_backend, rec.actual_backend) == ("triton", "c10d") and "unavailable" in rec.fallback_reason

@@ -65,15 +65,27 @@ def strict_mode() -> bool:
     return _strict
 
 
+def _mode(what: str, enabled) -> bool:
+    """A bool, nothing else: ``bool(None)`` or ``bool([])`` once turned strict mode off silently
+    while ``"off"`` left it on."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{what}: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    return enabled
+
+
 def set_strict_mode(enabled: bool) -> None:
+    """Process-wide (every thread), like ``use_backend`` and ``provenance.capture``."""
     global _strict
-    _strict = bool(enabled)
+    _strict = _mode("set_strict_mode", enabled)
 
 
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
+    """Strict mode ``enabled`` inside the block, process-wide: threads share it, so set it
+    around work in one thread (two threads entering and leaving blocks interleaved restore
+    each other's modes)."""
     global _strict
-    old, _strict = _strict, bool(enabled)
+    old, _strict = _strict, _mode("strict", enabled)
     try:
         yield
     finally:
@@ -91,10 +103,14 @@ def requested_backend(op: str, device_type: str) -> str:
 
 @contextlib.contextmanager
 def use_backend(**op_to_backend: str) -> Iterator[None]:
-    """Request a backend per op for the block, e.g. ``use_backend(paged_attention="flashinfer")``."""
+    """Request a backend per op for the block, e.g. ``use_backend(paged_attention="flashinfer")``.
+    Process-wide (every thread), like strict mode."""
     from rlk_ops.meta.specs import REGISTRY  # the op list (meta/specs.py imports nothing from here)
 
     for op, backend in op_to_backend.items():
+        if not isinstance(backend, str):
+            raise ValueError(f"use_backend: the backend for {op} must be a backend name (str), got "
+                             f"{type(backend).__name__} {backend!r}; known: {sorted(_BACKEND_MODULES)}")
         if op not in REGISTRY:
             raise ValueError(f"use_backend: unknown op {op!r}; known: {sorted(REGISTRY)}")
         if backend not in _BACKEND_MODULES:
@@ -163,11 +179,13 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
     ``mutated`` lists the argument positions the op writes in place (needed to run
     the CPU reference on copies of non-CPU tensors)."""
     requested = requested_backend(op, device.type)
+    # the fallback: the op's CPU default (the reference, or c10d for the collectives)
+    target = _DEFAULTS["cpu"].get(op, "cpu")
     try:
         fn = _load(op, requested)
         actual, fallback, reason = requested, False, None
     except BackendUnavailable as e:
-        if requested == "cpu":
+        if requested == target:
             raise
         reason = f"backend {requested!r} unavailable: {e}"
         if _strict:
@@ -176,8 +194,11 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
                 f"because another backend does not compute the same bits. Install/enable the backend, "
                 f"or allow a recorded fallback with rlk_ops.set_strict_mode(False)."
             ) from e
-        fn = _load(op, "cpu")
-        actual, fallback = "cpu", True
+        try:
+            fn = _load(op, target)
+        except BackendUnavailable as e2:
+            raise BackendUnavailable(f"rlk::{op} on {device}: {reason}; its fallback {target!r} too: {e2}") from e2
+        actual, fallback = target, True
     if actual == "cpu" and device.type != "cpu":
         fn = _cpu_fallback(fn, device, mutated)  # the reference runs on CPU copies
     provenance.record(op, requested, actual, fallback, reason, str(device))

@@ -171,6 +171,8 @@ def load() -> FA4:
 
 def check_available(op: str) -> None:
     """Raise BackendUnavailable unless FA4 is importable, has ``op``'s controls and a GPU exists."""
+    if op not in REQUIRED:  # e.g. use_backend(linear="fa4"): once a KeyError from missing()
+        raise BackendUnavailable(f"FA4 has no kernel for rlk::{op} (it covers {', '.join(sorted(REQUIRED))})")
     fa4 = load()
     missing = fa4.missing(op)
     if missing:
