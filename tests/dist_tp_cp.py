@@ -233,6 +233,8 @@ def bad_input_checks(mesh, rank):
     odd = init_block(Qwen3Attention(**{**SMALL, "rope_theta": 1e4 if rank == 3 else 1e6}))
     expect_everywhere(lambda: ParallelQwen3Attention(odd, mesh), "ranks disagree on rope_theta: 1000000.0 on rank 0 "
                       "but 10000.0 on rank 3")
+    # the same value as an int on one rank (HF's config.json writes rope_theta 1000000) is the same theta
+    ParallelQwen3Attention(init_block(Qwen3Attention(**{**SMALL, "rope_theta": 1000000 if rank == 1 else 1e6})), mesh)
     mixed = copy.deepcopy(block)
     if rank == 1:
         mixed.q_proj.float()

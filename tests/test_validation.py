@@ -466,6 +466,15 @@ def test_public_arguments_take_numpy_scalars():
     assert torch.equal(rlk_ops.rope(x, pos, np.float64(1e4), np.int64(8)), rlk_ops.rope(x, pos, 1e4, 8))
     q = torch.randn(1, 3, 2, 8)
     assert torch.equal(rlk_ops.attention(q, q, q, causal=np.bool_(False))[0], rlk_ops.attention(q, q, q, causal=False)[0])
+    # 0-d tensors, which float() / bool() took before the argument checks
+    assert torch.equal(rlk_ops.rope(x, pos, torch.tensor(1e4)), rlk_ops.rope(x, pos, 1e4))
+    assert torch.equal(rlk_ops.attention(q, q, q, causal=torch.tensor(False))[0],
+                       rlk_ops.attention(q, q, q, causal=False)[0])
+    with pytest.raises(RlkInputError, match=r"causal must be a bool, got int64 np.int64\(2\)"):
+        rlk_ops.attention(q, q, q, causal=np.int64(2))
+    # under torch.compile a numpy scalar arrives as an array (a numbers.Real test once refused it)
+    compiled = torch.compile(lambda a, p: rlk_ops.rope(a, p, np.float64(1e4), 8), fullgraph=True)
+    assert torch.equal(compiled(x, pos), rlk_ops.rope(x, pos, 1e4, 8))
 
 
 def test_append_of_rows_that_require_grad_is_refused_before_writing():

@@ -98,7 +98,9 @@ class ParallelQwen3Attention(nn.Module):
             # every config field the forward reads: a rank built with another rope_theta or eps would
             # otherwise run with its own value, silently
             fields = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps")
-            meta = {f: getattr(cfg, f) if is_block else -1 for f in fields}
+            # floats as floats: 1000000 (HF's config.json) and 1e6 compute the same, compare the same
+            meta = {f: (float if f in ("rope_theta", "rms_norm_eps") else int)(getattr(cfg, f)) if is_block else -1
+                    for f in fields}
             meta.update({"rotary_dim": (cfg.rotary_dim or 0) if is_block else -1, "dtype": dtype_code(dtype),
                          "tp": tp, "cp": cp, "sharding": MODES.index(sharding) if sharding in MODES else -1,
                          "chunks": chunks if isinstance(chunks, int) else -1})

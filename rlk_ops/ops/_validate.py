@@ -15,7 +15,6 @@ Every error names the op, the argument, the expected and the actual value. Two k
 from __future__ import annotations
 
 import contextlib
-import numbers
 import operator
 import os
 from typing import Iterator
@@ -77,12 +76,17 @@ def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
 
 
 def float_arg(op: str, name: str, value) -> float:
-    """A real number (int, float, numpy scalar; not bool) as a float; its range is the op's check."""
-    if isinstance(value, torch.SymFloat):
+    """A number as a float (int, float, numpy scalar, 0-d tensor or array; not a bool, a string or
+    None); its range is the op's check. Under torch.compile a numpy scalar arrives as an array,
+    hence ``float()`` rather than an isinstance test on numbers.Real."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if value is None or isinstance(value, (bool, str, bytes)):
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
 
 
 def int_arg(op: str, name: str, value) -> int:
@@ -101,13 +105,18 @@ def int_arg(op: str, name: str, value) -> int:
 
 
 def bool_arg(op: str, name: str, value) -> bool:
-    """A bool (Python's or numpy's), or the ints 0 and 1."""
+    """A bool, or a value equal to 0 or 1 that converts to one: an int, a numpy scalar, a 0-d
+    tensor or array (not a string, None, or a sequence, which ``bool()`` would take)."""
     if isinstance(value, bool):
         return value
-    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-        return bool(value)
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
+    if value is None or isinstance(value, (str, bytes, list, tuple, dict)):
+        fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+    try:
+        b = bool(value)
+        if b == value:  # 2 (or tensor(2)) converts to True but is not a bool
+            return b
+    except (TypeError, ValueError, RuntimeError):
+        pass
     fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
 
 
