@@ -58,7 +58,8 @@ class Qwen3AttentionConfig:
         if not isinstance(self.attention_bias, bool):
             raise ValueError(f"Qwen3AttentionConfig attention_bias must be a bool, got {self.attention_bias!r}")
         rd = self.rotary_dim
-        if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd <= 0 or rd % 2 or rd > self.head_dim):
+        if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd <= 0 or rd % 2
+                               or rd > self.head_dim):
             raise ValueError(f"Qwen3AttentionConfig rotary_dim must be None or even and in (0, head_dim="
                              f"{self.head_dim}], got {rd!r}")
         policy = SplitKVPolicy.parse(spell(self.split_kv))  # raises with the policy's own message

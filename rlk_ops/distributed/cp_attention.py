@@ -52,7 +52,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise DistributedInputError(f"context_parallel_attention: group must be the cp ProcessGroup (e.g. "
                                         f"mesh.get_group('cp')) or None, got {type(group).__name__}")
-    scale_ok = softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool))
+    scale_ok = softmax_scale is None or (isinstance(softmax_scale, (int, float))
+                                         and not isinstance(softmax_scale, bool))
 
     def check_scale():
         if not scale_ok:
