@@ -20,6 +20,8 @@ rejected on every rank by ``checks.preflight`` before the first collective.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -134,12 +136,12 @@ class ParallelQwen3Attention(nn.Module):
         state = {}
 
         def local_checks():
-            if not local and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1:
-                total = sum(seq_lens_from_cu(cu_seqlens))  # before the layout: a huge cu_seqlens[-1] is not built
-                if total != hidden_states.shape[0]:
-                    _fail(f"hidden_states must be [{total}, {cfg.hidden_size}] (the packed token count, hidden_size), "
-                          f"got {list(hidden_states.shape)}")
-            state["layout"] = lay = build_layout(cu_seqlens, cp, self.topology.cp_rank, self.sharding, self.chunks)
+            cu = [0, *itertools.accumulate(seq_lens_from_cu(cu_seqlens))]  # read once (a device copy on CUDA)
+            if not local and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1 \
+                    and cu[-1] != hidden_states.shape[0]:  # before the layout: a huge cu_seqlens[-1] is not built
+                _fail(f"hidden_states must be [{cu[-1]}, {cfg.hidden_size}] (the packed token count, hidden_size), "
+                      f"got {list(hidden_states.shape)}")
+            state["layout"] = lay = build_layout(cu, cp, self.topology.cp_rank, self.sharding, self.chunks)
             want = lay.local_tokens if local else lay.total_tokens
             which = "this rank's token count (local=True)" if local else "the packed token count"
             plain = "this rank's shard (local=True)" if local else "the global batch"
