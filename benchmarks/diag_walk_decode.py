@@ -37,8 +37,7 @@ CASES = [("one block", [128], 128, 128, 16), ("partial block", [100], 128, 128, 
 # producer warp (ws=True), or one warp with the queries on M (rows=True); run one variant over every
 # case before the next, so a variant that hangs (the call's time limit stops it) has left the
 # others' lines printed
-_VARIANT_OPTS = {"4": {}, "8": {"warps": 8}, "ws": {"ws": True}, "rows": {"rows": True},
-                 "rows_halves": {"rows": True, "halves": True}}
+_VARIANT_OPTS = {"4": {}, "8": {"warps": 8}, "ws": {"ws": True}, "rows": {"rows": True}}
 VARIANTS = tuple(os.environ.get("VARIANTS", "4,8,ws,rows").split(","))
 
 

@@ -21,9 +21,8 @@ every pair torch.equal to the routed pair kernel's) and ``op_walk_equal`` (the m
 torch.equal to the op's), ``walk_fused_equal`` (the in-program merge's out and lse torch.equal to
 the op's). A case whose walk fails to build or run records the error and goes on.
 
-``walk_rows_halves`` / ``walk_rows_halves_fused``: the one-warp walk with its ring as six half
-tiles (``halves=True``, session 27; bits ``walk_rows_halves_states_equal``,
-``walk_rows_halves_fused_equal``). ``OLD=0`` leaves out the 8-warp and producer-warp walks.
+``OLD=0`` leaves out the 8-warp and producer-warp walks. results/h100/session29/walk_probe.json
+also timed the one-warp walk with its ring in half tiles (``walk_rows_halves``, removed after it).
 
 Usage: [PAGES=128] [CASES=64x8192,64x32768] [CHUNK=768] [OLD=0]
        python3 benchmarks/probe_walk_decode.py OUT.json
@@ -129,18 +128,6 @@ def main():
                 fns["walk_rows_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, rows=True)
             except Exception as e:  # noqa: BLE001 - recorded
                 row["walk_rows"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
-            try:  # the one-warp walk with its ring in half tiles (halves=True, session 27)
-                wh = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, rows=True, halves=True)
-                row["walk_rows_halves_states_equal"] = all(
-                    cb.beq(x, y) for x, y in zip(wh[:3], ref[:3])) and wh[3] == ref[3]
-                fh = wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True, rows=True, halves=True)
-                row["walk_rows_halves_fused_equal"] = cb.beq(fh[4].reshape(-1), ro.reshape(-1)) and cb.beq(
-                    fh[5].reshape(-1), rl.reshape(-1))
-                fns["walk_rows_halves"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, rows=True, halves=True)
-                fns["walk_rows_halves_fused"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, merge=True,
-                                                                       rows=True, halves=True)
-            except Exception as e:  # noqa: BLE001 - recorded
-                row["walk_rows_halves"] = f"failed: {type(e).__name__}: {str(e)[:600]}"
             try:  # the whole-row ring on its own: a failure here leaves the others timed
                 wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
                 fns["walk_ring_rows"] = lambda: wd.walk_decode(q, kc, vc, pt, sl, b.scale, c, probe=3)
@@ -150,8 +137,7 @@ def main():
                 row[f"{name}_us"] = round(us, 2)
             for name in ("op", "pairs", "walk", "op_walk", "walk_fused", "walk_hmajor", "walk_ring", "walk_ring_rows",
                          "walk_w8", "op_walk_w8", "walk_w8_fused", "walk_w8_ring", "walk_ws", "op_walk_ws",
-                         "walk_rows", "op_walk_rows", "walk_rows_fused", "walk_rows_halves", "walk_rows_halves_fused",
-                         "read_flat"):
+                         "walk_rows", "op_walk_rows", "walk_rows_fused", "read_flat"):
                 if f"{name}_us" in row:
                     row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
             print(row, flush=True)

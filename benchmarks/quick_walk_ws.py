@@ -1,16 +1,16 @@
-"""Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True), the
-one-warp walk with the queries on M (rows=True, session 26) and the same with its ring in half
-tiles (rows=True, halves=True, session 27): their states against the 4-warp walk's on small
-cases, then at 64 x ctx, page 128, C = 768 (with the one-warp walks' own merge against the merge
-op: ``rows_fused_equal``, ``rows_halves_fused_equal``), and the time of the walk, the one-warp
-walk and its halves form, each alone and merging its own states (``walk_rows_fused``,
-``walk_rows_halves_fused``), the walks + the merge op (``op_walk``, ``op_walk_rows``), the ring
+"""Quick check (any SM90 GPU, no FA4 needed) of the producer-warp walk (walk_decode ws=True) and the
+one-warp walk with the queries on M (rows=True, session 26): their states against the 4-warp
+walk's on small cases, then at 64 x ctx, page 128, C = 768 (with the one-warp walk's own merge
+against the merge op: ``rows_fused_equal``), and the time of the walk, the one-warp walk alone
+and merging its own states (``walk_rows_fused``), the walks + the merge op (``op_walk``, ``op_walk_rows``), the ring
 alone (probe=1) and the routed pair kernel, each a CUDA graph, replayed in interleaved rounds
 (_report.graph_times_us, median us). The producer-warp walk is no longer timed (session 27: it
 ran no faster in session 25). For a device call too short for the FA4 install;
 benchmarks/probe_walk_decode.py is the full probe (ratios over FA4). results/h100/session25/quick_ws*.json came from its first version
 (commit 2016f9f), which timed with a graph helper of its own (7 rounds of 20 calls) and built
 its 64 x ctx inputs itself (same shapes; canonical.Bench.decode_inputs since).
+results/h100/session29/quick_halves.json came from the version of commit 45f321c, which also
+timed the one-warp walk with its ring in half tiles (halves=True, removed after that run).
 
 Usage (GPU machine): [CASES=64x8192] python3 benchmarks/quick_walk_ws.py [OUT.json]
 """
@@ -50,7 +50,7 @@ def main():
                                ("batch 3", [300, 128, 1000], 256), ("C 768 long", [8192, 0, 7000], 768)):
         q, kc, vc, table, sl = _inputs(lens, PAGE, seed=len(label), device="cuda")
         ref = walk_decode(q, kc, vc, table, sl, scale, chunk)
-        for name, opts in (("ws", {"ws": True}), ("rows", {"rows": True}), ("rows_halves", {"rows": True, "halves": True})):
+        for name, opts in (("ws", {"ws": True}), ("rows", {"rows": True})):
             got = walk_decode(q, kc, vc, table, sl, scale, chunk, **opts)
             torch.cuda.synchronize()
             res["small"][f"{label} ({name})"] = equal_states(got, ref)
@@ -63,8 +63,6 @@ def main():
         row = {"batch": bsz, "context": ctx, "C": CHUNK, "page": PAGE,
                "ws_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, ws=True), ref),
                "rows_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True), ref),
-               "rows_halves_equal": equal_states(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, halves=True),
-                                                 ref),
                "pairs_equal": equal_states(pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed), ref)}
         def merged(st):
             o, lse, plens, n = st
@@ -74,17 +72,12 @@ def main():
         mo, ml = merged(ref)
         fused = walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True)
         row["rows_fused_equal"] = torch.equal(fused[4], mo) and torch.equal(fused[5].view(-1), ml.reshape(-1))
-        fh = walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True, halves=True)
-        row["rows_halves_fused_equal"] = torch.equal(fh[4], mo) and torch.equal(fh[5].view(-1), ml.reshape(-1))
         row.update({f"{k}_us": round(v["us"], 2) for k, v in graph_times_us({
             "walk": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK),
             "walk_rows": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True),
             "op_walk": lambda: merged(walk_decode(q, kc, vc, pt, sl, scale, CHUNK)),
             "op_walk_rows": lambda: merged(walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True)),
             "walk_rows_fused": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True),
-            "walk_rows_halves": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, halves=True),
-            "walk_rows_halves_fused": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, rows=True, merge=True,
-                                                          halves=True),
             "ring": lambda: walk_decode(q, kc, vc, pt, sl, scale, CHUNK, probe=1),
             "pairs": lambda: pd.pair_decode(q, kc, vc, pt, sl, scale, CHUNK, **routed)}).items()})
         print(row, flush=True)

@@ -3,7 +3,7 @@ report what the compiler made of it: the block loop's SASS (instructions per war
 top opcodes), registers, spills and shared memory, TMA copies and CTA barriers in the PTX.
 
     python benchmarks/walk_decode_sm90_offline.py [--merge] [--chunk 768] [--page 128] [--np 64]
-                                                  [--dsl 8] [--probe 0] [--warps 4] [--ws] [--rows] [--halves]
+                                                  [--dsl 8] [--probe 0] [--warps 4] [--ws] [--rows]
                                                   [--sass FILE]
 
 Use the Triton the GPU runs (the H200 has 3.6.0; 3.9 builds it too). Nothing here runs the kernel: bits and speed
@@ -40,7 +40,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warps", type=int, default=wd.NUM_WARPS, help="warps per program (4 or 8)")
     ap.add_argument("--ws", action="store_true", help="the producer-warp variant (WS, maxnreg WS_MAXNREG)")
     ap.add_argument("--rows", action="store_true", help="walk_rows.py: one warp, the queries on M")
-    ap.add_argument("--halves", action="store_true", help="rows: the ring as six half tiles (HALVES)")
     ap.add_argument("--sass", help="write the whole kernel's SASS here (TTGIR to FILE.ttgir)")
     return ap
 
@@ -52,11 +51,9 @@ def build(args: argparse.Namespace):
               "PROBE": args.probe, "NW": args.warps, "WS": int(args.ws)}
     if args.rows:
         consts = {k: v for k, v in consts.items() if k not in ("PROBE", "NW", "WS", "DSL")}
-        consts.update(M=wr.ROWS, KS=wr.KSTEP, DS=wr.DSLAB, GP=4, SB=wr.MERGE_STEP, HALVES=int(args.halves),
-                      NS=2 * wd.STAGES if args.halves else wd.STAGES)
+        consts.update(M=wr.ROWS, KS=wr.KSTEP, DS=wr.DSLAB, GP=4, SB=wr.MERGE_STEP)
     hkv, d = consts["HKV"], consts["D"]
-    block = ([wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d // 2] if args.halves
-             else [wd.BLOCK_N, d])   # probe 3: whole cache rows; halves: half tiles
+    block = [wd.BLOCK_N // hkv, hkv * d] if args.probe == 3 else [wd.BLOCK_N, d]   # probe 3: whole cache rows
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     desc = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     types = {"q": "*bf16", "k_desc": desc, "v_desc": desc, "table": "*i32", "seq_lens": "*i32", "out": "*bf16",

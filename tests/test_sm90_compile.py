@@ -62,9 +62,7 @@ def test_variant_builds_for_sm90(argv):
                                              (["--warps", "8", "--merge"], True), (["--ws"], True),
                                              (["--ws", "--merge"], True), (["--rows"], True),
                                              (["--rows", "--merge"], True), (["--rows", "--page", "256", "--chunk",
-                                                                             "2048"], True),
-                                             (["--rows", "--halves"], True), (["--rows", "--halves", "--merge"], True),
-                                             (["--rows", "--halves", "--page", "256", "--chunk", "2048"], True)],
+                                                                             "2048"], True)],
                          ids=lambda a: ("_".join(x.lstrip("-") for x in a) or "plain") if isinstance(a, list)
                          else ("mma" if a else "ring_only"))
 def test_walk_builds_for_sm90(argv, arithmetic):

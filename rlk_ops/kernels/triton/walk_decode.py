@@ -437,20 +437,19 @@ def supported(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk_size: int) -> 
     return None
 
 
-def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool = False, half: bool = False) -> tuple:
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, whole_rows: bool = False) -> tuple:
     """TMA descriptors of the caches as [rows, HKV * D]: a tile is BLOCK_N rows of one KV head's
     D columns (column h * D); ``whole_rows`` (probe 3): BLOCK_N / HKV rows of every KV head, the
-    same bytes; ``half`` (rows=True, halves=True): BLOCK_N rows of D / 2 columns."""
+    same bytes."""
     pages, page, hkv, d = k_cache.shape
     shape, strides = [pages * page, hkv * d], [hkv * d, 1]
-    block = [BLOCK_N // hkv, hkv * d] if whole_rows else [BLOCK_N, d // 2] if half else [BLOCK_N, d]
+    block = [BLOCK_N // hkv, hkv * d] if whole_rows else [BLOCK_N, d]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
     return tuple(TensorDescriptor(c.view(shape), shape, strides, block, layout) for c in (k_cache, v_cache))
 
 
 def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float, chunk_size: int,
-                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False, rows: bool = False,
-                halves: bool = False):
+                merge: bool = False, probe: int = 0, warps: int = NUM_WARPS, ws: bool = False, rows: bool = False):
     """pair_decode's ``(out [N*B, 1, Hq, D], lse [N*B, Hq, 1], pair_lens [N*B], N)`` of a decode
     step, by one program per (sequence, KV head) walking every chunk of the sequence. ``merge``:
     each program then merges its own states with the merge op's steps (``_merge_own``; up to
@@ -467,9 +466,7 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     variants' SASS byte-identical to before the split into ``_walk_body``); on an H100 its states
     equal the 4-warp walk's and it is no faster (benchmarks/quick_walk_ws.py; README). ``rows``: one
     warp per (sequence, KV head) with the queries on the MMA's M axis (walk_rows.py, session 26;
-    Hq / Hkv up to 16; no probes, ``warps`` and ``ws`` do not apply). ``halves`` (rows only, session
-    27): the same ring bytes as six [BLOCK_N, D / 2] half tiles, each slot refilled as soon as its
-    half of S or of O is done (same bits)."""
+    Hq / Hkv up to 16; no probes, ``warps`` and ``ws`` do not apply)."""
     from rlk_ops.kernels.triton.pair_decode import scale_log2
 
     why = supported(k_cache, v_cache, chunk_size)
@@ -482,8 +479,6 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
     if rows and (probe or ws or warps != NUM_WARPS):
         raise ValueError(f"walk_decode rows=True is one warp per program without probes or a producer warp, got "
                          f"probe={probe!r}, ws={ws!r}, warps={warps!r}")
-    if halves is not False and (halves is not True or not rows):
-        raise ValueError(f"walk_decode halves must be a bool and needs rows=True, got halves={halves!r}, rows={rows!r}")
     if probe not in (0, 1, 2, 3):
         raise ValueError(f"walk_decode probe must be 0, 1 (the ring alone), 2 (KV heads apart) or 3 (the ring over "
                          f"whole rows), got {probe!r}")
@@ -521,14 +516,12 @@ def walk_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale: float,
         # 16 query heads: 4 states a step (8 spilled offline, Triton 3.6 and 3.9)
         step = MERGE_STEP if hq // hkv <= 8 else MERGE_STEP // 2
         extra = {"MERGE": 1, "NP": C.pow2(n), "GP": C.pow2(hq // hkv), "SB": step} if merge else {}
-        if halves:
-            extra["HALVES"] = 1
-        k_desc, v_desc = descriptors(k_cache, v_cache, half=halves)
+        k_desc, v_desc = descriptors(k_cache, v_cache)
         _walk_rows[(bsz * hkv,)](C.aligned(q), k_desc, v_desc, C.aligned(page_table), C.aligned(seq_lens), out, lse,
                                  pair_lens, scale_log2(softmax_scale), bsz, width, chunk_size, n, *merged,
                                  merge_mod._log_constants(dev) if merge else lse,
                                  G=hq // hkv, HQ=hq, HKV=hkv, D=d, BN=BLOCK_N, M=ROWS_M, NB=chunk_size // BLOCK_N,
-                                 PAGE=page, NS=2 * STAGES if halves else STAGES, **extra, KS=KSTEP, DS=DSLAB,
+                                 PAGE=page, NS=STAGES, **extra, KS=KSTEP, DS=DSLAB,
                                  num_warps=1, **C.LAUNCH)
     elif bsz:
         k_desc, v_desc = descriptors(k_cache, v_cache, whole_rows=probe == 3)

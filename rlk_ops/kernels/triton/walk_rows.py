@@ -19,8 +19,10 @@ Status: built for sm90 under Triton 3.6 and 3.9 (255 registers, no spill, 102 KB
 memory; benchmarks/walk_decode_sm90_offline.py --rows). Session 27, on an H100: its states and
 its own merge are bitwise equal to the routed pair kernel's and the merge op's (19 CUDA tests,
 the probe at 64 x 8k and 32k), and it runs at 1.040-1.050x FA4 single pass (the 4-warp walk
-1.042-1.057x; results/h100/session27/). Not routed. ``HALVES`` (``halves=True``, session 27):
-the ring as six [BN, D / 2] half tiles, each slot refilled as soon as its half of S or O is done.
+1.042-1.057x; results/h100/session27/). Not routed. Session 29 measured the ring as six [BN, D / 2]
+half tiles, each slot refilled as soon as its half of S or O was done (``halves=True``): same
+bits, slower on an H100 (1.044-1.049x FA4 against 1.023-1.026x; results/h100/session29/). It
+was removed; its code is at commit 3274ca1.
 
 Arithmetic, per key block (a chunk's blocks from its last to its first, chunks in ascending
 order): the steps of walk_decode.py's docstring, the same IEEE operations in the same order. The
@@ -50,44 +52,6 @@ DSLAB = 32         # head-dim columns of one O accumulator slab
 MERGE_STEP = 8     # merge=True: states whose out rows are loaded together (_merge_rows)
 _NEG_INF = gl.constexpr(float("-inf"))
 _LN2 = gl.constexpr(W._LN2.value)
-
-
-@gluon.jit
-def _issue_half(t, row, col, k_desc, v_desc, ring, bars, n_tiles, NS: gl.constexpr, DH: gl.constexpr):
-    """HALVES: tile t of the walk, a [BN, D / 2] half of step t // 4 (t % 4: K columns 0..DH-1,
-    K columns DH.., then V's), into ring slot t % NS."""
-    if t < n_tiles:
-        slot = t % NS
-        bar = bars.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes)
-        u = t % 4
-        if u < 2:
-            _tma_load(k_desc, [row, col + u * DH], bar, ring.index(slot))
-        else:
-            _tma_load(v_desc, [row, col + (u - 2) * DH], bar, ring.index(slot))
-
-
-@gluon.jit
-def _scores_part(qs, tile, s, q0: gl.constexpr, STEPS: gl.constexpr, KS: gl.constexpr, mma: gl.constexpr):
-    """s + Q[:, q0 : q0 + STEPS * KS] @ K^T over the tile's columns 0 .. STEPS * KS, in K-steps of KS
-    (the same mma.sync chain as _scores, split where a K half ends)."""
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    op_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    for kk in gl.static_range(STEPS):
-        a = qs.slice(q0 + kk * KS, KS, dim=1).load(op_a)
-        b = tile.slice(kk * KS, KS, dim=1).permute([1, 0]).load(op_b)
-        s = mma_v2(a, b, s)
-    return s
-
-
-@gluon.jit
-def _zero_past(vtile, keys, M: gl.constexpr, BN: gl.constexpr, ld: gl.constexpr):
-    """V rows keys.. of a tile set to 0 in place (P is 0 there, but 0 * a non-finite cache value is not)."""
-    vk = gl.arange(0, M, layout=gl.SliceLayout(1, ld))
-    for rs in gl.static_range(BN // M):
-        vsl = vtile.slice(rs * M, M, dim=0)
-        vsl.store(gl.where((rs * M + vk < keys)[:, None], vsl.load(ld), 0.0))
-    _cta_barrier()
 
 
 @gluon.jit
@@ -124,9 +88,8 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
                n_pairs, merged_out, merged_lse, log_c, G: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr,
                D: gl.constexpr, BN: gl.constexpr, M: gl.constexpr, NB: gl.constexpr, PAGE: gl.constexpr,
                NS: gl.constexpr, MERGE: gl.constexpr = 0, NP: gl.constexpr = 1, GP: gl.constexpr = 4,
-               SB: gl.constexpr = 8, KS: gl.constexpr = 16, DS: gl.constexpr = 32, HALVES: gl.constexpr = 0):
-    gl.static_assert(NS == 6 if HALVES else NS == 3,
-                     "the page-table look-ahead below is written for a ring of 3 tiles (6 halves)")
+               SB: gl.constexpr = 8, KS: gl.constexpr = 16, DS: gl.constexpr = 32):
+    gl.static_assert(NS == 3, "the page-table look-ahead below is written for a ring of 3 tiles")
     gl.static_assert(gl.num_warps() == 1, "one warp per (sequence, KV head)")
     gl.static_assert(D == 4 * DS, "four O slabs")
     gl.static_assert(M == 16, "mma.sync's M")
@@ -145,26 +108,15 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
     b = pid // HKV
     h = pid % HKV
     seq, nc, last_keys, n_steps, table_row = _extent(seq_lens, table, b, width, chunk, NB, BN)
-    n_tiles = (4 if HALVES else 2) * n_steps
+    n_tiles = 2 * n_steps
     col = h * D
-    DH: gl.constexpr = D // 2
-    ld_vh: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
 
     ring = gl.allocate_shared_memory(gl.bfloat16, [NS] + k_desc.block_type.shape, k_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(bars.index(s), count=1)
-    if HALVES:  # step 0's four halves and step 1's K halves; e1, e2: the rows of steps 1 and 2
-        e0 = _entry(table_row, 0, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        e1 = _entry(table_row, 1, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-        for t in gl.static_range(4):
-            _issue_half(t, e0, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-        _issue_half(4, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-        _issue_half(5, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-        e2 = _entry(table_row, 2, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
-    else:
-        e1, e2 = _ring_start(table_row, nc, last_keys, chunk, n_steps, 0, col, k_desc, v_desc, ring, bars, NB, BN,
-                             PAGE, NS)
+    e1, e2 = _ring_start(table_row, nc, last_keys, chunk, n_steps, 0, col, k_desc, v_desc, ring, bars, NB, BN,
+                         PAGE, NS)
 
     # the pair lengths (KV head 0) and the empty pairs' states past the sequence (out 0, lse -inf)
     qr = gl.arange(0, M, layout=rows_l)
@@ -201,23 +153,11 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
     for i in range(0, n_steps):
         c, j, keys = _block(i, nc, last_keys, chunk, NB, BN)
         # K of step i: S = Q @ K^T
-        if HALVES:  # each K half's slot refilled (V halves of step i + 1) as soon as its K-steps are done
-            _wait(4 * i, bars, NS)
-            st = _scores_part(qs, ring.index((4 * i) % NS), gl.zeros([M, BN], gl.float32, mma), 0, DH // KS, KS, mma)
-            _cta_barrier()
-            fence_async_shared()
-            _issue_half(4 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-            _wait(4 * i + 1, bars, NS)
-            st = _scores_part(qs, ring.index((4 * i + 1) % NS), st, DH, DH // KS, KS, mma)
-            _cta_barrier()
-            fence_async_shared()
-            _issue_half(4 * i + 1 + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-        else:
-            _wait(2 * i, bars, NS)
-            st = _scores(qs, ring.index((2 * i) % NS), M, D, BN, KS, mma)
-            _cta_barrier()
-            fence_async_shared()
-            _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # V of step i + 1
+        _wait(2 * i, bars, NS)
+        st = _scores(qs, ring.index((2 * i) % NS), M, D, BN, KS, mma)
+        _cta_barrier()
+        fence_async_shared()
+        _issue(2 * i + NS, e1, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # V of step i + 1
         st = gl.where((kk < keys)[None, :], st, _NEG_INF)
         m_prev = m
         m = gl.maximum(gl.max(st, axis=1), m_prev)
@@ -230,42 +170,21 @@ def _walk_rows(q, k_desc, v_desc, table, seq_lens, out, lse, pair_lens, scale_lo
         r3 = gl.convert_layout(r, gl.SliceLayout(1, part_l))
         part = _fold32(part, r3, x)
         # V of step i: O = O * r + bf16(P) @ V, four slabs of the head dim
-        if HALVES:  # slabs 0, 1 from V's first half, 2, 3 from its second; each slot refilled (K of step i + 2)
-            _wait(4 * i + 2, bars, NS)
-            vlo = ring.index((4 * i + 2) % NS)
-            if keys < BN:  # a branch: the other blocks skip it
-                _zero_past(vlo, keys, M, BN, ld_vh)
-            p_a = gl.convert_layout(p.to(gl.bfloat16), op_a)
-            acc0 = _pv(p_a, vlo, acc0, r, 0, DS, mma)
-            acc1 = _pv(p_a, vlo, acc1, r, 1, DS, mma)
+        _wait(2 * i + 1, bars, NS)
+        vtile = ring.index((2 * i + 1) % NS)
+        if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
+            for rs in gl.static_range(BN // M):            # is not); a branch: the other blocks skip it
+                vsl = vtile.slice(rs * M, M, dim=0)
+                vsl.store(gl.where((rs * M + vk < keys)[:, None], vsl.load(ld_v), 0.0))
             _cta_barrier()
-            fence_async_shared()
-            _issue_half(4 * i + 2 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-            _wait(4 * i + 3, bars, NS)
-            vhi = ring.index((4 * i + 3) % NS)
-            if keys < BN:
-                _zero_past(vhi, keys, M, BN, ld_vh)
-            acc2 = _pv(p_a, vhi, acc2, r, 0, DS, mma)
-            acc3 = _pv(p_a, vhi, acc3, r, 1, DS, mma)
-            _cta_barrier()
-            fence_async_shared()
-            _issue_half(4 * i + 3 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS, DH)
-        else:
-            _wait(2 * i + 1, bars, NS)
-            vtile = ring.index((2 * i + 1) % NS)
-            if keys < BN:  # V rows past the chunk zeroed in place (P is 0 there, but 0 * a non-finite cache value
-                for rs in gl.static_range(BN // M):            # is not); a branch: the other blocks skip it
-                    vsl = vtile.slice(rs * M, M, dim=0)
-                    vsl.store(gl.where((rs * M + vk < keys)[:, None], vsl.load(ld_v), 0.0))
-                _cta_barrier()
-            p_a = gl.convert_layout(p.to(gl.bfloat16), op_a)
-            acc0 = _pv(p_a, vtile, acc0, r, 0, DS, mma)
-            acc1 = _pv(p_a, vtile, acc1, r, 1, DS, mma)
-            acc2 = _pv(p_a, vtile, acc2, r, 2, DS, mma)
-            acc3 = _pv(p_a, vtile, acc3, r, 3, DS, mma)
-            _cta_barrier()
-            fence_async_shared()
-            _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
+        p_a = gl.convert_layout(p.to(gl.bfloat16), op_a)
+        acc0 = _pv(p_a, vtile, acc0, r, 0, DS, mma)
+        acc1 = _pv(p_a, vtile, acc1, r, 1, DS, mma)
+        acc2 = _pv(p_a, vtile, acc2, r, 2, DS, mma)
+        acc3 = _pv(p_a, vtile, acc3, r, 3, DS, mma)
+        _cta_barrier()
+        fence_async_shared()
+        _issue(2 * i + 1 + NS, e2, col, k_desc, v_desc, ring, bars, n_tiles, NS)  # K of step i + 2
         e1 = e2
         e2 = _entry(table_row, i + 3, nc, last_keys, chunk, n_steps, NB, BN, PAGE)
         if j == 0:  # the chunk's first block: its state is done
