@@ -190,8 +190,36 @@ def test_eps_on_one_side(train, variants):
     assert result.comparable and not result.passed
     for path in ("q", "k"):
         _fails(result, f"layer[0].{path}_norm.eps", SEMANTIC, 1e-6, 1e-5)
-    # the model's own RMSNorms (outside attention) passed the same eps: also named
-    _fails(result, "model.qk_rmsnorm.args", SEMANTIC, ['{"eps": 1e-06}'], ['{"eps": 1e-05}'])
+    # the model's own RMSNorms (outside attention: input, post-attention, final) passed the same eps:
+    # also named, call by call
+    _fails(result, "model.qk_rmsnorm.args", SEMANTIC, ['{"eps": 1e-06}'] * 3, ['{"eps": 1e-05}'] * 3)
+
+
+def test_model_op_args_are_compared_call_by_call():
+    """The model's rlk ops outside attention are compared in graph order, not as a set of
+    distinct values: an eps moved to another layer, or a call dropped on one side, leaves the set
+    unchanged while the logits differ (both once bound)."""
+    train_m, roll_m = _model(num_layers=2), _model(num_layers=2)
+    train_m.layers[0].input_layernorm.eps = 1e-2
+    roll_m.layers[1].input_layernorm.eps = 1e-2
+    moved = bind(probe.describe_train(train_m, backward=False), _decode(roll_m))
+    f = moved.failure("model.qk_rmsnorm.args")
+    assert f is not None and f.tier == SEMANTIC, moved.summary()
+    assert f.train[0] == '{"eps": 0.01}' and f.rollout[2] == '{"eps": 0.01}' and len(f.train) == len(f.rollout) == 5
+
+    def no_final_norm(self, tokens, positions, cache, seqs, slot_mapping, trace=None):
+        h = self.embed_tokens(tokens)
+        page_table, seq_lens = cache.page_table(seqs), cache.seq_lens(seqs)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, cache.k[i], cache.v[i],
+                                                    page_table, seq_lens, slot_mapping)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return rlk_ops.linear(h, self.lm_head.weight)        # self.norm skipped
+
+    m = _model()
+    dropped = bind(probe.describe_train(m, backward=False), _decode(m, forward=no_final_norm))
+    f = dropped.failure("model.qk_rmsnorm.args")
+    assert f is not None and (len(f.train), len(f.rollout)) == (3, 2), dropped.summary()
 
 
 def test_auto_split_kv_on_one_side(train, variants):

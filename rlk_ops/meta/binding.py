@@ -328,12 +328,15 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
                 "op definition: rlk::rope and rlk::qk_norm_rope rotate half (NeoX/Qwen3)")
     put("runtime.mode", "runtime.mode", _one(sorted(set(modes)), None), g + " attention op and q shape")
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
-    rest: dict[str, set] = {}
-    for n in fwd:  # the model's other rlk ops (e.g. layer norms): their scalars must agree too
+    rest: dict[str, list] = {}
+    for n in fwd:  # the model's other rlk ops (e.g. layer norms): their scalars must agree too, call by
+        # call in graph order (a set of distinct values let one side move an eps to another layer, or
+        # drop a call whose values another call also had)
         if n["index"] not in visited and n["args"]:
-            rest.setdefault(n["op"], set()).add(json.dumps(n["args"], sort_keys=True))
+            rest.setdefault(n["op"], []).append(json.dumps(n["args"], sort_keys=True))
     for op, args in rest.items():
-        put(f"model.{op.split('::')[1]}.args", "model.op_args", sorted(args), f"{g}: {op} nodes outside the attention paths")
+        put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
+            f"{g}: {op} nodes outside the attention paths, in graph order")
     _op_facts(put, graph, by_op)
     return facts
 
