@@ -188,6 +188,78 @@ def test_rejected_append_leaves_cache_untouched(slots):
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
+def _rollout_step(context=(7, 30), page_size=16, sq=1):
+    """A block and one forward_rollout step over caches holding context[b] tokens (Sq = 1),
+    or its last sq tokens re-run as a chunk (sq > 1: the slots of tokens n - sq + 1 .. n)."""
+    from rlk_ops.compile import Qwen3Attention
+    from rlk_ops.compile.examples import decode_batch, init_block
+    blk = init_block(Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16))
+    x, pos, kc, vc, pt, sl, slots = decode_batch(blk, list(context), page_size=page_size)
+    if sq > 1:
+        p = sl.long()[:, None] - sq + torch.arange(sq)
+        slots = (pt.long().gather(1, p // page_size) * page_size + p % page_size).reshape(-1)
+        x, pos = x.expand(-1, sq, -1).contiguous(), p
+    return blk, [x, pos, kc, vc, pt, sl, slots]
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("case,pattern", [
+    ("slot in another sequence's page", r"slot_mapping\[0\] = \d+ is not the slot of its token: row 0 is token \d+ "
+                                       r"of sequence 0 .* whose slot is page_table\[0, \d+\] = \d+ \* page_size 16"),
+    ("seq_lens one short", r"slot_mapping\[\d+\] = \d+ is not the slot of its token"),
+    ("positions off", r"positions\[0, 0\] = \d+ is not its token's position \d+ \(seq_lens\[0\] = \d+ with"),
+    ("seq_lens shorter than the new tokens", r"seq_lens\[0\] = 0 is shorter than the \d+ new query tokens"),
+])
+def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case, pattern, sq):
+    """forward_rollout's four descriptions of where the new tokens sit (positions, slot_mapping,
+    page_table, seq_lens) must agree. Before, each op checked its own arguments only: a slot in
+    another sequence's page overwrote that sequence's cached K/V, and seq_lens or positions that
+    disagreed gave a wrong answer, all without an error (review). Refused before any write."""
+    blk, args = _rollout_step(sq=sq)
+    x, pos, kc, vc, pt, sl, slots = args
+    with torch.no_grad():
+        ref = blk.forward_rollout(*[a.clone() for a in args])
+    if case == "slot in another sequence's page":
+        slots = slots.clone()
+        slots[0] = int(pt[1, 0]) * 16 + 3           # sequence 1's token 3
+    elif case == "seq_lens one short":
+        sl = sl - 1
+    elif case == "positions off":
+        pos = pos + 5
+    else:
+        sl = sl.clone()
+        sl[0] = 0
+    before = kc.clone(), vc.clone()
+    with torch.no_grad(), pytest.raises(RlkInputError, match=pattern):
+        blk.forward_rollout(x, pos, kc, vc, pt, sl, slots)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert ref.shape == x.shape
+
+
+def test_append_placement_arguments_go_together():
+    blk, (x, pos, kc, vc, pt, sl, slots) = _rollout_step()
+    k = torch.zeros(2, 2, 16, dtype=kc.dtype)
+    with pytest.raises(RlkInputError, match=r"page_table and seq_lens go together .* got page_table=a tensor, "
+                                            r"seq_lens=None"):
+        rlk_ops.paged_kv_append(kc, vc, k, k, slots, pt)
+    with pytest.raises(RlkInputError, match=r"positions are checked against page_table and seq_lens; pass them too"):
+        rlk_ops.paged_kv_append(kc, vc, k, k, slots, positions=pos)
+    with pytest.raises(RlkInputError, match=r"slot_mapping must hold Sq rows for each of the 2 page_table rows "
+                                            r"\(B \* Sq\), got 3 rows"):
+        k3 = torch.zeros(3, 2, 16, dtype=kc.dtype)
+        rlk_ops.paged_kv_append(kc, vc, k3, k3, torch.tensor([0, 1, 2]), pt, sl)
+    with pytest.raises(RlkInputError, match=r"positions must be \[B, Sq\] = \[2, 1\] \(or \[2\]\), got \[1, 2\]"):
+        rlk_ops.paged_kv_append(kc, vc, k, k, slots, pt, sl, pos.reshape(1, 2))
+    with pytest.raises(RlkInputError, match=r"positions must be torch.int64, got torch.int32"):
+        rlk_ops.paged_kv_append(kc, vc, k, k, slots, pt, sl, pos.int())
+    # the slots where page_table and seq_lens put the tokens: written, and equal to the unchecked append
+    k = torch.randn(2, 2, 16).to(kc.dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    rlk_ops.paged_kv_append(kc, vc, k, k, slots, pt, sl, pos)
+    rlk_ops.paged_kv_append(kc2, vc2, k, k, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def test_padding_past_used_pages_is_not_validated():
     """Only ceil(seq_len / page_size) entries are read; the rest may hold anything."""
     q, kc, vc, _, _ = _paged()

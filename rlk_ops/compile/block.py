@@ -161,7 +161,10 @@ class Qwen3Attention(nn.Module):
         q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
         # the cache holds values: under grad mode k and v carry the weights' history, which an
         # in-place write would graft onto the caller's cache
-        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping)
+        # (with page_table, seq_lens and positions: the slots are checked against where those put the
+        # new tokens, so a slot in another sequence's page is refused before the write)
+        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens,
+                                positions)
         attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
                                             seq_lens, split_kv=self.config.split_kv)
         out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(

@@ -127,7 +127,8 @@ _add(OpSpec("qk_norm_rope", "norm_rope",
                       "triton": DeterminismSpec(True, True, notes="verified on sm90: bitwise equal to the triton "
                                                                   "qk_rmsnorm then rope")}))
 _add(OpSpec("paged_kv_append", "kv_cache",
-            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()",
+            "(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping, "
+            "Tensor? page_table=None, Tensor? seq_lens=None, Tensor? positions=None) -> ()",
             mutates=("k_cache", "v_cache"), backends={"cpu": _CPU_COPY, "triton": _TRITON_COPY}))
 _add(OpSpec("paged_kv_gather", "kv_cache",
             "(Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens) -> (Tensor, Tensor)",

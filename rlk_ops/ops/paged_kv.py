@@ -7,7 +7,12 @@
     seq_lens          [B] int32: KV length of each sequence (new tokens included)
 
 append writes row t to slot slot_mapping[t]. It validates everything first, so a
-rejected append leaves the cache untouched. gather returns the logical
+rejected append leaves the cache untouched. Given page_table and seq_lens (B rows,
+T = B * Sq new tokens, as the block's forward_rollout passes them), it also checks
+that row b * Sq + j goes where those put token p = seq_lens[b] - Sq + j of sequence b:
+slot page_table[b, p // page_size] * page_size + p % page_size (and, given positions
+[B, Sq], that positions[b, j] == p). A slot in another sequence's page, or seq_lens
+that leave the new tokens out, are refused before any write. gather returns the logical
 ``[B, max_pages * page_size, H_kv, D]`` view of each sequence, zero past seq_len.
 Only the first ceil(seq_lens[b] / page_size) entries of page_table[b] are read or
 validated; the rest of the row is padding and may hold anything.
@@ -24,10 +29,14 @@ from rlk_ops.ops._library import define, fake, impl
 
 
 def paged_kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """Write K/V rows into their slots, in place."""
-    V.tensors("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
-    torch.ops.rlk.paged_kv_append(k_cache, v_cache, k, v, slot_mapping)
+                    slot_mapping: torch.Tensor, page_table: torch.Tensor | None = None,
+                    seq_lens: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+    """Write K/V rows into their slots, in place. With ``page_table`` and ``seq_lens`` (and
+    ``positions``) the slots are checked against where those put the rows (module docstring)."""
+    given = {n: t for n, t in (("page_table", page_table), ("seq_lens", seq_lens), ("positions", positions))
+             if t is not None}
+    V.tensors("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping, **given)
+    torch.ops.rlk.paged_kv_append(k_cache, v_cache, k, v, slot_mapping, page_table, seq_lens, positions)
 
 
 def paged_kv_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -41,9 +50,9 @@ define("paged_kv_append")
 
 
 @impl("paged_kv_append")
-def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
+def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_lens=None, positions=None):
     op = "paged_kv_append"
-    _check_append(k_cache, v_cache, k, v, slot_mapping)
+    _check_append(k_cache, v_cache, k, v, slot_mapping, page_table, seq_lens, positions)
     # overlapping memory (not visible to a fake, which has no data pointer); two halves of
     # one buffer, e.g. kv[0] and kv[1], are separate caches
     if _overlap(k_cache, v_cache):
@@ -64,13 +73,15 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping):
                            f"no gradient; pass {name}.detach() or append under torch.no_grad()")
     if V.value_checks_enabled(slot_mapping, op):
         _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+        if page_table is not None:
+            _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
     with torch.no_grad():  # a data write: no autograd history on the cache, whatever the caller's mode
         kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
 
 
 @fake("paged_kv_append")
-def _paged_kv_append_fake(k_cache, v_cache, k, v, slot_mapping):
-    _check_append(k_cache, v_cache, k, v, slot_mapping)
+def _paged_kv_append_fake(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_lens=None, positions=None):
+    _check_append(k_cache, v_cache, k, v, slot_mapping, page_table, seq_lens, positions)
 
 
 define("paged_kv_gather")
@@ -128,7 +139,7 @@ def check_cache(op, k_cache, v_cache):
         V.fail(op, f"k_cache must have num_pages, page_size, H_kv and D >= 1, got shape {V.shape_str(k_cache)}")
 
 
-def _check_append(k_cache, v_cache, k, v, slot_mapping):
+def _check_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_lens=None, positions=None):
     op = "paged_kv_append"
     check_cache(op, k_cache, v_cache)
     if k_cache is v_cache:
@@ -151,6 +162,66 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping):
     if slot_mapping.shape[0] != k.shape[0]:
         V.fail(op, f"slot_mapping must have one slot per row of k ({k.shape[0]}), got {slot_mapping.shape[0]}")
     V.same_device(op, {"k_cache": k_cache, "k": k, "v": v, "slot_mapping": slot_mapping})
+    if (page_table is None) != (seq_lens is None):
+        V.fail(op, "page_table and seq_lens go together (to check the slots against them), got "
+                   f"page_table={'a tensor' if page_table is not None else None}, "
+                   f"seq_lens={'a tensor' if seq_lens is not None else None}")
+    if page_table is None:
+        if positions is not None:
+            V.fail(op, "positions are checked against page_table and seq_lens; pass them too")
+        return
+    check_page_table(op, k_cache, page_table, seq_lens)
+    b, t = page_table.shape[0], slot_mapping.shape[0]
+    if (t % b != 0) if b else t != 0:
+        V.fail(op, f"slot_mapping must hold Sq rows for each of the {b} page_table rows (B * Sq), "
+                   f"got {t} rows")
+    if positions is not None:
+        V.int_dtype(op, "positions", positions, torch.int64)
+        if positions.numel() != t or positions.dim() not in (1, 2) or (positions.dim() == 2 and
+                                                                       positions.shape[0] != b):
+            V.fail(op, f"positions must be [B, Sq] = [{b}, {t // b if b else 0}] (or [{t}]), "
+                       f"got {V.shape_str(positions)}")
+        V.same_device(op, {"k_cache": k_cache, "positions": positions})
+
+
+def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions):
+    """Row b * Sq + j is token p = seq_lens[b] - Sq + j of sequence b: its slot must be
+    page_table[b, p // page_size] * page_size + p % page_size, and positions[b, j] == p."""
+    b, t = page_table.shape[0], slot_mapping.shape[0]
+    if b == 0 or t == 0:
+        return
+    sq = t // b
+    check_page_values(op, k_cache, page_table, seq_lens, min_len=sq)  # seq_lens in [Sq, capacity], pages in range
+    ps = k_cache.shape[1]
+
+    def where(table, lens):
+        p = lens.to(torch.int64)[:, None] - sq + torch.arange(sq, device=table.device)
+        return p.reshape(-1), (table.to(torch.int64).gather(1, p // ps) * ps + p % ps).reshape(-1)
+
+    if V.on_device(page_table):
+        p, slot = where(page_table, seq_lens)
+        masks = [slot_mapping != slot] + ([positions.reshape(-1) != p] if positions is not None else [])
+        if V.all_clear(*masks):
+            return
+    table, lens = page_table.cpu(), seq_lens.cpu()
+    p, slot = where(table, lens)
+    got = slot_mapping.cpu()
+    bad = got != slot
+    if bool(bad.any()):
+        i = V.first_bad(bad)[0]
+        r, pi = i // sq, int(p[i])
+        V.fail(op, f"slot_mapping[{i}] = {int(got[i])} is not the slot of its token: row {i} is token {pi} of "
+                   f"sequence {r} (seq_lens[{r}] = {int(lens[r])}, {sq} new tokens), whose slot is "
+                   f"page_table[{r}, {pi // ps}] = {int(table[r, pi // ps])} * page_size {ps} + {pi % ps} = "
+                   f"{int(slot[i])}")
+    if positions is not None:
+        pos = positions.reshape(-1).cpu()
+        bad = pos != p
+        if bool(bad.any()):
+            i = V.first_bad(bad)[0]
+            r = i // sq
+            V.fail(op, f"positions[{r}, {i % sq}] = {int(pos[i])} is not its token's position {int(p[i])} "
+                       f"(seq_lens[{r}] = {int(lens[r])} with {sq} new tokens)")
 
 
 def _check_slots(op, slot_mapping, n_slots):
