@@ -39,6 +39,23 @@ def test_non_strict_falls_back_and_records_why():
     assert rlk_ops.strict_mode()  # the context restored strictness
 
 
+def test_a_fallback_inside_a_nested_capture_reaches_every_enclosing_log():
+    """The binding probe opens a capture of its own: its calls once went to that inner log only,
+    so an outer capture (and the process-wide log) never saw their fallbacks (review)."""
+    provenance.current().clear()
+    with rlk_ops.strict(False), rlk_ops.use_backend(attention_fwd="flashinfer"):
+        with provenance.capture() as outer:
+            with provenance.capture() as inner:
+                rlk_ops.attention(*_qkv())
+            rlk_ops.attention(*_qkv())
+    (rec,) = inner.fallbacks()
+    assert rec.calls == 1 and rec.actual_backend == "cpu"
+    for log in (outer, provenance.current()):
+        (rec,) = log.fallbacks()
+        assert (rec.op, rec.requested_backend, rec.actual_backend, rec.calls) == ("attention_fwd", "flashinfer",
+                                                                                  "cpu", 2)
+
+
 def test_unknown_backend_name_is_rejected():
     with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         with rlk_ops.use_backend(attention_fwd="cudnn"):

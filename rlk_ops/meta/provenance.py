@@ -68,12 +68,17 @@ def current() -> ProvenanceLog:
 
 
 def record(op: str, requested: str, actual: str, fallback: bool, reason: str | None, device: str) -> None:
-    _stack[-1].record(op, requested, actual, fallback, reason, device)
+    """Into every open log: the process-wide one and each enclosing ``capture()``. (Into the
+    innermost only, a capture opened inside another, e.g. the binding probe's, hid its calls and
+    fallbacks from the outer one and from ``current()`` afterwards.)"""
+    for log in tuple(_stack):
+        log.record(op, requested, actual, fallback, reason, device)
 
 
 @contextlib.contextmanager
 def capture():
-    """Collect the provenance of the rlk op calls made inside the block."""
+    """Collect the provenance of the rlk op calls made inside the block (they also reach every
+    enclosing capture and the process-wide log)."""
     log = ProvenanceLog()
     _stack.append(log)
     try:
