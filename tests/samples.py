@@ -17,6 +17,12 @@ def _paged(dtype=torch.float32, page_size=4, h_kv=2, d=8):
     return k_cache, v_cache, page_table, seq_lens
 
 
+def _permuted(t):
+    """The same values in dense storage with its first two dims swapped in memory: an op whose
+    output keeps its input's strides (clone, zeros_like) disagrees with its contiguous fake."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
     f32 = torch.float32
     x = torch.randn(5, 3, 8)
@@ -46,34 +52,44 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
     bl = torch.randn(12)
     dyl = torch.randn(3, 5, 12)
     s = {
-        "qk_rmsnorm": [(x, w, 1e-6)],
-        "qk_rmsnorm_bwd": [(torch.randn_like(x), x, w, 1e-6)],
-        "rope": [(x, pos, 1e6, 8), (x, pos, 1e4, 4)],
-        "rope_bwd": [(torch.randn_like(x), pos, 1e6, 8)],
+        "qk_rmsnorm": [(x, w, 1e-6), (_permuted(x), w, 1e-6)],
+        "qk_rmsnorm_bwd": [(torch.randn_like(x), x, w, 1e-6), (_permuted(torch.randn_like(x)), _permuted(x), w, 1e-6)],
+        "rope": [(x, pos, 1e6, 8), (x, pos, 1e4, 4), (_permuted(x), pos, 1e4, 8)],
+        "rope_bwd": [(torch.randn_like(x), pos, 1e6, 8), (_permuted(torch.randn_like(x)), pos, 1e4, 8)],
         "paged_kv_append": [(k_cache.clone(), v_cache.clone(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
-                             torch.tensor([5, -1, 17], dtype=torch.int64))],
+                             torch.tensor([5, -1, 17], dtype=torch.int64)),
+                            # with the placement it is checked against: seq 0's token 8, seq 1's token 5
+                            (k_cache.clone(), v_cache.clone(), torch.randn(2, 2, 8), torch.randn(2, 2, 8),
+                             torch.tensor([0, 21], dtype=torch.int64), page_table, seq_lens,
+                             torch.tensor([[8], [5]]))],
         "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens)],
         "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0, "disabled"), (q, k, v, 0, 0.3, None, None, 0, 0, "disabled"),
                           (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
-                          (qc, kc, vc, 1, 0.3, None, None, 0, 0, "canonical:128")],
+                          (qc, kc, vc, 1, 0.3, None, None, 0, 0, "canonical:128"),
+                          (_permuted(q), _permuted(k), _permuted(v), 1, 0.3, None, None, 0, 0, "disabled")],
         "attention_bwd": [(torch.randn_like(out), q, k, v, out, lse, None, 1, 0.3, None, None, 0, 0, "disabled"),
                           (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), 1, 0.3, None, None, 0, 0, "disabled"),
                           (torch.randn_like(outv), qv, kvv, vvv, outv, lsev, None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
                           (torch.randn_like(outc), qc, kc, vc, outc, lsec, torch.randn_like(lsec), 1, 0.3, None, None,
-                           0, 0, "canonical:128")],
+                           0, 0, "canonical:128"),
+                          (_permuted(torch.randn_like(outv)), _permuted(qv), _permuted(kvv), _permuted(vvv), outv, lsev,
+                           None, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
+                          (_permuted(torch.randn_like(out)), _permuted(q), _permuted(k), _permuted(v), out, lse, None, 1,
+                           0.3, None, None, 0, 0, "disabled")],
         "paged_attention": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3, "disabled"),
                             (torch.randn(1, 1, 2, 8), kcc, vcc, ptc, torch.tensor([140], dtype=torch.int32), 0.3,
                              "canonical:128"),  # decode: (chunk, sequence) pairs
                             (torch.randn(1, 13, 2, 8), kcc, vcc, ptc, torch.tensor([140], dtype=torch.int32), 0.3,
                              "canonical:128")],  # chunked prefill: the general plan
-        "merge_attn_states": [states, (states[0][:, 0], states[1][:, 0])],
+        "merge_attn_states": [states, (states[0][:, 0], states[1][:, 0]), (_permuted(states[0]), states[1])],
         "merge_attn_states_bwd": [(torch.randn_like(merged[0]), torch.randn_like(merged[1]), *states, *merged),
                                   (torch.randn_like(merged[0]), None, *states, *merged)],
         "paged_attention_auto": [(torch.randn(2, 3, 4, 8), k_cache, v_cache, page_table, seq_lens, 0.3)],
         "qk_norm_rope": [(x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-6, 1e6, 8),
-                         (x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-5, 1e4, 4)],
-        "linear": [(xl, wl, bl), (xl, wl, None)],
-        "linear_bwd": [(dyl, xl, wl)],
+                         (x, torch.randn(5, 2, 8), w, torch.randn(8), pos, 1e-5, 1e4, 4),
+                         (_permuted(x), _permuted(torch.randn(5, 2, 8)), w, torch.randn(8), pos, 1e-6, 1e4, 8)],
+        "linear": [(xl, wl, bl), (xl, wl, None), (_permuted(xl), wl, bl)],
+        "linear_bwd": [(dyl, xl, wl), (_permuted(dyl), _permuted(xl), wl)],
         "linear_bias_bwd": [(dyl,)],
     }
     if group_name is not None:

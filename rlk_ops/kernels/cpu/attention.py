@@ -264,9 +264,8 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
     if cu_seqlens_q is None:
         q_pos, k_len = _dense_positions(q.shape[0], q.shape[1], k.shape[1])
         return _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, bool(causal), softmax_scale)
-    dq = torch.zeros_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    # contiguous, as the fake says (zeros_like would keep a permuted q/k/v's strides)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for q0, q1, k0, k1 in _varlen_bounds(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue  # keys of a sequence without queries get no gradient

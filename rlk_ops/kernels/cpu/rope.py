@@ -43,7 +43,7 @@ def _rotate(x, positions, theta, rotary_dim, sign):
     else:  # inverse rotation (the transpose): the backward
         y1 = x1 * cos + x2 * sin
         y2 = x2 * cos - x1 * sin
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)  # the op's (and its fake's) layout, whatever x's
     out[..., :half] = y1.to(x.dtype)
     out[..., half:rotary_dim] = y2.to(x.dtype)
     return out
