@@ -185,10 +185,14 @@ def _hf_qwen3_attention(sd, x, positions, cfg):
         h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
         return w * h32.to(dt)
 
+    def proj(h, name):  # nn.Linear(bias=config.attention_bias), all four projections
+        y = h @ sd[f"{name}.weight"].t()
+        return y + sd[f"{name}.bias"] if f"{name}.bias" in sd else y
+
     s = x.shape[0]
-    q = rmsnorm((x @ sd["q_proj.weight"].t()).view(1, s, hq, d), sd["q_norm.weight"]).transpose(1, 2)
-    k = rmsnorm((x @ sd["k_proj.weight"].t()).view(1, s, hkv, d), sd["k_norm.weight"]).transpose(1, 2)
-    v = (x @ sd["v_proj.weight"].t()).view(1, s, hkv, d).transpose(1, 2)
+    q = rmsnorm(proj(x, "q_proj").view(1, s, hq, d), sd["q_norm.weight"]).transpose(1, 2)
+    k = rmsnorm(proj(x, "k_proj").view(1, s, hkv, d), sd["k_norm.weight"]).transpose(1, 2)
+    v = proj(x, "v_proj").view(1, s, hkv, d).transpose(1, 2)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], -1)
@@ -204,11 +208,14 @@ def _hf_qwen3_attention(sd, x, positions, cfg):
     w = w + torch.full((s, s), float("-inf")).triu(1).to(dt)
     w = torch.softmax(w, dim=-1, dtype=torch.float32).to(dt)
     o = (w @ v).transpose(1, 2).reshape(s, hq * d)
-    return o @ sd["o_proj.weight"].t()
+    return proj(o, "o_proj")
 
 
-def test_hf_state_dict_reproduces_hf_qwen3_attention():
-    cfg_kw = dict(hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64)
+@pytest.mark.parametrize("bias", [False, True])
+def test_hf_state_dict_reproduces_hf_qwen3_attention(bias):
+    """HF's self_attn.* entries load strictly and give HF's output; with attention_bias=True HF
+    gives all four projections a bias (o_proj's was once missing here: the strict load failed)."""
+    cfg_kw = dict(hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64, attention_bias=bias)
     g = torch.Generator().manual_seed(3)
     sd = {
         "q_proj.weight": torch.randn(8 * 64, 256, generator=g) * 0.05,
@@ -218,6 +225,9 @@ def test_hf_state_dict_reproduces_hf_qwen3_attention():
         "q_norm.weight": 1 + 0.1 * torch.randn(64, generator=g),
         "k_norm.weight": 1 + 0.1 * torch.randn(64, generator=g),
     }
+    if bias:
+        sd.update({f"{n}.bias": torch.randn(sd[f"{n}.weight"].shape[0], generator=g) * 0.5
+                   for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
     sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
     block = Qwen3Attention(**cfg_kw)
     block.load_state_dict(sd, strict=True)

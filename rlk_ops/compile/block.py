@@ -93,7 +93,7 @@ class Qwen3Attention(nn.Module):
         self.q_proj = nn.Linear(h, hq * d, bias=cfg.attention_bias, **f)
         self.k_proj = nn.Linear(h, hkv * d, bias=cfg.attention_bias, **f)
         self.v_proj = nn.Linear(h, hkv * d, bias=cfg.attention_bias, **f)
-        self.o_proj = nn.Linear(hq * d, h, bias=False, **f)
+        self.o_proj = nn.Linear(hq * d, h, bias=cfg.attention_bias, **f)  # HF Qwen3: all four projections
         self.q_norm = _Norm(d, **f)
         self.k_norm = _Norm(d, **f)
 
@@ -136,7 +136,8 @@ class Qwen3Attention(nn.Module):
         attn, lse = rlk_ops.attention(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                                       split_kv=self.config.split_kv)
-        out = rlk_ops.linear(attn.reshape(attn.shape[0], attn.shape[1] * attn.shape[2]), self.o_proj.weight)
+        out = rlk_ops.linear(attn.reshape(attn.shape[0], attn.shape[1] * attn.shape[2]), self.o_proj.weight,
+                             self.o_proj.bias)
         return (out, attn, lse) if return_attention else out
 
     forward_train = forward
@@ -167,6 +168,6 @@ class Qwen3Attention(nn.Module):
                                 positions)
         attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
                                             seq_lens, split_kv=self.config.split_kv)
-        out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(
-            b, sq, hidden)
+        out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight,
+                             self.o_proj.bias).reshape(b, sq, hidden)
         return (out, attn, lse) if return_attention else out
