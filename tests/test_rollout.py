@@ -312,12 +312,35 @@ def _engine(num_pages=3, page_size=4, **kw):
     ([Request(1, [1, 2], 2, forced=torch.tensor([3, 4]))],
      r"request 1: forced must be a list of token ids or None, got Tensor"),
     ([(1, [1, 2], 2)], r"requests must be Request objects, got tuple"),
+    # seq_id was never checked: these failed in the sampler after the first prefill, not naming it
+    ([Request(1.5, [1, 2], 2)], r"request seq_id must be an int in \[0, 2\*\*63\), got float 1.5"),
+    ([Request("a", [1, 2], 2)], r"request seq_id must be an int .* got str 'a'"),
+    ([Request(None, [1, 2], 2)], r"request seq_id must be an int .* got NoneType None"),
+    ([Request(2 ** 63, [1, 2], 2)], r"request seq_id must be an int .* got int 9223372036854775808"),
+    ([Request(-1, [1, 2], 2)], r"request seq_id must be an int .* got int -1"),
+    # a generator was consumed by the checks, and the run returned [] without running anything
+    ((r for r in [Request(0, [1, 2], 2)]), r"requests must be a list or tuple of Request objects, got generator"),
 ])
 def test_bad_requests_are_refused_before_any_is_admitted(reqs, pattern):
     eng, cache = _engine()
     with pytest.raises(ValueError, match=pattern):
         eng.run(reqs)
     assert cache.free_pages == 3 and not list(cache._lens)
+
+
+def test_sampler_noise_is_distinct_per_seed_sequence_and_position():
+    """The generator seed was a linear mix, seed * 1_000_003 + seq * 10_007 + position, so
+    (seq 0, position 10007) drew the noise of (seq 1, position 0), and (seed 1, seq 0, position
+    697) that of (seed 0, seq 100, position 0): the same token choice for any logits."""
+    from rlk_ops.rollout.engine import noise_seed
+    assert noise_seed(0, 0, 10_007) != noise_seed(0, 1, 0)
+    assert noise_seed(1, 0, 697) != noise_seed(0, 100, 0)
+    keys = {(s, q, p) for s in range(3) for q in range(40) for p in range(0, 30_000, 997)}
+    assert len({noise_seed(*k) for k in keys}) == len(keys)
+    assert all(0 <= noise_seed(*k) < 2 ** 63 for k in keys)
+    logp = torch.log_softmax(torch.randn(64, dtype=torch.float64), -1)
+    sampler = Sampler(seed=0)
+    assert len({sampler(0, 10_007, logp), sampler(1, 0, logp)} | {sampler(q, 3, logp) for q in range(12)}) > 1
 
 
 def test_a_run_that_fails_midway_releases_what_it_admitted():

@@ -12,6 +12,7 @@ replays given tokens instead (used to score the negative control on the same tok
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from collections import deque
@@ -64,7 +65,7 @@ class Sampler:
     def __call__(self, seq_id: int, position: int, logp: torch.Tensor) -> int:
         if self.seed is None:
             return int(logp.argmax())
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + seq_id * 10_007 + position)
+        g = torch.Generator().manual_seed(noise_seed(self.seed, seq_id, position))
         u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
         return int((logp.double() / self.temperature - torch.log(-torch.log(u))).argmax())
 
@@ -143,6 +144,9 @@ class RolloutEngine:
                     raise ValueError(f"request {r.seq_id!r}: {name} must be a list of token ids"
                                      f"{' or None' if name == 'forced' else ''}, got {type(toks).__name__} "
                                      f"(e.g. tensor.tolist())")
+            if not _integer(r.seq_id) or not 0 <= r.seq_id < 2 ** 63:
+                raise ValueError(f"request seq_id must be an int in [0, 2**63), got {type(r.seq_id).__name__} "
+                                 f"{r.seq_id!r}")
             if r.seq_id in seen or r.seq_id in self.cache:
                 raise ValueError(f"request {r.seq_id!r}: seq_id appears twice in the requests or is already in "
                                  f"the cache; each running sequence needs its own id")
@@ -164,6 +168,8 @@ class RolloutEngine:
                                  f"{self.cache.page_size}, but the cache has {self.cache.num_pages} pages")
 
     def run(self, requests: list[Request]) -> list[SeqResult]:
+        if not isinstance(requests, (list, tuple)):  # a generator was consumed by the checks: nothing ran
+            raise ValueError(f"requests must be a list or tuple of Request objects, got {type(requests).__name__}")
         self._check(requests)
         running: list[tuple[Request, SeqResult]] = []
         try:
@@ -216,6 +222,14 @@ class RolloutEngine:
             self.log.append(log)
             step += 1
         return [done[r.seq_id] for r in requests]
+
+
+def noise_seed(seed: int, seq_id: int, position: int) -> int:
+    """The sampler's generator seed for one (seed, sequence, position): a hash, so that no two
+    keys share their noise (a linear mix, seed * 1_000_003 + seq_id * 10_007 + position, gave
+    (seq 0, position 10007) the noise of (seq 1, position 0))."""
+    key = f"{int(seed)},{int(seq_id)},{int(position)}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2 ** 63
 
 
 def _integer(value) -> bool:
