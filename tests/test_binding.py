@@ -623,6 +623,29 @@ def test_load_side_checks_the_format(tmp_path, train):
         binding.load_side(str(path))
 
 
+@pytest.mark.parametrize("key", ["inputs", "outputs"])
+def test_an_attention_node_without_its_tensors_is_named(tmp_path, train, rollout, key):
+    """bind reads an attention node's q and k inputs and its lse output: an empty list was an
+    IndexError from inside bind (exit 1, a failed binding, from the CLI)."""
+    from rlk_ops.__main__ import main
+
+    def emptied(side):
+        out = json.loads(json.dumps(side))
+        nodes = out["entries"][0]["graph"]["forward"]
+        j = next(i for i, n in enumerate(nodes) if n["op"].split("::")[1] in binding._ATTENTION_OPS)
+        nodes[j][key] = []
+        return out, j
+
+    for which, (bad, j) in (("training", emptied(train)), ("rollout", emptied(rollout))):
+        pair = (bad, rollout) if which == "training" else (train, bad)
+        with pytest.raises(binding.SideFormatError, match=rf"the {which} side: entries\[0\].graph.forward\[{j}\] "
+                                                          rf"\(rlk::\w+\) must be an attention node with q, k inputs"):
+            bind(*pair)
+    (tmp_path / "bad.json").write_text(json.dumps(emptied(train)[0]))
+    (tmp_path / "rollout.json").write_text(json.dumps(rollout))
+    assert main(["check", "--train", str(tmp_path / "bad.json"), "--rollout", str(tmp_path / "rollout.json")]) == 2
+
+
 def _malformed(side, path, value):
     """A deep copy of ``side`` with ``path`` (keys and indices) set to ``value`` (None: deleted)."""
     out = json.loads(json.dumps(side))
@@ -645,6 +668,13 @@ def _malformed(side, path, value):
     (("model",), "m", r"model must be an object, got str 'm'"),
     (("topology",), "tp=1", r"topology must be an object, got str"),
     (("environment",), [1], r"environment must be an object, got list \[1\]"),
+    # bind reads these too: a KeyError, IndexError or AttributeError from inside bind before
+    (("entries", 0, "graph", "forward", 0, "producers"), None, r"entries\[0\].graph.forward\[0\] must be a node"),
+    (("entries", 0, "graph", "forward", 0, "outputs"), None, r"entries\[0\].graph.forward\[0\] must be a node"),
+    (("entries", 0, "graph", "forward", 1, "producers", "x"), [99, 0],
+     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < \d+, output\] pair"),
+    (("entries", 0, "provenance", 0, "fallback"), None, r"entries\[0\].provenance\[0\] must be an object with "),
+    (("plans",), ["x"], r"plans\[0\] must be an object with plan, got str 'x'"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,

@@ -635,8 +635,9 @@ class SideFormatError(ValueError):
 
 
 _SIDE_DICTS = ("model", "topology", "runtime", "environment")
-_NODE_KEYS = ("op", "index", "inputs", "args")
-_RECORD_KEYS = ("op", "device", "requested_backend", "actual_backend")
+_NODE_KEYS = ("op", "index", "inputs", "outputs", "producers", "args")
+_RECORD_KEYS = ("op", "device", "requested_backend", "actual_backend", "fallback", "fallback_reason")
+_ATTENTION_OPS = ("attention_fwd", "paged_attention", "paged_attention_auto")  # read: inputs[0..1], outputs[1]
 
 
 def check_side(side, where: str) -> None:
@@ -653,6 +654,9 @@ def check_side(side, where: str) -> None:
             bad(key, "an object", side[key])
     if side.get("plans") is not None and not isinstance(side["plans"], list):
         bad("plans", "a list", side["plans"])
+    for i, p in enumerate(side.get("plans") or []):
+        if not isinstance(p, dict) or "plan" not in p:
+            bad(f"plans[{i}]", "an object with plan", p)
     entries = side.get("entries")
     if not isinstance(entries, list):
         bad("entries", "a list", entries)
@@ -677,11 +681,23 @@ def check_side(side, where: str) -> None:
             if not isinstance(graph.get(key), list):
                 bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))
         for key in ("forward", "backward"):
-            for j, n in enumerate(graph[key]):
+            nodes = graph[key]
+            for j, n in enumerate(nodes):
+                where_ = f"entries[{i}].graph.{key}[{j}]"
                 if not isinstance(n, dict) or any(k not in n for k in _NODE_KEYS) or not isinstance(n["op"], str) \
-                        or "::" not in n["op"] or not isinstance(n["inputs"], list) or not isinstance(n["args"], dict):
-                    bad(f"entries[{i}].graph.{key}[{j}]", "a node object with op 'ns::name', index, inputs (a list) "
-                        "and args (an object)", n)
+                        or "::" not in n["op"] or not isinstance(n["args"], dict) or not isinstance(n["index"], int) \
+                        or not isinstance(n["producers"], dict) or any(
+                            not isinstance(n[k], list) or not all(isinstance(t, str) for t in n[k])
+                            for k in ("inputs", "outputs")):
+                    bad(where_, "a node object with op 'ns::name', index (an int), inputs and outputs (lists of "
+                        "tensor descriptions), producers and args (objects)", n)
+                if n["op"].split("::")[1] in _ATTENTION_OPS and (len(n["inputs"]) < 2 or len(n["outputs"]) < 2):
+                    bad(f"{where_} ({n['op']})", "an attention node with q, k inputs and out, lse outputs",
+                        {"inputs": n["inputs"], "outputs": n["outputs"]})
+                for arg, src in n["producers"].items():
+                    if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
+                            isinstance(x, int) for x in src) and 0 <= src[0] < len(nodes)):
+                        bad(f"{where_}.producers.{arg}", f"null or a [node index < {len(nodes)}, output] pair", src)
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
