@@ -93,6 +93,24 @@ def test_boundary_flags_a_leak():
     assert [leak.target for leak in report.leaks if leak.graph == "forward"] == ["aten.mul.Tensor"]
 
 
+def test_boundary_flags_a_copy_that_converts_the_dtype():
+    """copy_ into a bf16 buffer rounds an fp32 tensor like .to(bf16) does; it was counted as
+    movement (which never rounds) while .to() was a leak. A same-dtype copy stays movement."""
+    import rlk_ops
+
+    w = torch.randn(8, 16).bfloat16()
+
+    def via_copy(x):
+        buf = torch.empty(x.shape, dtype=torch.bfloat16)
+        buf.copy_(x)
+        return rlk_ops.linear(buf, w)
+
+    r = inspect_boundary(via_copy, torch.randn(4, 16), backward=False)
+    assert [leak.target for leak in r.leaks] == ["aten.copy.default"]
+    r = inspect_boundary(via_copy, torch.randn(4, 16).bfloat16(), backward=False)
+    assert r.leaks == [] and r.movement_nodes.get("copy") == 1
+
+
 def _rollout_equals_training(block, lengths, chunk, decode_steps, page_size, compile_rollout=False):
     x, pos, cu = packed_batch(lengths, SMALL["hidden_size"], requires_grad=False)
     with torch.no_grad():

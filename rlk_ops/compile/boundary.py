@@ -230,11 +230,21 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
         if target is operator.getitem or _is_shape_math(node):
             continue
         name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
-        if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and name in _MOVEMENT:
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and name in _MOVEMENT \
+                and not _converting_copy(name, node):
             report.movement_nodes[name] = report.movement_nodes.get(name, 0) + 1
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
     return nodes
+
+
+def _converting_copy(name: str, node: torch.fx.Node) -> bool:
+    """copy(dst, src) / copy_ into a tensor of another dtype rounds (fp32 -> bf16): a leak, as
+    the same conversion written ``.to()`` (_to_copy) is."""
+    if name not in ("copy", "copy_") or len(node.args) < 2:
+        return False
+    dst, src = (a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[:2])
+    return not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.dtype == src.dtype)
 
 
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
