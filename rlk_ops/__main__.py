@@ -104,8 +104,7 @@ def _demo(args) -> int:
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    ok = report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
-    return 0 if ok else 1
+    return demo.exit_code(report)
 
 
 def _inspect(args) -> int:

@@ -132,6 +132,27 @@ def test_demo_report_zero_mismatches_and_negative_control(report):
     assert report["training_backward"]["grads_bitwise_run_to_run"] is True
 
 
+def test_demo_exit_code_covers_the_backward_and_the_negative_control(report):
+    """The exit code looked at the token and attention mismatches only: gradients that differ
+    run to run, or a negative control that found nothing, still printed PASS and exited 0."""
+    import copy
+
+    assert demo.exit_code(report) == 0 and "RESULT: PASS" in demo.summary(report)
+    bad = copy.deepcopy(report)
+    bad["training_backward"]["grads_bitwise_run_to_run"] = False
+    assert demo.exit_code(bad) == 1 and "FAIL - the training backward's gradients differ" in demo.summary(bad)
+    blind = copy.deepcopy(report)
+    blind["negative_control"]["mismatched_tokens"] = 0
+    assert demo.exit_code(blind) == 3 and "INCONCLUSIVE" in demo.summary(blind)
+    off = copy.deepcopy(report)
+    off["mismatched_tokens"] = 1
+    assert demo.exit_code(off) == 1 and "FAIL - rollout and training disagree" in demo.summary(off)
+    for key in ("training_backward", "negative_control"):  # --no-backward, or no control run: not judged
+        del off[key]
+    off["mismatched_tokens"] = 0
+    assert demo.exit_code(off) == 0
+
+
 def test_demo_report_contract_and_provenance(report):
     c = report["contract"]
     assert (c["dtype"], c["causal"], c["split_kv"], c["accumulation"], c["lse"]) == (

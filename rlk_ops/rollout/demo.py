@@ -246,11 +246,27 @@ def summary(report: dict) -> str:
     tb = report.get("training_backward")
     if tb:
         lines.append(f"  training backward: gradients bitwise equal run to run: {tb['grads_bitwise_run_to_run']}")
-    ok = report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    code = exit_code(report)
     lines.append("")
-    lines.append("RESULT: " + ("PASS - rollout and training log-probs are bitwise identical" if ok else
-                               "FAIL - rollout and training disagree"))
-    if nc and nc["mismatched_tokens"] == 0:
-        lines.append("WARNING: the negative control found no mismatch; the check did not show it can fail")
+    lines.append("RESULT: " + {0: "PASS - rollout and training log-probs are bitwise identical",
+                               1: "FAIL - rollout and training disagree" if not _bitwise(report) else
+                               "FAIL - the training backward's gradients differ run to run",
+                               3: "INCONCLUSIVE - rollout and training agree, but the negative control found no "
+                                  "mismatch: the check did not show it can fail"}[code])
     lines.append(f"({report['seconds']['total']} s)")
     return "\n".join(lines)
+
+
+def _bitwise(report: dict) -> bool:
+    return report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+
+
+def exit_code(report: dict) -> int:
+    """0: rollout and training agree bitwise (and, where they ran, the training backward's
+    gradients are bitwise equal run to run and the negative control found a mismatch);
+    1: they disagree, or the gradients differ run to run; 3: they agree but the negative control
+    (a plain PyTorch rollout) found no mismatch, so the run did not show the check can fail."""
+    tb, nc = report.get("training_backward"), report.get("negative_control")
+    if not _bitwise(report) or (tb and not tb["grads_bitwise_run_to_run"]):
+        return 1
+    return 3 if nc and nc["mismatched_tokens"] == 0 else 0
