@@ -188,6 +188,22 @@ def value_checks_enabled(t: torch.Tensor, op: str = "") -> bool:
     return True
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (on one device) may share a byte: their address spans [first, last
+    element] intersect (exact for contiguous tensors, conservative for strided ones). Addresses,
+    not storage objects: two storages can wrap one buffer (e.g. torch.from_numpy of two
+    overlapping numpy views), and two inputs can be views of one buffer."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def on_device(t: torch.Tensor) -> bool:
     """Tensor data lives off the host: value checks then take the one-sync fast path."""
     return t.device.type != "cpu"

@@ -55,11 +55,11 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_
     _check_append(k_cache, v_cache, k, v, slot_mapping, page_table, seq_lens, positions)
     # overlapping memory (not visible to a fake, which has no data pointer); two halves of
     # one buffer, e.g. kv[0] and kv[1], are separate caches
-    if _overlap(k_cache, v_cache):
+    if V.overlap(k_cache, v_cache):
         V.fail(op, _SHARED_CACHE)
     for name, t in (("k", k), ("v", v)):  # rows read from memory the append writes: order-dependent
         for cname, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _overlap(t, c):
+            if V.overlap(t, c):
                 V.fail(op, f"{name} must not overlap {cname} in memory (its rows would be read while the "
                            f"append writes them); pass a copy, e.g. {name}.clone()")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # both, before either is written
@@ -109,22 +109,6 @@ def _paged_kv_gather_fake(k_cache, v_cache, page_table, seq_lens):
 # ------------------------------------------------------------------ validation
 _SHARED_CACHE = ("k_cache and v_cache must not overlap in memory, got overlapping tensors "
                  "(V rows would overwrite K rows)")
-
-
-def _overlap(a, b):
-    """Whether two tensors (on one device) may share a byte: their address spans [first, last
-    element] intersect (exact for contiguous tensors, conservative for strided ones). Addresses,
-    not storage objects: two storages can wrap one buffer (e.g. torch.from_numpy of two
-    overlapping numpy views)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-
-    def span(t):
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def check_cache(op, k_cache, v_cache):

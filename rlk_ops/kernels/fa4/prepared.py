@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from rlk_ops.ops._validate import overlap
+
 INPUTS = ("q", "k", "v", "out", "lse")
 MAX_ENTRIES = 512
 
@@ -103,8 +105,11 @@ class Prepared:
                 if any(_alias(t, live) for t in _nested_tensors(a)):
                     raise PreparedCallError("FA4 passed an input tensor inside a nested argument")
                 self.slots.append(("keep", a))
-        read = {live[x[1][0]].untyped_storage().data_ptr() for x in self.slots if x[0] == "view"}
-        copied = [n for n, t in live.items() if t.untyped_storage().data_ptr() not in read]
+        # an input is read in place when an argument passed as a view overlaps its own bytes (by
+        # storage, an input sharing a buffer with one read in place passed as read: q and k as views
+        # of one buffer, with q copied, replayed the first call's copy of q)
+        views = [a for a, x in zip(args, self.slots) if x[0] == "view"]
+        copied = [n for n, t in live.items() if t.numel() and not any(overlap(t, a) for a in views)]
         if copied:   # an input FA4 copied (say, made contiguous) would be replayed stale
             raise PreparedCallError(f"FA4's kernel call does not read {copied} in place")
 
