@@ -138,11 +138,14 @@ def fresh_dispatch(monkeypatch):
 def fa4_absent(monkeypatch, fresh_dispatch):
     # None in sys.modules makes the import raise ModuleNotFoundError, as when not installed
     monkeypatch.setitem(sys.modules, loader.INTERFACE_MODULE, None)
+    # these tests call the ops on CPU tensors: let the device check pass, so the import is what fails
+    monkeypatch.setitem(dispatch._DEVICES, "fa4", ("cuda", "cpu"))
 
 
 def install_fake(monkeypatch, drop=()):
     fake = make_fake_fa4(drop)
     monkeypatch.setitem(sys.modules, loader.INTERFACE_MODULE, fake)
+    monkeypatch.setitem(dispatch._DEVICES, "fa4", ("cuda", "cpu"))   # the stand-in runs on CPU tensors
     monkeypatch.setattr(loader, "installed_version", lambda: loader.VERIFIED_VERSIONS[0])
     return fake
 
@@ -186,6 +189,43 @@ def test_strict_refuses_when_fa4_absent(fa4_absent, op):
                                  r"cannot be imported .*flash-attn-4==4\.0\.0b36.*Strict mode"):
             _call(op)
     assert [r.op for r in log.records()] == []  # nothing ran
+
+
+@pytest.mark.parametrize("backend,op", [("fa4", "attention_fwd"), ("triton", "linear"),
+                                        ("flashinfer", "paged_attention")])
+def test_a_cuda_backend_is_not_given_cpu_tensors(fresh_dispatch, monkeypatch, backend, op):
+    """use_backend applies to every device: a CPU-reference call was sent to the CUDA backend
+    (FA4's entry points called with CPU tensors, or Triton failing inside with 'Torch not compiled
+    with CUDA enabled'), even on a GPU host. Strict: refused naming the device; non-strict: the
+    CPU reference, recorded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a GPU host, as far as checks go
+    with rlk_ops.use_backend(**{op: backend}), provenance.capture() as log:
+        with pytest.raises(rlk_ops.StrictModeError, match=rf"rlk::{op} on cpu: backend '{backend}' unavailable: it "
+                                                          r"runs on cuda tensors, and these are on cpu"):
+            dispatch.kernel_for(op, torch.device("cpu"))
+    assert log.records() == []
+    with rlk_ops.strict(False), rlk_ops.use_backend(**{op: backend}), provenance.capture() as log:
+        dispatch.kernel_for(op, torch.device("cpu"))
+    (rec,) = log.records()
+    assert (rec.requested_backend, rec.actual_backend, rec.fallback) == (backend, "cpu", True)
+    assert "runs on cuda tensors" in rec.fallback_reason
+
+
+def test_the_triton_backend_refuses_the_interpreter(fresh_dispatch, monkeypatch):
+    """TRITON_INTERPRET=1 ran every Triton op in the interpreter under strict mode, recorded as
+    plain 'triton', though its bits are not the GPU's (its fp32 -> bf16 casts truncate; review).
+    The CUDA tests' dry run (RLK_FA4_DRY_RUN=1) still may."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import _common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_common, "INTERPRET", True)
+    monkeypatch.delenv("RLK_FA4_DRY_RUN", raising=False)
+    with pytest.raises(rlk_ops.StrictModeError, match=r"rlk::linear on cuda: backend 'triton' unavailable: "
+                                                      r"TRITON_INTERPRET=1 runs Triton kernels in the interpreter"):
+        dispatch.kernel_for("linear", torch.device("cuda"))
+    monkeypatch.setenv("RLK_FA4_DRY_RUN", "1")
+    assert dispatch.kernel_for("linear", torch.device("cuda")) is not None
 
 
 @pytest.mark.parametrize("op", OPS)

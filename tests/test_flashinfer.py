@@ -115,7 +115,8 @@ def test_strict_op_refuses_auto_on_every_backend():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_flashinfer_unavailable_without_cuda():
     with rlk_ops.use_backend(paged_attention="flashinfer"):
-        with pytest.raises(StrictModeError, match=r"backend 'flashinfer' unavailable: torch.cuda is not available"):
+        with pytest.raises(StrictModeError, match=r"backend 'flashinfer' unavailable: it runs on cuda tensors, and "
+                                                  r"these are on cpu"):
             rlk_ops.paged_attention(*_small_paged())
 
 

@@ -40,6 +40,9 @@ _BACKEND_MODULES = {
     "flashinfer": "rlk_ops.kernels.flashinfer",
     "c10d": "rlk_ops.kernels.c10d",
 }
+# the device types whose tensors a backend runs on (cpu and c10d: any). A use_backend override
+# applies to every device, so without this a CPU-reference call was sent to a CUDA backend
+_DEVICES = {"fa4": ("cuda",), "triton": ("cuda",), "flashinfer": ("cuda",)}
 
 # Default backend per device type. CUDA backends are filled in per op as they exist.
 _COLLECTIVES = {"all_gather": "c10d", "reduce_scatter": "c10d"}
@@ -182,6 +185,9 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
     # the fallback: the op's CPU default (the reference, or c10d for the collectives)
     target = _DEFAULTS["cpu"].get(op, "cpu")
     try:
+        devices = _DEVICES.get(requested)
+        if devices is not None and device.type not in devices:
+            raise BackendUnavailable(f"it runs on {' or '.join(devices)} tensors, and these are on {device}")
         fn = _load(op, requested)
         actual, fallback, reason = requested, False, None
     except BackendUnavailable as e:

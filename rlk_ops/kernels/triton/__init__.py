@@ -16,6 +16,7 @@ GEMM); the drift is reported there.
 from __future__ import annotations
 
 import importlib
+import os
 
 from rlk_ops.kernels.dispatch import BackendUnavailable
 
@@ -34,6 +35,13 @@ def check_available(op: str) -> None:
 
     if not torch.cuda.is_available():
         raise BackendUnavailable("torch.cuda is not available (no CUDA GPU, or a CPU-only torch build)")
+    from rlk_ops.kernels.triton import _common
+
+    if _common.INTERPRET and os.environ.get("RLK_FA4_DRY_RUN") != "1":
+        # its bits are not the GPU's (fp32 -> bf16 casts truncate), which the op specs' claims are
+        raise BackendUnavailable("TRITON_INTERPRET=1 runs Triton kernels in the interpreter, whose bits are not "
+                                 "the GPU's; unset it (RLK_FA4_DRY_RUN=1 allows it for the CUDA tests' dry run, "
+                                 "which proves nothing about the GPU)")
     try:
         importlib.import_module(f"rlk_ops.kernels.triton.{_MODULE[op]}")
     except ImportError as e:
