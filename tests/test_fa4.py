@@ -389,6 +389,19 @@ def test_paged_reads_pages_in_place(fake):
     assert bitwise_equal(out, ref[0]) and bitwise_equal(lse, ref[1]) and lse.shape == (2, 4, 3)
 
 
+def test_the_decode_tile_only_where_it_was_measured():
+    """The 64-row tile was measured for decode at G = 4; any call of at most 64 packed rows (a
+    chunked prefill of up to 16 tokens, G up to 64) took it unmeasured until session 29 (review)."""
+    from rlk_ops.kernels.fa4 import kernels as fa4_kernels
+
+    cache = torch.empty(4, 16, 4, 128)
+    assert fa4_kernels.decode_tile(torch.empty(8, 1, 16, 128), cache, "sm90") == fa4_kernels.DECODE_TILE
+    for q in (torch.empty(8, 4, 16, 128), torch.empty(8, 1, 32, 128), torch.empty(8, 1, 8, 128)):
+        assert fa4_kernels.decode_tile(q, cache, "sm90") is None
+    assert fa4_kernels.decode_tile(torch.empty(8, 1, 16, 128), cache, "sm100") is None
+    assert fa4_kernels.decode_tile(torch.empty(8, 1, 16, 64), torch.empty(4, 16, 4, 64), "sm90") is None
+
+
 def test_pair_call_overlap_off_only_from_512_ctas_with_the_decode_tile():
     """canonical:C pair calls turn FA4's intra-warpgroup overlap off where it was measured
     faster (>= 512 CTAs = pairs x KV heads, decode tile); otherwise FA4's default."""

@@ -416,6 +416,21 @@ def test_the_op_route_hands_the_merge_its_launch(monkeypatch):
 NEED_KEYS = "merge, l2_prefetch, ahead, slices, seq_major, pdl, state_evict and early_table need layout='keys'"
 
 
+@pytest.mark.skipif(INTERPRET, reason="never routable on the interpreter")
+def test_routable_only_where_the_gpu_checked_the_bits():
+    """Until session 29 routable took G up to 8 and any page size dividing C, but the CUDA tests
+    ran G = 4 and pages 16, 128, 256 only (review): other shapes take the FA4 pair route."""
+    from rlk_ops.kernels.triton.pair_decode import routable
+
+    def case(hq=16, hkv=4, page=16, chunk=768, sq=1):
+        return routable(torch.empty(2, sq, hq, 128, dtype=torch.bfloat16),
+                        torch.empty(64, page, hkv, 128, dtype=torch.bfloat16), chunk)
+
+    assert case() and case(page=128) and case(page=256, chunk=1024) and case(hq=32, hkv=8)
+    assert not case(hq=32) and not case(hq=8) and not case(hq=4) and not case(hq=20)   # G = 8, 2, 1, 5
+    assert not case(page=1) and not case(page=32) and not case(page=64) and not case(sq=2)
+
+
 def test_bad_arguments_are_named():
     """Checked before any launch (wherever triton imports): the argument, what it must be and
     what it was."""
@@ -519,6 +534,29 @@ def test_cuda_every_pair_equals_fa4s_pair_call(ps, chunk, wide, layout, prefetch
     full = plens > 0
     assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
     assert bool((lse[~full] == -math.inf).all()) and bool((out[~full] == 0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _fa4_ready(), reason="needs a CUDA GPU with FA4 (the kernel is compared with it)")
+@pytest.mark.parametrize("hq", [4, 8, 20, 32])   # G = 1, 2, 5, 8 (Hkv 4): Qwen3's other group sizes
+@pytest.mark.parametrize("ps,chunk", [(16, 256), (128, 1024)])
+def test_cuda_pairs_at_other_group_sizes(hq, ps, chunk):
+    """The routed launch at query-head groups the other CUDA tests never ran (they use G = 4);
+    pair_decode.routable takes G = 4 only until this passes on the GPU (session 29: written, not
+    yet run)."""
+    from rlk_ops.kernels.fa4.kernels import pair_attention
+    from rlk_ops.kernels.triton.merge import decode_pairs
+    from rlk_ops.kernels.triton.pair_decode import pair_count, pair_decode, step_launch
+
+    lens = [1, 129, chunk - 1, chunk + 1, 3 * chunk + 200, 4100]
+    q, kc, vc, table, sl = _inputs(lens, ps, seed=hq + ps, device="cuda", hq=hq)
+    launch = step_launch(q, kc, pair_count(table.shape[1], ps, chunk))
+    out, lse, plens, n = pair_decode(q, kc, vc, table, sl, D ** -0.5, chunk, layout="keys", **launch)
+    qp, ptab, ref_lens, klens, n_ref = decode_pairs(q, table, sl, ps, chunk)
+    ref_out, ref_lse = pair_attention(qp, kc, vc, ptab, klens, D ** -0.5)
+    assert n == n_ref and bitwise_equal(plens, ref_lens)
+    full = plens > 0
+    assert bitwise_equal(out[full], ref_out[full]) and bitwise_equal(lse[full], ref_lse[full])
 
 
 @pytest.mark.cuda

@@ -107,17 +107,18 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
 # same per-row instructions (each warpgroup's rows are independent of the other's), and
 # measured bitwise equal to the default tile on the H200 for strict and canonical:C decode
 # (results/h200/canonical.json decode_profile; the train == rollout cells run with it),
-# 7-32% faster. Only where that was measured: sm90, head_dim 128, at most 64 packed rows.
+# 7-32% faster. Only where that was measured: sm90, head_dim 128, one query token, G = 4 (a
+# chunked-prefill call of up to 16 tokens, or another G, packs at most 64 rows too, but took it
+# unmeasured until session 29: they get FA4's default tile).
 DECODE_TILE = (64, 128)
 
 
 def decode_tile(q: torch.Tensor, k_cache: torch.Tensor, arch: str | None) -> tuple[int, int] | None:
     """``tile_mn`` for a paged call: DECODE_TILE where verified, else FA4's default (None).
     ``arch``: what ``loader.note_device`` recorded for q's device (None off CUDA)."""
-    if arch != "sm90" or q.shape[-1] != 128:
+    if arch != "sm90" or q.shape[-1] != 128 or q.shape[1] != 1 or q.shape[2] != 4 * k_cache.shape[2]:
         return None
-    rows = q.shape[1] * (q.shape[2] // k_cache.shape[2])
-    return DECODE_TILE if rows <= DECODE_TILE[0] else None
+    return DECODE_TILE
 
 
 # FA4's SM90 forward overlaps, inside each MMA warpgroup, one key block's softmax with the
