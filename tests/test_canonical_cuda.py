@@ -91,6 +91,34 @@ def test_fa4_canonical_forward_routes_to_single_pass_partials(fake):
     assert full["out"]._base is slots and slots.shape == (2, 300, 4, 16)
 
 
+@pytest.mark.parametrize("sq", [1, 3])   # decode through the generic pair route, chunked prefill
+def test_fa4_canonical_paged_records_each_merge_once(fake, monkeypatch, sq):
+    """fa4's canonical paged route looked the merge up, then the generic route looked it up
+    again: provenance recorded 2 merge calls for 1 merge run (review)."""
+    import rlk_ops.kernels.cpu as cpu_pkg
+
+    runs = []
+    orig = cpu_pkg.merge_attn_states
+
+    def counted(*a, **k):
+        runs.append(1)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(cpu_pkg, "merge_attn_states", counted)
+    g = torch.Generator().manual_seed(0)
+    ps = 16
+    kc = torch.randn(40, ps, 2, 16, generator=g).to(BF16)
+    vc = torch.randn(40, ps, 2, 16, generator=g).to(BF16)
+    table = torch.zeros(2, 19, dtype=torch.int32)
+    table[0] = torch.arange(19)
+    table[1, :3] = torch.tensor([30, 25, 21])
+    q = torch.randn(2, sq, 4, 16, generator=g).to(BF16)
+    with rlk_ops.use_backend(paged_attention="fa4"), provenance.capture() as log:
+        rlk_ops.paged_attention(q, kc, vc, table, torch.tensor([300, 40], dtype=torch.int32), split_kv="canonical:128")
+    merges = [r for r in log.records() if r.op == "merge_attn_states"]
+    assert len(runs) == 1 and [r.calls for r in merges] == [1]
+
+
 def test_fa4_canonical_forward_replays_prepared_calls(fake):
     """PREPARED_CALLS (the default): the second forward of a plan replays the recorded kernel
     calls (no FA4 Python runs: the stand-in logs none) with the same bits; prepared_calls(False)

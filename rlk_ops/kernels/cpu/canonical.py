@@ -333,13 +333,15 @@ def attention_fwd(q, k, v, causal: bool, scale: float, cu_seqlens_q, cu_seqlens_
 
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, chunk_size: int,
-                    attend_into: Callable, attend_paged: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                    attend_into: Callable, attend_paged: Callable,
+                    merge: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rlk::paged_attention`` under canonical:C. ``attend_paged`` is the backend's
     single-pass ``paged_attention`` kernel (decode), ``attend_into`` its in-place varlen one
-    (chunked prefill, over the gathered logical K/V)."""
+    (chunked prefill, over the gathered logical K/V). ``merge``: the merge kernel a caller has
+    already looked up (a second lookup recorded a second merge call in provenance)."""
     bsz, sq, hq, d = q.shape
     page_size = k_cache.shape[1]
-    merge = kernel_for("merge_attn_states", q.device)
+    merge = merge or kernel_for("merge_attn_states", q.device)
     if sq == 1 and chunk_size % page_size == 0:
         pair_table, pair_lens, n = decode_pairs(page_table, seq_lens, page_size, chunk_size)
         q_pairs = q[None].expand(n, bsz, 1, hq, d).reshape(n * bsz, 1, hq, d)

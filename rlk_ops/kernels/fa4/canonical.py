@@ -230,7 +230,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
             return attend_paged(q, k_cache, v_cache, pair_table, pair_lens.clamp_min(1), scale)
 
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                         attend_into=attend_into, attend_paged=paged_nonempty)
+                                         attend_into=attend_into, attend_paged=paged_nonempty, merge=merge)
     from rlk_ops.kernels.triton import pair_decode as triton_pairs
     from rlk_ops.kernels.triton.merge import decode_pairs
 
