@@ -204,9 +204,13 @@ def test_a_cuda_backend_is_not_given_cpu_tensors(fresh_dispatch, monkeypatch, ba
                                                           r"runs on cuda tensors, and these are on cpu"):
             dispatch.kernel_for(op, torch.device("cpu"))
     assert log.records() == []
+    q, k, v = _dense()
+    call = {"attention_fwd": lambda: rlk_ops.attention(q, k, v),
+            "linear": lambda: rlk_ops.linear(torch.randn(3, 8), torch.randn(5, 8)),
+            "paged_attention": lambda: rlk_ops.paged_attention(*_paged())}[op]
     with rlk_ops.strict(False), rlk_ops.use_backend(**{op: backend}), provenance.capture() as log:
-        dispatch.kernel_for(op, torch.device("cpu"))
-    (rec,) = log.records()
+        call()
+    (rec,) = [r for r in log.records() if r.op == op]
     assert (rec.requested_backend, rec.actual_backend, rec.fallback) == (backend, "cpu", True)
     assert "runs on cuda tensors" in rec.fallback_reason
 
@@ -414,6 +418,29 @@ def test_pair_call_overlap_off_only_from_512_ctas_with_the_decode_tile():
     assert fa4_kernels.pair_overlap(torch.empty(4096, 1, 16, 128), cache, None) is None
     # page 128 (FA4's TMA path): measured no faster off
     assert fa4_kernels.pair_overlap(torch.empty(4096, 1, 16, 128), torch.empty(1, 128, 4, 128), tile) is None
+
+
+def test_a_call_the_backend_refuses_is_not_recorded(fake, monkeypatch):
+    """Provenance was recorded when the kernel was looked up, so an fp32 call FA4 refused
+    counted as a call that ran on fa4 (review); now it is recorded once the kernel returns."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    q, k, v = (t.float() for t in _dense())
+    with rlk_ops.use_backend(attention_fwd="fa4"), provenance.capture() as log:
+        with pytest.raises(rlk_ops.RlkInputError, match="the fa4 backend needs bfloat16 or float16"):
+            rlk_ops.attention(q, k, v)
+        assert log.records() == []
+        rlk_ops.attention(*_dense())
+    (rec,) = log.records()
+    assert (rec.op, rec.actual_backend, rec.calls) == ("attention_fwd", "fa4", 1)
+
+
+def test_the_recording_wrapper_keeps_the_kernels_attributes(fresh_dispatch, monkeypatch):
+    """fa4's canonical decode reads the merge's accepts_state_lens / accepts_pdl through the
+    dispatch point: without them it would take the generic route (same bits, slower)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fn = dispatch.kernel_for("merge_attn_states", torch.device("cuda"))
+    assert fn.accepts_state_lens is True and fn.accepts_pdl is True
 
 
 def test_through_the_dispatch_point(fake, monkeypatch):

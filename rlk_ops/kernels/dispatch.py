@@ -1,7 +1,7 @@
 """The one dispatch point: which backend runs an rlk op, strict mode, provenance.
 
 Every op body calls ``kernel_for(op, device)``. It returns the kernel function of
-the requested backend and records what ran (``meta/provenance.py``). When the
+the requested backend, wrapped to record what ran once it returns (``meta/provenance.py``). When the
 requested backend cannot run here:
 
 * strict mode (the default) raises ``StrictModeError`` naming the op, the backend
@@ -14,6 +14,7 @@ Backends are imported lazily: ``import rlk_ops`` needs no CUDA package.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from collections.abc import Callable, Iterator
@@ -207,5 +208,12 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
         actual, fallback = target, True
     if actual == "cpu" and device.type != "cpu":
         fn = _cpu_fallback(fn, device, mutated)  # the reference runs on CPU copies
-    provenance.record(op, requested, actual, fallback, reason, str(device))
-    return fn
+    record = (op, requested, actual, fallback, reason, str(device))
+
+    @functools.wraps(fn)  # (its attributes too, e.g. the merge's accepts_state_lens)
+    def run(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        provenance.record(*record)  # once it has run: a call the kernel refused ran nothing
+        return out
+
+    return run

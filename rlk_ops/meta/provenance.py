@@ -1,8 +1,9 @@
 """Provenance: which backend actually ran each rlk op, and on what.
 
 The dispatch point (``kernels/dispatch.py``) records one entry per distinct
-(op, requested backend, actual backend, fallback, device) with a call count. Records
-are cheap (a dict update per call) and always on; ``capture()`` scopes them.
+(op, requested backend, actual backend, fallback, device) with a call count, when the
+kernel returns (a call the kernel refused ran nothing). Records are cheap (a dict update
+per call) and always on; ``capture()`` scopes them.
 """
 from __future__ import annotations
 
