@@ -27,6 +27,20 @@ def test_exp_log_accuracy(dtype):
     assert nx.log(torch.tensor([1.0, 0.0], dtype=dtype)).tolist() == [0.0, -math.inf]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_is_finite_up_to_the_largest_float(dtype):
+    """The overflow cut was emax * log(2) (88.03 in fp32), under log(max) (88.72): exp gave inf
+    there, and the tiny model's silu -0.0 for x in [-88.72, -88.03) (review)."""
+    eps = torch.finfo(dtype).eps
+    top = math.log(torch.finfo(dtype).max)
+    x = torch.linspace(top - 1.5, top, 5001, dtype=dtype)[:-1]
+    y = nx.exp(x)
+    assert bool(torch.isfinite(y).all())
+    ref = torch.exp(x.double()) if dtype == torch.float32 else torch.exp(x.to(torch.float64))
+    assert ((y.double() - ref).abs() / (ref * eps)).max().item() < 2.0
+    assert nx.exp(torch.tensor([top * 1.0001], dtype=dtype)).item() == math.inf
+
+
 def test_sincos_accuracy():
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     angle = (torch.arange(0, 40000, 7).double()[:, None] * inv_freq).float()

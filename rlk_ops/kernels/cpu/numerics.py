@@ -83,7 +83,7 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     dt = x.dtype
     _, _, emin, emax, _ = _FLOAT_LAYOUT[dt]
     lo = emin * math.log(2.0)  # below: flush to 0 (results under the smallest normal)
-    hi = emax * math.log(2.0)
+    hi = math.log(torch.finfo(dt).max)  # above: inf (emax * log(2), before, gave inf from 88.03 in fp32)
     xc = x.clamp(lo, hi)
     n = torch.round(xc * _LOG2E)
     r = (xc - n * _LN2_HI[dt]) - n * _LN2_LO[dt]
@@ -91,7 +91,10 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     p = torch.full_like(r, coeffs[0])
     for c in coeffs[1:]:
         p = p * r + c
-    y = p * _pow2(n, dt)
+    # 2**n in two exact factors: n reaches emax + 1 just under hi, where one factor would be inf
+    # (each product is exact while normal, so the bits are p * 2**n rounded once, as before)
+    half = torch.floor(n * 0.5)
+    y = (p * _pow2(half, dt)) * _pow2(n - half, dt)
     y = torch.where(x < lo, torch.zeros_like(y), y)
     y = torch.where(x > hi, torch.full_like(y, math.inf), y)
     return torch.where(torch.isnan(x), x, y)

@@ -94,7 +94,9 @@ _LOG_CONST: dict = {}
 
 @triton.jit
 def _exp(x, LIBDEVICE: tl.constexpr):
-    """numerics.exp for fp32, the same IEEE operations in the same order."""
+    """numerics.exp for fp32, the same IEEE operations in the same order for x <= 127 * ln 2
+    (the merge passes x <= 0). Above, numerics.exp (session 29) scales by 2**n in two factors
+    to stay finite up to log(max); this one gives inf from 88.03."""
     xc = tl.where(x < _LO, _LO, x)  # clamp; NaN passes (comparisons are false)
     xc = tl.where(xc > _HI, _HI, xc)
     t = xc * _LOG2E
