@@ -94,17 +94,29 @@ def test_fa4_canonical_forward_routes_to_single_pass_partials(fake):
 @pytest.mark.parametrize("sq", [1, 3])   # decode through the generic pair route, chunked prefill
 def test_fa4_canonical_paged_records_each_merge_once(fake, monkeypatch, sq):
     """fa4's canonical paged route looked the merge up, then the generic route looked it up
-    again: provenance recorded 2 merge calls for 1 merge run (review)."""
+    again: provenance recorded 2 merge calls for 1 merge run (review; since provenance is
+    recorded when a kernel returns, the second lookup is counted here, not in provenance)."""
     import rlk_ops.kernels.cpu as cpu_pkg
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
-    runs = []
+    runs, lookups = [], []
     orig = cpu_pkg.merge_attn_states
 
     def counted(*a, **k):
         runs.append(1)
         return orig(*a, **k)
 
+    def looked_up(module):
+        real = module.kernel_for
+
+        def kernel_for(op, *a, **k):
+            lookups.append(op)
+            return real(op, *a, **k)
+        return kernel_for
+
     monkeypatch.setattr(cpu_pkg, "merge_attn_states", counted)
+    monkeypatch.setattr(fa4_canonical, "kernel_for", looked_up(fa4_canonical))
+    monkeypatch.setattr(canonical, "kernel_for", looked_up(canonical))
     g = torch.Generator().manual_seed(0)
     ps = 16
     kc = torch.randn(40, ps, 2, 16, generator=g).to(BF16)
@@ -116,7 +128,7 @@ def test_fa4_canonical_paged_records_each_merge_once(fake, monkeypatch, sq):
     with rlk_ops.use_backend(paged_attention="fa4"), provenance.capture() as log:
         rlk_ops.paged_attention(q, kc, vc, table, torch.tensor([300, 40], dtype=torch.int32), split_kv="canonical:128")
     merges = [r for r in log.records() if r.op == "merge_attn_states"]
-    assert len(runs) == 1 and [r.calls for r in merges] == [1]
+    assert len(runs) == 1 and [r.calls for r in merges] == [1] and lookups.count("merge_attn_states") == 1
 
 
 def test_fa4_canonical_forward_replays_prepared_calls(fake):

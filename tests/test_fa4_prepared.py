@@ -116,17 +116,20 @@ def test_a_new_layout_or_plan_call_or_scale_records_again():
 @pytest.mark.parametrize("fake,match", [(dict(kernel_calls=2), "2 compiled-kernel calls"),
                                         (dict(kernel_calls=0), "0 compiled-kernel calls"),
                                         (dict(copy_q=True), r"does not read \['q'\] in place")])
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", ["", "adjacent", "interleaved"])
 def test_refusals_are_named_and_cache_nothing(fake, match, shared):
-    """shared: q and k as views of one buffer. The copy check once compared storages, so with q
-    copied by FA4 and k read in place q passed as read, and every replay used the first call's
-    copy of q (wrong out and lse, silently; review)."""
+    """shared: q and k as views of one buffer. The copy check once compared storages (then
+    overlapping spans), so with q copied by FA4 and k read in place q passed as read, and every
+    replay used the first call's copy of q (wrong out and lse, silently; reviews)."""
     mod = fake_fa4(**fake)
     call = Call([0], [0], [40], [48])
-    q, k, v, out_parts, lse_parts = _inputs(6)
-    if shared:
+    q, k, v, out_parts, lse_parts = _inputs(6, tk=40)
+    if shared == "adjacent":
         buf = torch.cat([q.flatten(), k.flatten()])
         q, k = buf[:q.numel()].view(q.shape), buf[q.numel():].view(k.shape)
+    elif shared == "interleaved":
+        both = torch.stack([q, k], 1)
+        q, k = both[:, 0], both[:, 1]
     with pytest.raises(prepared.PreparedCallError, match=match):
         _run(mod, call, q, k, v, out_parts[0], lse_parts[0])
     assert not prepared._CACHE

@@ -142,8 +142,10 @@ def test_demo_exit_code_covers_the_backward_and_the_negative_control(report):
     bad["training_backward"]["grads_bitwise_run_to_run"] = False
     assert demo.exit_code(bad) == 1 and "FAIL - the training backward's gradients differ" in demo.summary(bad)
     blind = copy.deepcopy(report)
-    blind["negative_control"]["mismatched_tokens"] = 0
+    blind["negative_control"].update(mismatched_tokens=0, mismatched_attention_positions=0)
     assert demo.exit_code(blind) == 3 and "INCONCLUSIVE" in demo.summary(blind)
+    blind["negative_control"]["mismatched_attention_positions"] = 5   # it did show a difference
+    assert demo.exit_code(blind) == 0
     off = copy.deepcopy(report)
     off["mismatched_tokens"] = 1
     assert demo.exit_code(off) == 1 and "FAIL - rollout and training disagree" in demo.summary(off)

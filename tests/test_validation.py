@@ -258,6 +258,10 @@ def test_append_placement_arguments_go_together():
     rlk_ops.paged_kv_append(kc, vc, k, k, slots, pt, sl, pos)
     rlk_ops.paged_kv_append(kc2, vc2, k, k, slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # a skipped row (slot -1, e.g. padding to a captured batch size) is not checked, whatever its position
+    skip, pad_pos = slots.clone(), pos.clone()
+    skip[1], pad_pos[1] = -1, 999
+    rlk_ops.paged_kv_append(kc, vc, k, k, skip, pt, sl, pad_pos)
 
 
 def test_padding_past_used_pages_is_not_validated():

@@ -9,7 +9,8 @@
 append writes row t to slot slot_mapping[t]. It validates everything first, so a
 rejected append leaves the cache untouched. Given page_table and seq_lens (B rows,
 T = B * Sq new tokens, as the block's forward_rollout passes them), it also checks
-that row b * Sq + j goes where those put token p = seq_lens[b] - Sq + j of sequence b:
+that row b * Sq + j (unless its slot is -1: skipped) goes where those put token
+p = seq_lens[b] - Sq + j of sequence b:
 slot page_table[b, p // page_size] * page_size + p % page_size (and, given positions
 [B, Sq], that positions[b, j] == p). A slot in another sequence's page, or seq_lens
 that leave the new tokens out, are refused before any write. gather returns the logical
@@ -182,15 +183,18 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
         p = lens.to(torch.int64)[:, None] - sq + torch.arange(sq, device=table.device)
         return p.reshape(-1), (table.to(torch.int64).gather(1, p // ps) * ps + p % ps).reshape(-1)
 
-    if V.on_device(page_table):
+    if V.on_device(page_table):  # a row with slot -1 (skipped: padding) is not checked
         p, slot = where(page_table, seq_lens)
-        masks = [slot_mapping != slot] + ([positions.reshape(-1) != p] if positions is not None else [])
+        live = slot_mapping != -1
+        masks = [live & (slot_mapping != slot)] + ([live & (positions.reshape(-1) != p)]
+                                                   if positions is not None else [])
         if V.all_clear(*masks):
             return
     table, lens = page_table.cpu(), seq_lens.cpu()
     p, slot = where(table, lens)
     got = slot_mapping.cpu()
-    bad = got != slot
+    live = got != -1
+    bad = live & (got != slot)
     if bool(bad.any()):
         i = V.first_bad(bad)[0]
         r, pi = i // sq, int(p[i])
@@ -200,7 +204,7 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
                    f"{int(slot[i])}")
     if positions is not None:
         pos = positions.reshape(-1).cpu()
-        bad = pos != p
+        bad = live & (pos != p)
         if bool(bad.any()):
             i = V.first_bad(bad)[0]
             r = i // sq

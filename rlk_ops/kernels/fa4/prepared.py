@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 
-from rlk_ops.ops._validate import overlap
 
 INPUTS = ("q", "k", "v", "out", "lse")
 MAX_ENTRIES = 512
@@ -85,6 +84,20 @@ def _alias(t: torch.Tensor, live: dict) -> tuple | None:
     return name, tuple(t.shape), tuple(t.stride()), t.storage_offset() - live[name].storage_offset()
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _reads(arg: torch.Tensor, t: torch.Tensor) -> bool:
+    """``arg`` is ``t``, a reshaped view or a slice of it: its bytes lie within ``t``'s span (a
+    view of another input sharing the buffer, interleaved or adjacent, reaches past it)."""
+    if arg.numel() == 0:
+        return False
+    (a0, a1), (t0, t1) = _span(arg), _span(t)
+    return t0 <= a0 and a1 <= t1
+
+
 def _nested_tensors(a) -> list:
     if isinstance(a, torch.Tensor):
         return [a]
@@ -105,11 +118,12 @@ class Prepared:
                 if any(_alias(t, live) for t in _nested_tensors(a)):
                     raise PreparedCallError("FA4 passed an input tensor inside a nested argument")
                 self.slots.append(("keep", a))
-        # an input is read in place when an argument passed as a view overlaps its own bytes (by
-        # storage, an input sharing a buffer with one read in place passed as read: q and k as views
-        # of one buffer, with q copied, replayed the first call's copy of q)
+        # an input is read in place when an argument passed as a view lies within its bytes (by
+        # storage, or by overlapping spans, an input sharing a buffer with one read in place passed
+        # as read: q and k as views of one buffer, adjacent or interleaved, with q copied by FA4,
+        # replayed the first call's copy of q)
         views = [a for a, x in zip(args, self.slots) if x[0] == "view"]
-        copied = [n for n, t in live.items() if t.numel() and not any(overlap(t, a) for a in views)]
+        copied = [n for n, t in live.items() if t.numel() and not any(_reads(a, t) for a in views)]
         if copied:   # an input FA4 copied (say, made contiguous) would be replayed stale
             raise PreparedCallError(f"FA4's kernel call does not read {copied} in place")
 
