@@ -1,8 +1,8 @@
 """The one dispatch point: which backend runs an rlk op, strict mode, provenance.
 
 Every op body calls ``kernel_for(op, device)``. It returns the kernel function of
-the requested backend, wrapped to record what ran once it returns (``meta/provenance.py``). When the
-requested backend cannot run here:
+the requested backend, wrapped to record what ran once it returns
+(``meta/provenance.py``). When the requested backend cannot run here:
 
 * strict mode (the default) raises ``StrictModeError`` naming the op, the backend
   and why it is unavailable: a silent fallback would break the determinism claim;

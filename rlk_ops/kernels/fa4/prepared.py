@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 
-
 INPUTS = ("q", "k", "v", "out", "lse")
 MAX_ENTRIES = 512
 
