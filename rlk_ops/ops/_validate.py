@@ -195,13 +195,14 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     overlapping numpy views), and two inputs can be views of one buffer."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-
-    def span(t):
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first element, one past the last element's last byte] of ``t``."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def on_device(t: torch.Tensor) -> bool:

@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from rlk_ops.ops._validate import span
+
 INPUTS = ("q", "k", "v", "out", "lse")
 MAX_ENTRIES = 512
 
@@ -83,17 +85,12 @@ def _alias(t: torch.Tensor, live: dict) -> tuple | None:
     return name, tuple(t.shape), tuple(t.stride()), t.storage_offset() - live[name].storage_offset()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
 def _reads(arg: torch.Tensor, t: torch.Tensor) -> bool:
     """``arg`` is ``t``, a reshaped view or a slice of it: its bytes lie within ``t``'s span (a
     view of another input sharing the buffer, interleaved or adjacent, reaches past it)."""
     if arg.numel() == 0:
         return False
-    (a0, a1), (t0, t1) = _span(arg), _span(t)
+    (a0, a1), (t0, t1) = span(arg), span(t)
     return t0 <= a0 and a1 <= t1
 
 
