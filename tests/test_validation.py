@@ -7,6 +7,7 @@ import torch
 
 import rlk_ops
 from rlk_ops import RlkInputError
+from rlk_ops.ops import _validate as V
 
 F = torch.float32
 
@@ -210,11 +211,16 @@ def _rollout_step(context=(7, 30), page_size=16, sq=1):
     ("positions off", r"positions\[0, 0\] = \d+ is not its token's position \d+ \(seq_lens\[0\] = \d+ with"),
     ("seq_lens shorter than the new tokens", r"seq_lens\[0\] = 0 is shorter than the \d+ new query tokens"),
 ])
-def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case, pattern, sq):
+@pytest.mark.parametrize("device_path", [False, True])
+def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case, pattern, sq, device_path,
+                                                                            monkeypatch):
     """forward_rollout's four descriptions of where the new tokens sit (positions, slot_mapping,
     page_table, seq_lens) must agree. Before, each op checked its own arguments only: a slot in
     another sequence's page overwrote that sequence's cached K/V, and seq_lens or positions that
-    disagreed gave a wrong answer, all without an error (review). Refused before any write."""
+    disagreed gave a wrong answer, all without an error (review). Refused before any write.
+    device_path: the masks CUDA tensors take (page checks and placement in one sync), on CPU."""
+    if device_path:
+        monkeypatch.setattr(V, "on_device", lambda t: True)
     blk, args = _rollout_step(sq=sq)
     x, pos, kc, vc, pt, sl, slots = args
     with torch.no_grad():

@@ -176,20 +176,22 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
     if b == 0 or t == 0:
         return
     sq = t // b
-    check_page_values(op, k_cache, page_table, seq_lens, min_len=sq)  # seq_lens in [Sq, capacity], pages in range
-    ps = k_cache.shape[1]
+    num_pages, ps = k_cache.shape[0], k_cache.shape[1]
 
-    def where(table, lens):
+    def where(table, lens):  # (index clamped: only the device path gathers before the page checks)
         p = lens.to(torch.int64)[:, None] - sq + torch.arange(sq, device=table.device)
-        return p.reshape(-1), (table.to(torch.int64).gather(1, p // ps) * ps + p % ps).reshape(-1)
+        col = (p // ps).clamp(0, table.shape[1] - 1)
+        return p.reshape(-1), (table.to(torch.int64).gather(1, col) * ps + p % ps).reshape(-1)
 
-    if V.on_device(page_table):  # a row with slot -1 (skipped: padding) is not checked
+    if V.on_device(page_table):  # the page checks and these in one sync; a row with slot -1 (padding) is skipped
         p, slot = where(page_table, seq_lens)
         live = slot_mapping != -1
         masks = [live & (slot_mapping != slot)] + ([live & (positions.reshape(-1) != p)]
                                                    if positions is not None else [])
-        if V.all_clear(*masks):
+        if V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, sq), *masks):
             return
+    # seq_lens in [Sq, capacity] and pages in range (named first), then the placement
+    check_page_values(op, k_cache, page_table, seq_lens, min_len=sq)
     table, lens = page_table.cpu(), seq_lens.cpu()
     p, slot = where(table, lens)
     got = slot_mapping.cpu()
@@ -293,6 +295,10 @@ def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
 
 def _page_values_clear(page_table, seq_lens, num_pages, ps, min_len) -> bool:
     """The checks of check_page_values as device-side masks, one sync."""
+    return V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, min_len))
+
+
+def _page_value_masks(page_table, seq_lens, num_pages, ps, min_len) -> list:
     lens = seq_lens.to(torch.int64)
     width = page_table.shape[1]
     bad_len = (lens < (min_len or 0)) | (lens > width * ps)
@@ -300,4 +306,4 @@ def _page_values_clear(page_table, seq_lens, num_pages, ps, min_len) -> bool:
     used = cols < ((lens + ps - 1) // ps).view(-1, 1)
     bad_id = used & ((page_table < 0) | (page_table >= num_pages))
     ids = torch.where(used, page_table, -1 - cols.to(page_table.dtype)).sort(dim=1).values
-    return V.all_clear(bad_len, bad_id, ids[:, 1:] == ids[:, :-1])
+    return [bad_len, bad_id, ids[:, 1:] == ids[:, :-1]]
