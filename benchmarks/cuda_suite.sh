@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole CUDA suite on the GPU machine, after the FA4 install (.gpu/fa4a, .gpu/fa4b) and,
+# when sent, FlashInfer's wheel in three parts (.gpu/fi1..3: split -b here, so that each call
+# stays under the 64 MiB a call may carry with the tree; reassembled and checked by sha256 here).
+# Usage (GPU machine): bash benchmarks/cuda_suite.sh COMMIT PART
+#   PART=main: FlashInfer install, both CUDA demos, `pytest -m cuda -n 8 tests/` except the two
+#              pair/walk files -> $OUT/demo_cuda*.json, $OUT/cuda_suite.log
+#   PART=pairs: tests/test_triton_pair_decode.py and tests/test_walk_decode.py -> $OUT/pair_walk_tests.log
+set -u -o pipefail
+source /opt/rlk/env.sh
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /opt/rlk/site .gpu/xd/*.whl 2>/dev/null
+{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  > "$OUT/machine_${2}.txt"
+if [ "$2" = main ]; then
+  if [ -d .gpu/fi3 ] && [ ! -d /opt/rlk/site/flashinfer ]; then
+    mkdir -p .gpu/fiw && cp .gpu/fi3/install.sh .gpu/fiw/
+    cat .gpu/fi1/fipart.* .gpu/fi2/fipart.* .gpu/fi3/fipart.* > .gpu/fiw/flashinfer_python-0.7.2.post1-py3-none-any.whl
+    (cd .gpu/fiw && sed "s#fi/#fiw/#" ../fi3/sha | sha256sum -c --quiet --status 2>/dev/null || \
+      { echo "$(cut -d' ' -f1 ../fi3/sha)  flashinfer_python-0.7.2.post1-py3-none-any.whl" | sha256sum -c; }) \
+      && bash .gpu/fiw/install.sh
+  fi
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >> "$OUT/machine_main.txt" 2>&1
+  timeout 150 python3 -m rlk_ops demo --device cuda --quiet --json "$OUT/demo_cuda.json"; echo "demo rc=$?"
+  timeout 150 python3 -m rlk_ops demo --device cuda --split-kv canonical --quiet \
+    --json "$OUT/demo_cuda_canonical.json"; echo "demo canonical rc=$?"
+  timeout 330 python3 -m pytest -m cuda -q -rfEs -n 8 -p no:cacheprovider tests/ \
+    --ignore=tests/test_walk_decode.py --ignore=tests/test_triton_pair_decode.py > "$OUT/cuda_suite.log" 2>&1
+  echo "suite rc=$?"; tail -5 "$OUT/cuda_suite.log"
+else
+  timeout 560 python3 -m pytest -m cuda -q -rfEs -n 8 -p no:cacheprovider tests/test_triton_pair_decode.py \
+    tests/test_walk_decode.py > "$OUT/pair_walk_tests.log" 2>&1
+  echo "pair/walk rc=$?"; tail -5 "$OUT/pair_walk_tests.log"
+fi
