@@ -1042,7 +1042,8 @@ def test_cpu_reference_merge_is_the_cpu_default():
 def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeypatch):
     """fa4 canonical.DECODE_PAIRS: the Triton pair kernel ("triton") and the pair layout + FA4
     call ("fa4") give the same decode rows, and both the training rows (sequences at different
-    positions, one repeated, a padded table)."""
+    positions, one repeated, a padded table). So does FA4's chunk walk (DECODE_WALK, page 128:
+    "walk" merging in its program, "walk_states" through the merge op), routed at any batch here."""
     from rlk_ops.kernels.fa4 import canonical as fa4_canonical
 
     q, k, v, cu, train = packed
@@ -1054,11 +1055,15 @@ def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeyp
     qd = q[rows][:, None]
     seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=DEV)
     got = {}
-    for route in ("fa4", "triton"):
-        monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", route)
+    monkeypatch.setattr(fa4_canonical, "WALK_MIN_PROGRAMS", 0)
+    walks = {"walk": "merged", "walk_states": "states"} if page == 128 and not DRY else {}
+    for route in ("fa4", "triton", *walks):
+        monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", "triton" if route in walks else route)
+        monkeypatch.setattr(fa4_canonical, "DECODE_WALK", walks.get(route))
+        assert fa4_canonical.walk_routed(qd, k_cache, chunk) == (route in walks)
         got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
                                              split_kv=f"canonical:{chunk}")
-    assert bitwise_equal(got["fa4"][0], got["triton"][0]) and bitwise_equal(got["fa4"][1], got["triton"][1])
-    o, l = got["triton"]
-    for i, r in enumerate(rows):
-        assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), i
+    for route, (o, l) in got.items():
+        assert bitwise_equal(got["fa4"][0], o) and bitwise_equal(got["fa4"][1], l), route
+        for i, r in enumerate(rows):
+            assert bitwise_equal(o[i, 0], out[r]) and bitwise_equal(l[i, :, 0], lse[:, r]), (route, i)

@@ -215,6 +215,27 @@ STREAMS = 2
 # 11.5 us at 1 x 8k C = 1024 (canonical.json decode profile), so there the "fa4" route (~16.4
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (results/h200/canonical_history.md).
 DECODE_PAIRS = "triton"
+# Decode by FA4's chunk walk (kernels/fa4/walk.py: one program per (sequence, KV head), FA4's own
+# SM90 kernel closing a partial at every chunk boundary, merged in the program) where it applies
+# (walk.supported) and the batch alone fills the GPU: from WALK_MIN_PROGRAMS programs (batch x KV
+# heads). Below that the pair route's (chunk, sequence) parallelism is faster. "merged": the
+# walk's own merge (the formula of kernels/cpu/merge.py, checked bitwise against the merge op);
+# "states": the walk writes the partials and the merge op merges them; None: the pair route.
+DECODE_WALK = "merged"
+WALK_MIN_PROGRAMS = 256
+
+
+def walk_routed(q, k_cache, chunk_size) -> bool:
+    """Whether canonical:C decode of q goes through the walk (DECODE_WALK, walk.supported, WALK_MIN_PROGRAMS)."""
+    if DECODE_WALK is None:
+        return False
+    if DECODE_WALK not in ("merged", "states"):
+        raise ValueError(f"fa4 canonical.DECODE_WALK must be 'merged', 'states' or None, got {DECODE_WALK!r}")
+    from rlk_ops.kernels.fa4 import walk
+    arch = loader.note_device(loader.load(), q.device)
+    return walk.supported(q, k_cache, chunk_size, arch) and q.shape[0] * k_cache.shape[2] >= WALK_MIN_PROGRAMS
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
                                    attend_into=attend_into, streams=STREAMS)
@@ -231,10 +252,18 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
 
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
                                          attend_into=attend_into, attend_paged=paged_nonempty, merge=merge)
+    bsz, _, hq, d = q.shape
+    if walk_routed(q, k_cache, chunk_size):
+        from rlk_ops.kernels.fa4 import walk
+        if DECODE_WALK == "states":   # the walk's partials, merged by the merge op
+            _, _, pair_out, pair_lse = walk.decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
+                                                   chunk_size, merge=False)
+            return merge(pair_out, pair_lse, state_lens=walk.pair_lengths(seq_lens, pair_out.shape[0], chunk_size))
+        out, lse, _, _ = walk.decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size)
+        return out, lse
     from rlk_ops.kernels.triton import pair_decode as triton_pairs
     from rlk_ops.kernels.triton.merge import decode_pairs
 
-    bsz, _, hq, d = q.shape
     merge_kw = {}
     if DECODE_PAIRS not in ("triton", "fa4"):
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")

@@ -48,6 +48,13 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int, arch: str
             and chunk_size % TILE_N == 0)
 
 
+def pair_lengths(seq_lens: torch.Tensor, n: int, chunk_size: int) -> torch.Tensor:
+    """``[N, B]`` int32: sequence b's keys in chunk c, ``clamp(seq_lens[b] - c*C, 0, C)`` (0: a pair
+    the walk does not write, which the merge op skips)."""
+    starts = torch.arange(n, device=seq_lens.device, dtype=torch.int64)[:, None] * chunk_size
+    return (seq_lens.to(torch.int64)[None, :] - starts).clamp(0, chunk_size).to(torch.int32)
+
+
 # FA4's SM90 configuration for the pair call at DECODE_TILE (interface._get_fwd_config with
 # tile_mn given: its defaults mma_pv_is_rs=True, intra_wg_overlap=True; num_threads 384, 2 stages)
 _TILE_M = 64
