@@ -16,6 +16,14 @@ TRITON ?= triton==3.9.0
 # 'rows' and 'tile' had stopped compiling on the GPU while 3.9 still built them).
 TRITON_GPU ?= triton==3.6.0
 TRITON_GPU_DIR := .triton-gpu
+# FA4 and the CUTLASS DSL (CPU wheels: the DSL compiles for sm_90a without a GPU under FA4's fake
+# mode), beside the venv: the fourth pytest run of `make test` builds the FA4 chunk walk
+# (rlk_ops/kernels/fa4/walk_sm90.py) for sm_90a (tests/test_fa4_walk_compile.py). The versions
+# are the GPU machine's (../shared/gpu); the DSL's CUDA 12 libraries here, 13 there.
+CUTE_GPU ?= nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
+	nvidia-cutlass-dsl-libs-cu12==4.8.1 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 flash-attn-4==4.0.0b36 \
+	quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2
+CUTE_GPU_DIR := .cute-gpu
 DEVICE ?= cpu
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
@@ -28,6 +36,10 @@ $(VENV)/.stamp: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+$(CUTE_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
+	$(PY) -m pip install -q --no-deps --upgrade --target $(CUTE_GPU_DIR) $(CUTE_GPU)
+	touch $@
+
 $(TRITON_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_GPU_DIR) "$(TRITON_GPU)"
 	touch $@
@@ -37,10 +49,11 @@ setup: $(VENV)/.stamp
 demo: setup
 	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
-test: setup $(TRITON_GPU_DIR)/.stamp
+test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py
 	PYTHONPATH=$(TRITON_GPU_DIR) RLK_SM90_TRITON=$(subst triton==,,$(TRITON_GPU)) $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_sm90_compile.py
+	PYTHONPATH=$(CUTE_GPU_DIR):$(CUTE_GPU_DIR)/nvidia_cutlass_dsl/dsl_packages $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_fa4_walk_compile.py
 
 inspect: setup
 	$(PY) -m rlk_ops inspect
@@ -49,4 +62,4 @@ bench: setup
 	$(PY) benchmarks/dispatch.py
 
 clean:
-	rm -rf $(VENV) $(TRITON_GPU_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_GPU_DIR) $(CUTE_GPU_DIR) .pytest_cache .hypothesis
