@@ -2,7 +2,7 @@
 # The FA4 chunk walk (rlk_ops/kernels/fa4/walk.py) on the GPU machine, after the FA4 install
 # (.gpu/fa4a, .gpu/fa4b; the pytest-xdist wheels in .gpu/xd): its CUDA tests, then the probe
 # (benchmarks/probe_fa4_walk.py), then the Triton pair/walk CUDA tests (pair kernel at other G).
-# Usage (GPU machine): bash benchmarks/walk_fa4.sh COMMIT [PROBE_CASES]
+# Usage (GPU machine): [PAIRS=all|none|K] bash benchmarks/walk_fa4.sh COMMIT [PROBE_CASES]
 #   -> $OUT/walk_fa4_tests.log, $OUT/walk_fa4_probe.json, $OUT/pair_walk_tests.log
 set -u -o pipefail
 source /opt/rlk/env.sh
@@ -14,8 +14,8 @@ echo "walk tests rc=$?"; grep -E "passed|failed|Error|error" "$OUT/walk_fa4_test
 CASES=${2:-64x8192,64x32768} timeout 200 python3 benchmarks/probe_fa4_walk.py "$OUT/walk_fa4_probe.json" 2>&1 \
   | grep -v Warning | tail -6
 echo "probe rc=$?"
-if [ "${PAIRS:-1}" = 1 ]; then
+if [ "${PAIRS:-all}" != none ]; then   # PAIRS=all, or a -k filter (e.g. other_group_sizes)
   timeout 200 python3 -m pytest -m cuda -q -rfE -n 8 -p no:cacheprovider tests/test_triton_pair_decode.py \
-    tests/test_walk_decode.py > "$OUT/pair_walk_tests.log" 2>&1
+    tests/test_walk_decode.py ${PAIRS:+$( [ "$PAIRS" != all ] && echo "-k $PAIRS")} > "$OUT/pair_walk_tests.log" 2>&1
   echo "pair/walk rc=$?"; tail -3 "$OUT/pair_walk_tests.log"
 fi
