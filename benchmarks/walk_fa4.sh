@@ -9,7 +9,7 @@ source /opt/rlk/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /opt/rlk/site .gpu/xd/*.whl 2>/dev/null
 { echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$OUT/machine_walk.txt"
-timeout 200 python3 -m pytest -m cuda -q -rfE -x -p no:cacheprovider tests/test_fa4_walk.py > "$OUT/walk_fa4_tests.log" 2>&1
+timeout 240 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_fa4_walk.py tests/test_canonical_cuda.py -k "walk or pair_routes" > "$OUT/walk_fa4_tests.log" 2>&1
 echo "walk tests rc=$?"; grep -E "passed|failed|Error|error" "$OUT/walk_fa4_tests.log" | tail -15
 CASES=${2:-64x8192,64x32768} timeout 200 python3 benchmarks/probe_fa4_walk.py "$OUT/walk_fa4_probe.json" 2>&1 \
   | grep -v Warning | tail -6
