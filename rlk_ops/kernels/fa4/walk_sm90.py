@@ -184,8 +184,8 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
                               aux_data=aux_data, fastdiv_mods=fastdiv_mods)
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             pipeline_q.consumer_wait_w_index_phase(0, q_phase)
-            # chunks top to bottom; an empty sequence still takes FA4's one (fully masked) block,
-            # as the producer loads it: its partial is (0, -inf), which the merge skips
+            # chunks top to bottom; an empty sequence still takes one block (block -1, which FA4's
+            # producer loads for it), and its partial's lse is set to -inf below
             n_chunks = cutlass.max((n_block_max + CB - 1) // CB, 1)
             top_lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             top_lse.fill(-Float32.inf)
