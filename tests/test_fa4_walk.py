@@ -38,9 +38,12 @@ def _pairs_reference(q, kc, vc, table, sl, chunk):
     return out.view(n, q.shape[0], 1, q.shape[2], D), lse.view(n, q.shape[0], q.shape[2], 1), lens.view(n, -1)
 
 
-def _check(lens, chunk, seed):
+def _check(lens, chunk, seed, monkeypatch):
     import rlk_ops
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.fa4 import walk
+
+    monkeypatch.setattr(fa4_canonical, "DECODE_WALK", None)   # the op's reference: pairs + merge op
 
     q, kc, vc, table, sl = _inputs(lens, 128, seed=seed, device="cuda")
     out, lse, pout, plse = walk.decode(q, kc, vc, table, sl, D ** -0.5, chunk)
@@ -61,14 +64,38 @@ def _check(lens, chunk, seed):
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs an SM90 GPU with FA4 (the walk is compared with it)")
 @pytest.mark.parametrize("chunk", [128, 256, 768, 1024, 2048])
-def test_cuda_walk_equals_pairs_and_op(chunk):
-    _check([1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192], chunk, seed=chunk)
+def test_cuda_walk_equals_pairs_and_op(chunk, monkeypatch):
+    _check([1, 127, 128, 129, chunk - 1, chunk, chunk + 1, 3 * chunk + 200, 4100, 8192], chunk, seed=chunk,
+           monkeypatch=monkeypatch)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs an SM90 GPU with FA4 (the walk is compared with it)")
-def test_cuda_walk_empty_sequence_and_batch_64():
-    out, lse = _check([700, 0, 3, 1300], 512, seed=5)
+def test_cuda_walk_empty_sequence_and_batch_64(monkeypatch):
+    """An empty sequence (not the first: FA4's producer reads the table entry before its row) gives
+    out 0, lse -inf, as the merge of no states; the op refuses it, so the pairs + merge op
+    reference runs with value checks off."""
+    import rlk_ops
+    with rlk_ops.value_checks(False):
+        out, lse = _check([700, 0, 3, 1300], 512, seed=5, monkeypatch=monkeypatch)
     assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())
     gen = torch.Generator().manual_seed(9)
-    _check(torch.randint(1, 5000, (64,), generator=gen).tolist(), 768, seed=9)
+    _check(torch.randint(1, 5000, (64,), generator=gen).tolist(), 768, seed=9, monkeypatch=monkeypatch)
+
+
+def test_bad_arguments_are_named():
+    from rlk_ops.kernels.fa4 import walk
+
+    q, kc, vc, table, sl = _inputs([300, 40], 128, seed=0, device="cpu")
+    with pytest.raises(ValueError, match=r"seq_lens must be int32, got torch.int64"):
+        walk.decode(q, kc, vc, table, sl.long(), 1.0, 256)
+    with pytest.raises(ValueError, match=r"page_table must be int32"):
+        walk.decode(q, kc, vc, table.long(), sl, 1.0, 256)
+    with pytest.raises(ValueError, match=r"must share dtype"):
+        walk.decode(q, kc, vc.half(), table, sl, 1.0, 256)
+    with pytest.raises(ValueError, match=r"k_cache must be contiguous in its last dim"):
+        walk.decode(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc, table, sl, 1.0, 256)
+    with pytest.raises(ValueError, match=r"must have q's batch 2 rows"):
+        walk.decode(q, kc, vc, table, sl[:1], 1.0, 256)
+    with pytest.raises(ValueError, match=r"C a multiple of 128; got .* C 200"):
+        walk.decode(q, kc, vc, table, sl, 1.0, 200)

@@ -93,14 +93,42 @@ def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pai
     return fn
 
 
+def _check(q, k_cache, v_cache, page_table, seq_lens, chunk_size):
+    """What FA4's interface asserts for this call, and the walk's own shape rule, as errors naming
+    the argument (the op checks these before; a direct call gets them here)."""
+    def bad(msg):
+        raise ValueError(f"fa4 walk.decode: {msg}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.dtype != q.dtype:
+        bad(f"q {q.dtype}, k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
+            f"{v_cache.dtype} must share dtype, and the caches their shape")
+    for name, t in (("seq_lens", seq_lens), ("page_table", page_table)):
+        if t.dtype != torch.int32:
+            bad(f"{name} must be int32, got {t.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
+        if t.stride(-1) != 1:
+            bad(f"{name} must be contiguous in its last dim, got strides {tuple(t.stride())}")
+    if seq_lens.shape != (q.shape[0],) or page_table.shape[0] != q.shape[0]:
+        bad(f"seq_lens {tuple(seq_lens.shape)} and page_table {tuple(page_table.shape)} must have q's batch "
+            f"{q.shape[0]} rows")
+    if chunk_size % TILE_N or k_cache.shape[1] != TILE_N or q.shape[1] != 1:
+        bad(f"needs one query token, page size {TILE_N} and C a multiple of {TILE_N}; got q {tuple(q.shape)}, "
+            f"page size {k_cache.shape[1]}, C {chunk_size}")
+
+
 def decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size, merge=True):
     """canonical:C decode by the walk: ``(out [B, 1, Hq, D], lse [B, Hq, 1], pair_out [N, B, 1, Hq, D],
     pair_lse [N, B, Hq, 1])``, N = the chunk slots of ``page_table``'s width (canonical.pair_count).
     The pairs past a sequence's last chunk are not written (their lengths say they are empty).
-    ``merge=False``: out/lse are not the merged rows (the merge op takes the pairs instead)."""
+    ``merge=False``: out/lse are not the merged rows (the merge op takes the pairs instead).
+    ``seq_lens >= 1`` (the op checks it under value checks): for a 0, FA4's producer reads
+    ``page_table[b, -1]`` (as in FA4's single pass), before the table for b = 0; the row is then
+    out 0, lse -inf. Caches finite in every slot of a sequence's pages (FA4 reads whole pages)."""
+    _check(q, k_cache, v_cache, page_table, seq_lens, chunk_size)
     from flash_attn.cute.utils import AuxData
 
     from rlk_ops.kernels.cpu.canonical import pair_count
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
     bsz, _, hq, d = q.shape
     n = pair_count(page_table.shape[1], k_cache.shape[1], chunk_size)
     out = torch.empty_like(q)

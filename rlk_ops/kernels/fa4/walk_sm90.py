@@ -185,7 +185,7 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
             n_block_min, n_block_max = block_info.get_n_block_min_max(seqlen, m_block)
             pipeline_q.consumer_wait_w_index_phase(0, q_phase)
             # chunks top to bottom; an empty sequence still takes one block (block -1, which FA4's
-            # producer loads for it), and its partial's lse is set to -inf below
+            # producer loads for it, reading page_table[b, -1]: the op refuses seq_lens < 1)
             n_chunks = cutlass.max((n_block_max + CB - 1) // CB, 1)
             top_lse = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             top_lse.fill(-Float32.inf)
@@ -211,9 +211,9 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
                         h = head_idx * group + row
                         for j in cutlass.range_constexpr(n_cols):
                             mPairO[c, batch_idx, h, tOcO[r, j][1]] = rO_mn[r, j]
-                        # an empty sequence: FA4's producer loads block -1 (its TMA path) and its mask
-                        # keeps that block's columns, so the partial is (garbage, finite); the merge's
-                        # definition skips it (no keys), as the pair route does through its lengths
+                        # an empty sequence (block -1: FA4's mask takes it as block 0 and masks every
+                        # column, so finalize already gives -inf): no keys, skipped by the merge, as the
+                        # pair route skips it through its lengths; said here rather than left to the mask
                         lse_c = softmax.row_sum[r] if seqlen.seqlen_k > 0 else -Float32.inf
                         mPairLSE[c, batch_idx, h] = lse_c
                         top_lse[r] = utils.fmax(top_lse[r], lse_c)
