@@ -216,12 +216,17 @@ STREAMS = 2
 # us) beats "triton" (18.5); "triton" is faster at every other measured cell (results/h200/canonical_history.md).
 DECODE_PAIRS = "triton"
 # Decode by FA4's chunk walk (kernels/fa4/walk.py: one program per (sequence, KV head), FA4's own
-# SM90 kernel closing a partial at every chunk boundary, merged in the program) where it applies
-# (walk.supported) and the batch alone fills the GPU: from WALK_MIN_PROGRAMS programs (batch x KV
-# heads). Below that the pair route's (chunk, sequence) parallelism is faster. "merged": the
-# walk's own merge (the formula of kernels/cpu/merge.py, checked bitwise against the merge op);
-# "states": the walk writes the partials and the merge op merges them; None: the pair route.
-DECODE_WALK = "merged"
+# SM90 kernel closing a partial at every chunk boundary) where it applies (walk.supported) and
+# the batch has at least WALK_MIN_PROGRAMS programs (batch x KV heads). "merged": the walk's own
+# merge (the formula of kernels/cpu/merge.py, bitwise equal to the merge op on the GPU);
+# "states": the walk writes the partials and the merge op merges them; None (the default): the
+# pair route. Not routed: on an H100 (session 30, results/h100/session30/walk_fa4_probe.json,
+# page 128, C = 768, Hq 16 / Hkv 4, over FA4 single pass in the same run) the walk is slower
+# than the pair route: 64 x 8k merged 1.057x, states 1.019x, states + merge op 1.039x; 64 x 32k
+# 1.055x / 1.021x / 1.029x; the pair route (pairs + merge op) measured 1.020x / 1.018x on an
+# H100 in session 29 and 1.047x at 32 x 8k, 1.016x at 16 x 32k in this run. Every bit equal
+# (tests/test_fa4_walk.py, the route test in tests/test_canonical_cuda.py).
+DECODE_WALK = None
 WALK_MIN_PROGRAMS = 256
 
 

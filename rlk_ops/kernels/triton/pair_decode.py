@@ -739,22 +739,22 @@ def preloadable(k_cache: torch.Tensor, chunk_size: int) -> bool:
 def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
     """Where kernels/fa4/canonical.py may take this kernel ("keys" layout, prefetch 3) for a
     decode step: the shapes its bits were checked on against FA4's pair call on the GPU
-    (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, 4 query heads per
-    KV head (the only G the CUDA tests ran until session 29; they said "up to 8" before),
-    pages of ROUTED_PAGES tokens, C a multiple of the page size and of 128 with at most
+    (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, a (query heads per
+    KV head, page size) pair of ROUTED (G = 4 at pages 16, 128, 256, the CUDA tests' shape since
+    session 5; G = 1, 2, 5, 8 at pages 16 and 128, test_cuda_pairs_at_other_group_sizes, passed
+    on an H100 in session 30), C a multiple of the page size and of 128 with at most
     MAX_PRELOADED_BLOCKS key blocks, a cache of fewer than 2**31 elements. Never on the Triton
     interpreter: it has no PTX approximations, so its bits are not FA4's. Other shapes take the
-    FA4 pair route (same bits by construction: FA4's own kernel). The CUDA test
-    test_cuda_pairs_at_other_group_sizes checks G = 1, 2, 5, 8 for when they are to be routed."""
+    FA4 pair route (same bits by construction: FA4's own kernel)."""
     g = q.shape[2] // k_cache.shape[2]
     page = k_cache.shape[1]
     return (not C.INTERPRET and q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128
-            and g in ROUTED_GROUPS and page in ROUTED_PAGES
+            and page in ROUTED.get(g, ())
             and chunk_size % page == 0 and chunk_size % BLOCK_N == 0 and preloadable(k_cache, chunk_size))
 
 
-ROUTED_GROUPS = (4,)            # query heads per KV head checked against FA4's pair call on the GPU
-ROUTED_PAGES = (16, 128, 256)   # page sizes checked there
+# query heads per KV head -> the page sizes where the GPU checked the bits against FA4's pair call
+ROUTED = {4: (16, 128, 256), 1: (16, 128), 2: (16, 128), 5: (16, 128), 8: (16, 128)}
 
 
 # Head-dim slices while the pair programs are one wave (decode_launch): each (pair, KV head) on
