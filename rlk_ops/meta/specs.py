@@ -146,9 +146,9 @@ _FA4_PAGED = DeterminismSpec(
     True, True, True,
     notes="verified on sm90: num_splits=1, pack_gqa=True; decode (one query token, G = 4, head_dim 128) "
           "with 64x128 tiles, bitwise equal to the 128x128 tiles of the training forward; key blocks "
-          "visited last to first; canonical:C decode at G = 4 runs the (chunk, sequence) pairs on the "
-          "Triton pair kernel (kernels/triton/pair_decode.py), bitwise equal to FA4's pair call, then "
-          "the merge",
+          "visited last to first; canonical:C decode at G = 1, 2, 4, 5, 8 (pages 16 and 128; G = 4 also "
+          "256) runs the (chunk, sequence) pairs on the Triton pair kernel (kernels/triton/pair_decode.py), "
+          "bitwise equal to FA4's pair call, then the merge",
 )
 _add(OpSpec("attention_fwd", "attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_ARGS}) -> (Tensor, Tensor)",
             differentiable=True, backward=("attention_bwd",), backends={"cpu": _CPU_ATTN, "fa4": _FA4_ATTN}))
