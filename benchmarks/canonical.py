@@ -118,6 +118,16 @@ class Bench(Report):
         return {name: t["us"] for name, t in graph_times_us(fns, self.sh.target_ms, self.sh.reps,
                                                            max_calls=200).items()}
 
+    def timed_row(self, row: dict, fns: dict, ref: str = "fa4_strict") -> dict:
+        """``graph_us_many(fns)`` into ``row``: ``<name>_us`` each, and ``<name>_over_<ref>`` for
+        every other name (the ratios of one interleaved run). Returns row."""
+        for name, us in self.graph_us_many(fns).items():
+            row[f"{name}_us"] = round(us, 2)
+        for name in fns:
+            if name != ref:
+                row[f"{name}_over_{ref}"] = round(row[f"{name}_us"] / row[f"{ref}_us"], 4)
+        return row
+
     def eager_us(self, fns: dict) -> dict:
         """Median us per call of each fn, interleaved per repetition (eager, CUDA events)."""
         iters = {}

@@ -65,12 +65,7 @@ def main():
             fns["walk_states_merge"] = states_merge
         except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
             row["walk"] = f"failed: {type(e).__name__}: {str(e)[:800]}"
-        for name, us in b.graph_us_many(fns).items():
-            row[f"{name}_us"] = round(us, 2)
-        for name in ("op", "walk", "walk_states", "walk_states_merge", "read_flat"):
-            if f"{name}_us" in row:
-                row[f"{name}_over_fa4_strict"] = round(row[f"{name}_us"] / row["fa4_strict_us"], 4)
-        print(row, flush=True)
+        print(b.timed_row(row, fns), flush=True)
         res.append(row)
         write_rows(out, res)
 
