@@ -5,6 +5,8 @@ Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph repl
 (FA4 single pass, the line's reference), ``op`` (canonical:C through rlk::paged_attention as routed
 before the walk: pair kernel + merge op), ``walk`` (the walk, merging in the program), ``walk_states``
 (the walk writing its partials only, ``merge=False``), ``walk_states_merge`` (those + the merge op)
+``walk_carry`` / ``walk_carry_unroll4`` (the unrouted variants: walk.CARRY_OVERLAP, walk.MERGE_UNROLL;
+bits ``walk_carry_equal`` / ``walk_carry_unroll4_equal`` against the op and the plain walk's partials)
 and ``read_flat`` (every K/V byte read once). Bits first: ``walk_equal`` (out and lse torch.equal to
 the op's), ``walk_pairs_equal`` (every non-empty partial torch.equal to the routed pair kernel's).
 
@@ -12,6 +14,7 @@ Usage: [CASES=64x8192,64x32768] [CHUNK=768] python3 benchmarks/probe_fa4_walk.py
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,6 +32,27 @@ from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 CASES = tuple(tuple(int(x) for x in c.split("x"))
               for c in os.environ.get("CASES", "64x8192,64x32768").split(","))
 CHUNK = int(os.environ.get("CHUNK", "768"))
+
+
+@contextlib.contextmanager
+def walk_settings(walk, settings: dict):
+    """walk's module settings (CARRY_OVERLAP, MERGE_UNROLL) inside the block."""
+    old = {k: getattr(walk, k) for k in settings}
+    for k, v in settings.items():
+        setattr(walk, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(walk, k, v)
+
+
+def variant_fn(walk, settings, fn):
+    """fn run under walk_settings (its kernel compiled before the timing's graph capture)."""
+    def run():
+        with walk_settings(walk, settings):
+            return fn()
+    return run
 
 
 def main():
@@ -58,6 +82,18 @@ def main():
                                        and cb.beq(pl[full].reshape(-1), ref[1].view(n, bsz, sh.hq, 1)[full].reshape(-1)))
             fns["walk"] = lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c)
             fns["walk_states"] = lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False)
+
+            for tag, settings in (("carry", {"CARRY_OVERLAP": True}),
+                                  ("carry_unroll4", {"CARRY_OVERLAP": True, "MERGE_UNROLL": 4})):
+                try:  # the unrouted variants (walk.CARRY_OVERLAP, walk.MERGE_UNROLL): bits, then times
+                    with walk_settings(walk, settings):
+                        vo, vl, vpo, vpl = walk.decode(q, kc, vc, pt, sl, b.scale, c)
+                    row[f"walk_{tag}_equal"] = (cb.beq(vo.reshape(-1), ro.reshape(-1))
+                                                and cb.beq(vl.reshape(-1), rl.reshape(-1))
+                                                and cb.beq(vpo[full].reshape(-1), po[full].reshape(-1)))
+                    fns[f"walk_{tag}"] = variant_fn(walk, settings, lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c))
+                except Exception as e:  # noqa: BLE001 - recorded
+                    row[f"walk_{tag}"] = f"failed: {type(e).__name__}: {str(e)[:800]}"
 
             def states_merge():
                 _, _, po2, pl2 = walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False)

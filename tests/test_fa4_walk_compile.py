@@ -60,3 +60,16 @@ def test_walk_without_its_merge_builds_without_the_merge(monkeypatch):
     ptx = _ptx(monkeypatch, 768, merge=False)
     assert "cvt.rni.f32.f32" not in ptx and "div.rn.f64" not in ptx
     assert ptx.count("st.global.b16") == 64 and ptx.count("ld.global.b16") == 0
+
+
+def test_walk_variants_build(monkeypatch):
+    """The probe's unrouted variants (walk.CARRY_OVERLAP: the boundary step; walk.MERGE_UNROLL: the
+    merge's skips as selects, unrolled) build too; the boundary step closes a chunk in its own
+    branch, so the partial's stores appear twice."""
+    from rlk_ops.kernels.fa4 import walk
+
+    monkeypatch.setattr(walk, "CARRY_OVERLAP", True)
+    monkeypatch.setattr(walk, "MERGE_UNROLL", 4)
+    ptx = _ptx(monkeypatch, 768, merge=True)
+    assert ptx.count("st.global.b16") == 128 and "div.rn.f64" in ptx
+

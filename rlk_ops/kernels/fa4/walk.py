@@ -71,20 +71,28 @@ def _cute_args(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pa
             to_cute_tensor(page_table, assumed_align=4, leading_dim=1), AuxData(aux, None))
 
 
+# Variants of the walk for the probe (unrouted, unmeasured until a GPU runs them): CARRY_OVERLAP issues
+# the next chunk's first QK^T with the closing chunk's last PV (walk_sm90.boundary_step);
+# MERGE_UNROLL > 1 takes the in-program merge's skips as selects and unrolls it, so loads overlap.
+CARRY_OVERLAP = False
+MERGE_UNROLL = 1
+
+
 def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pair_lse, chunk_size, merge):
     import cutlass.cute as cute
     from flash_attn.cute.interface import torch2cute_dtype_map
 
     from rlk_ops.kernels.fa4.walk_sm90 import CanonicalWalkSm90
     d, group = q.shape[-1], q.shape[2] // k_cache.shape[2]
-    key = (q.dtype, d, group, chunk_size, bool(merge))
+    key = (q.dtype, d, group, chunk_size, bool(merge), bool(CARRY_OVERLAP), int(MERGE_UNROLL))
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = CanonicalWalkSm90(
             torch2cute_dtype_map[q.dtype], d, d, group, is_causal=True, is_local=False, pack_gqa=True,
             tile_m=_TILE_M, tile_n=TILE_N, num_stages=2, num_threads=384, Q_in_regs=False,
             intra_wg_overlap=True, mma_pv_is_rs=True, mask_mod=None, score_mod=None, has_aux_tensors=True,
-            q_subtile_factor=1, paged_kv_non_tma=False, chunk_blocks=chunk_size // TILE_N, merge=merge)
+            q_subtile_factor=1, paged_kv_non_tma=False, chunk_blocks=chunk_size // TILE_N, merge=merge,
+            carry_overlap=bool(CARRY_OVERLAP), merge_unroll=int(MERGE_UNROLL))
         qkvol, used, table, aux = _cute_args(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out,
                                              pair_lse)
         fn = _COMPILED[key] = cute.compile(
