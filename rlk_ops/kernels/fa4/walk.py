@@ -23,8 +23,15 @@ The producer is FA4's, unchanged: it loads the blocks top to bottom without a br
 chunk's keys are in flight while a chunk is finalized. Every step that makes a partial's bits is
 FA4's (the same methods, the same configuration as the pair call: tile, overlap, MMA variant).
 
-Only where it applies: sm90, one query token per sequence (decode), GQA packing, page size = FA4's
-key tile (128: its TMA path), no window, no sink, C a multiple of 128. ``supported`` says so.
+Measured (results/h100/session30/, H100): every partial equals FA4's pair call and the merged row
+the pairs + merge op route, bit for bit; at page 128, batch 64 it is slower than that route (merged
+1.055-1.057x FA4 single pass, the partials alone 1.019-1.021x), so kernels/fa4/canonical.py does
+not route it (DECODE_WALK None). CARRY_OVERLAP and MERGE_UNROLL below are the next variants, built
+and not yet run on a GPU.
+
+Only where it applies: sm90, head_dim 128, one query token per sequence (decode), G = 4 (where
+FA4's pair call takes the 64-row tile), page size = FA4's key tile (128: its TMA path), no window,
+no sink, C a multiple of 128. ``supported`` says so.
 
 The merge's arithmetic is written in PTX, one rounded instruction each (``mul.rn``, ``add.rn``,
 ``div.rn``, ``cvt.rni``...): a plain ``a * b + c`` may be contracted into an FMA by the compiler,
