@@ -12,8 +12,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /opt/rlk/site .gpu/xd/*.whl 2>/dev/null
 { echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-  > "$OUT/machine_${2}.txt"
-if [ "$2" = main ]; then
+  > "$OUT/machine_${2:-main}.txt"
+if [ "${2:-main}" = main ]; then
   if [ -d .gpu/fi3 ] && [ ! -d /opt/rlk/site/flashinfer ]; then
     mkdir -p .gpu/fiw && cp .gpu/fi3/install.sh .gpu/fiw/
     cat .gpu/fi1/fipart.* .gpu/fi2/fipart.* .gpu/fi3/fipart.* > .gpu/fiw/flashinfer_python-0.7.2.post1-py3-none-any.whl

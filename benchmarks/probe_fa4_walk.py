@@ -2,13 +2,13 @@
 against FA4 single pass (issue 8's line at page 128, batch 64) and the routed op (Triton pairs + merge).
 
 Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph replays): ``fa4_strict``
-(FA4 single pass, the line's reference), ``op`` (canonical:C through rlk::paged_attention as routed
-before the walk: pair kernel + merge op), ``walk`` (the walk, merging in the program), ``walk_states``
+(FA4 single pass, the line's reference), ``op`` (canonical:C through rlk::paged_attention as routed:
+fa4 canonical.DECODE_WALK decides), ``op_pairs`` (the op with DECODE_WALK None: pair kernel + merge op), ``walk`` (the walk, merging in the program), ``walk_states``
 (the walk writing its partials only, ``merge=False``), ``walk_states_merge`` (those + the merge op)
 ``walk_carry`` / ``walk_carry_unroll4`` (the unrouted variants: walk.CARRY_OVERLAP, walk.MERGE_UNROLL;
 bits ``walk_carry_equal`` / ``walk_carry_unroll4_equal`` against the op and the plain walk's partials)
 and ``read_flat`` (every K/V byte read once). Bits first: ``walk_equal`` (out and lse torch.equal to
-the op's), ``walk_pairs_equal`` (every non-empty partial torch.equal to the routed pair kernel's).
+the op's pair route, DECODE_WALK None), ``walk_pairs_equal`` (every non-empty partial torch.equal to the routed pair kernel's).
 
 Usage: [CASES=64x8192,64x32768] [CHUNK=768] python3 benchmarks/probe_fa4_walk.py OUT.json
 """
@@ -56,6 +56,7 @@ def variant_fn(walk, settings, fn):
 
 
 def main():
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
     from rlk_ops.kernels.fa4 import kernels as fa4
     from rlk_ops.kernels.fa4 import walk
 
@@ -71,9 +72,12 @@ def main():
                "kv_bytes": 2 * bsz * ctx * sh.hkv * sh.d * 2}
         fns = {"fa4_strict": lambda: fa4.paged_attention(q, kc, vc, pt, sl, b.scale),
                "op": lambda: rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}"),
+               "op_pairs": variant_fn(fa4_canonical, {"DECODE_WALK": None}, lambda: rlk_ops.paged_attention(
+                   q, kc, vc, pt, sl, split_kv=f"canonical:{c}")),
                "read_flat": lambda: read_flat(kc, vc)}
         try:
-            ro, rl = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
+            with walk_settings(fa4_canonical, {"DECODE_WALK": None}):   # the reference: pairs + merge op
+                ro, rl = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
             wo, wl, po, pl = walk.decode(q, kc, vc, pt, sl, b.scale, c)
             row["walk_equal"] = cb.beq(wo.reshape(-1), ro.reshape(-1)) and cb.beq(wl.reshape(-1), rl.reshape(-1))
             ref = pd.pair_decode(q, kc, vc, pt, sl, b.scale, c, **routed)
@@ -95,9 +99,9 @@ def main():
                 except Exception as e:  # noqa: BLE001 - recorded
                     row[f"walk_{tag}"] = f"failed: {type(e).__name__}: {str(e)[:800]}"
 
-            def states_merge():
+            def states_merge():  # as the "states" route runs it: the lengths computed every step
                 _, _, po2, pl2 = walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False)
-                return tm.merge_attn_states(po2, pl2, state_lens=ref[2].view(n, bsz))
+                return tm.merge_attn_states(po2, pl2, state_lens=walk.pair_lengths(sl, n, c))
             fns["walk_states_merge"] = states_merge
         except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
             row["walk"] = f"failed: {type(e).__name__}: {str(e)[:800]}"

@@ -2,14 +2,17 @@
 # The FA4 chunk walk (rlk_ops/kernels/fa4/walk.py) on the GPU machine, after the FA4 install
 # (.gpu/fa4a, .gpu/fa4b; the pytest-xdist wheels in .gpu/xd): its CUDA tests, then the probe
 # (benchmarks/probe_fa4_walk.py), then the Triton pair/walk CUDA tests (pair kernel at other G).
-# Usage (GPU machine): [PAIRS=none|all|K] bash benchmarks/walk_fa4.sh COMMIT [PROBE_CASES]
+# Usage (GPU machine): [PAIRS=none|all|K] [TESTS_K=...] bash benchmarks/walk_fa4.sh COMMIT [PROBE_CASES]
+#   COMMIT: the local tree's commit, typed out (the device's git metadata is stale). With the three walk
+#   variants the tests may need their own call: TESTS_K="plain or pair_routes", then TESTS_K="carry".
 #   -> $OUT/walk_fa4_tests.log, $OUT/walk_fa4_probe.json, $OUT/pair_walk_tests.log
 set -u -o pipefail
 source /opt/rlk/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /opt/rlk/site .gpu/xd/*.whl 2>/dev/null
-{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$OUT/machine_walk.txt"
-timeout 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_fa4_walk.py tests/test_canonical_cuda.py -k "walk or pair_routes" > "$OUT/walk_fa4_tests.log" 2>&1
+{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/machine_walk.txt"
+timeout 300 python3 -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_fa4_walk.py tests/test_canonical_cuda.py -k "${TESTS_K:-walk or pair_routes}" > "$OUT/walk_fa4_tests.log" 2>&1
 echo "walk tests rc=$?"; grep -E "passed|failed|Error|error" "$OUT/walk_fa4_tests.log" | tail -15
 CASES=${2:-64x8192,64x32768} timeout 200 python3 benchmarks/probe_fa4_walk.py "$OUT/walk_fa4_probe.json" 2>&1 \
   | grep -v Warning | tail -6

@@ -10,7 +10,12 @@ import torch
 
 from conftest import bitwise_equal
 
-from test_triton_pair_decode import D, HQ, _fa4_ready, _inputs  # noqa: E402
+from test_triton_pair_decode import D, HQ, _fa4_ready as _fa4_loads, _inputs  # noqa: E402
+
+
+def _fa4_ready():
+    """An SM90 GPU with FA4 (the walk is FA4's SM90 kernel)."""
+    return _fa4_loads() and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_supported_shapes():
@@ -79,11 +84,15 @@ def test_cuda_walk_equals_pairs_and_op(chunk, variant, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _fa4_ready(), reason="needs an SM90 GPU with FA4 (the walk is compared with it)")
-def test_cuda_walk_empty_sequence_and_batch_64(monkeypatch):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_walk_empty_sequence_and_batch_64(variant, monkeypatch):
     """An empty sequence (not the first: FA4's producer reads the table entry before its row) gives
     out 0, lse -inf, as the merge of no states; the op refuses it, so the pairs + merge op
-    reference runs with value checks off."""
+    reference runs with value checks off. (The skipped state's path of each merge variant.)"""
     import rlk_ops
+    from rlk_ops.kernels.fa4 import walk
+    for name, value in VARIANTS[variant].items():
+        monkeypatch.setattr(walk, name, value)
     with rlk_ops.value_checks(False):
         out, lse = _check([700, 0, 3, 1300], 512, seed=5, monkeypatch=monkeypatch)
     assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all())

@@ -50,7 +50,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int, arch: str
     call takes kernels.DECODE_TILE (sm90, head_dim 128, one query token, G = 4: the tile whose rows were
     measured equal to training's), page size = FA4's key tile, C a multiple of it."""
     from rlk_ops.kernels.fa4.kernels import DECODE_TILE, decode_tile
-    return (q.dim() == 4 and k_cache.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16)
+    return (q.dim() == 4 and k_cache.dim() == 4 and q.dtype == torch.bfloat16   # fp16: never run on a GPU
             and decode_tile(q, k_cache, arch) == DECODE_TILE and k_cache.shape[1] == TILE_N
             and chunk_size % TILE_N == 0)
 

@@ -125,7 +125,8 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
     def __init__(self, *args, chunk_blocks: int, merge: bool = True, carry_overlap: bool = False,
                  merge_unroll: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        assert self.intra_wg_overlap and self.pack_gqa and not self.is_local
+        # head_dim_v <= 128: FA4's rescale_O_before_gemm (on above 128) is not carried by boundary_step
+        assert self.intra_wg_overlap and self.pack_gqa and not self.is_local and self.tile_hdimv <= 128
         self.chunk_blocks = chunk_blocks
         self.merge = merge
         self.carry_overlap = carry_overlap
