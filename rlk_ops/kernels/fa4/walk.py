@@ -146,7 +146,7 @@ def decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
         softmax_scale = q.shape[-1] ** -0.5
     bsz, _, hq, d = q.shape
     n = pair_count(page_table.shape[1], k_cache.shape[1], chunk_size)
-    out = torch.empty_like(q)
+    out = torch.empty(bsz, 1, hq, d, dtype=q.dtype, device=q.device)   # contiguous, as FA4 allocates it
     lse = torch.empty(bsz, hq, 1, dtype=torch.float32, device=q.device)
     pair_out = torch.empty(n, bsz, hq, d, dtype=q.dtype, device=q.device)
     pair_lse = torch.empty(n, bsz, hq, dtype=torch.float32, device=q.device)
