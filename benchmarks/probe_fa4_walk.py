@@ -14,9 +14,9 @@ Usage: [CASES=64x8192,64x32768] [CHUNK=768] python3 benchmarks/probe_fa4_walk.py
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,23 +34,10 @@ CASES = tuple(tuple(int(x) for x in c.split("x"))
 CHUNK = int(os.environ.get("CHUNK", "768"))
 
 
-@contextlib.contextmanager
-def walk_settings(walk, settings: dict):
-    """walk's module settings (CARRY_OVERLAP, MERGE_UNROLL) inside the block."""
-    old = {k: getattr(walk, k) for k in settings}
-    for k, v in settings.items():
-        setattr(walk, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(walk, k, v)
-
-
-def variant_fn(walk, settings, fn):
-    """fn run under walk_settings (its kernel compiled before the timing's graph capture)."""
+def variant_fn(module, settings, fn):
+    """fn run with ``module``'s settings patched (its kernel compiled before the timing's graph capture)."""
     def run():
-        with walk_settings(walk, settings):
+        with mock.patch.multiple(module, **settings):
             return fn()
     return run
 
@@ -76,7 +63,7 @@ def main():
                    q, kc, vc, pt, sl, split_kv=f"canonical:{c}")),
                "read_flat": lambda: read_flat(kc, vc)}
         try:
-            with walk_settings(fa4_canonical, {"DECODE_WALK": None}):   # the reference: pairs + merge op
+            with mock.patch.multiple(fa4_canonical, DECODE_WALK=None):   # the reference: pairs + merge op
                 ro, rl = rlk_ops.paged_attention(q, kc, vc, pt, sl, split_kv=f"canonical:{c}")
             wo, wl, po, pl = walk.decode(q, kc, vc, pt, sl, b.scale, c)
             row["walk_equal"] = cb.beq(wo.reshape(-1), ro.reshape(-1)) and cb.beq(wl.reshape(-1), rl.reshape(-1))
@@ -90,7 +77,7 @@ def main():
             for tag, settings in (("carry", {"CARRY_OVERLAP": True}),
                                   ("carry_unroll4", {"CARRY_OVERLAP": True, "MERGE_UNROLL": 4})):
                 try:  # the unrouted variants (walk.CARRY_OVERLAP, walk.MERGE_UNROLL): bits, then times
-                    with walk_settings(walk, settings):
+                    with mock.patch.multiple(walk, **settings):
                         vo, vl, vpo, vpl = walk.decode(q, kc, vc, pt, sl, b.scale, c)
                     row[f"walk_{tag}_equal"] = (cb.beq(vo.reshape(-1), ro.reshape(-1))
                                                 and cb.beq(vl.reshape(-1), rl.reshape(-1))
