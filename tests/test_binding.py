@@ -7,6 +7,7 @@ variant changes one thing in the model or the run, never in the description.
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -192,7 +193,14 @@ def test_eps_on_one_side(train, variants):
         _fails(result, f"layer[0].{path}_norm.eps", SEMANTIC, 1e-6, 1e-5)
     # the model's own RMSNorms (outside attention: input, post-attention, final) passed the same eps:
     # also named, call by call
-    _fails(result, "model.qk_rmsnorm.args", SEMANTIC, ['{"eps": 1e-06}'] * 3, ['{"eps": 1e-05}'] * 3)
+    norms = ("layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight", "norm.weight")
+    _fails(result, "model.qk_rmsnorm.args", SEMANTIC, [_norm_call(1e-6, w) for w in norms],
+           [_norm_call(1e-5, w) for w in norms])
+
+
+def _norm_call(eps, weight):
+    """How the binding records a norm outside attention: its eps and the module parameter it takes."""
+    return json.dumps({"eps": eps, "params": {"weight": weight}}, sort_keys=True)
 
 
 def test_model_op_args_are_compared_call_by_call():
@@ -205,7 +213,8 @@ def test_model_op_args_are_compared_call_by_call():
     moved = bind(probe.describe_train(train_m, backward=False), _decode(roll_m))
     f = moved.failure("model.qk_rmsnorm.args")
     assert f is not None and f.tier == SEMANTIC, moved.summary()
-    assert f.train[0] == '{"eps": 0.01}' and f.rollout[2] == '{"eps": 0.01}' and len(f.train) == len(f.rollout) == 5
+    assert f.train[0] == _norm_call(0.01, "layers.0.input_layernorm.weight")
+    assert f.rollout[2] == _norm_call(0.01, "layers.1.input_layernorm.weight") and len(f.train) == len(f.rollout) == 5
 
     def no_final_norm(self, tokens, positions, cache, seqs, slot_mapping, trace=None):
         h = self.embed_tokens(tokens)
@@ -220,6 +229,46 @@ def test_model_op_args_are_compared_call_by_call():
     dropped = bind(probe.describe_train(m, backward=False), _decode(m, forward=no_final_norm))
     f = dropped.failure("model.qk_rmsnorm.args")
     assert f is not None and (len(f.train), len(f.rollout)) == (3, 2), dropped.summary()
+
+
+def _swapped_qk_norms(self, x, positions):
+    """Qwen3Attention._qkv with q normed by k_norm's weight and k by q_norm's (a wiring bug that
+    keeps every weight, eps and stage: only the graph's weight sources show it)."""
+    cfg = self.config
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = rlk_ops.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    n = x.shape[0]
+    q = rlk_ops.qk_rmsnorm(q.reshape(n, hq, d), self.k_norm.weight, cfg.rms_norm_eps)
+    k = rlk_ops.qk_rmsnorm(k.reshape(n, hkv, d), self.q_norm.weight, cfg.rms_norm_eps)
+    q = rlk_ops.rope(q, positions, cfg.rope_theta, cfg.rotary_dim)
+    k = rlk_ops.rope(k, positions, cfg.rope_theta, cfg.rotary_dim)
+    return q, k, v.reshape(n, hkv, d)
+
+
+def test_norm_weights_are_bound_by_their_module_path():
+    """Same checkpoint, same eps, same stages; the rollout's q and k norms take each other's
+    weight in layer 0: binding names the two weights (before, it passed while the logits differed).
+    A norm outside attention taking another layer's weight is named the same way."""
+    train_m, roll_m = _model(), _model()
+    assert probe.weights_id(train_m) == probe.weights_id(roll_m)
+    train = probe.describe_train(train_m, backward=False)
+    assert bind(train, _decode(train_m)).passed
+    attn = roll_m.layers[0].self_attn
+    attn._qkv = types.MethodType(_swapped_qk_norms, attn)
+    swapped = bind(train, _decode(roll_m))
+    assert swapped.comparable and not swapped.passed
+    _fails(swapped, "layer[0].q_norm.weight", SEMANTIC, "layers.0.self_attn.q_norm.weight",
+           "layers.0.self_attn.k_norm.weight")
+    _fails(swapped, "layer[0].k_norm.weight", SEMANTIC, "layers.0.self_attn.k_norm.weight",
+           "layers.0.self_attn.q_norm.weight")
+
+    other = _model()
+    other.layers[0].input_layernorm.forward = types.MethodType(
+        lambda self, x: rlk_ops.qk_rmsnorm(x, other.norm.weight, self.eps), other.layers[0].input_layernorm)
+    f = bind(train, _decode(other)).failure("model.qk_rmsnorm.args")
+    assert f is not None and f.tier == SEMANTIC
+    assert '"weight": "layers.0.input_layernorm.weight"' in f.train[0] and '"weight": "norm.weight"' in f.rollout[0]
 
 
 def test_auto_split_kv_on_one_side(train, variants):

@@ -53,6 +53,11 @@ class RlkNode:
     # tensor comes from a graph input or a non-movement op. Lets a reader follow the
     # q/k chain (projection -> norm -> rope -> attention) instead of guessing by order.
     producers: dict = field(default_factory=dict)
+    # Tensor arguments by schema name -> the graph input they are, followed back through
+    # views: a module parameter's dotted path under the compiled callable's root
+    # ("layers.0.self_attn.q_norm.weight"), or "input:<name>" for another input. Lets the
+    # binding see which weight feeds which norm, not only its eps.
+    sources: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -190,23 +195,58 @@ def _producer(val, produced: dict) -> list | None:
     return None
 
 
-def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict) -> tuple[dict, dict]:
-    args, producers = {}, {}
+def input_source(name: str) -> str:
+    """A Dynamo graph input's name as a source: ``l_self_modules_layers_modules_0_modules_q_norm_
+    parameters_weight_`` -> ``layers.0.q_norm.weight`` (the root object, ``self`` or a closure
+    variable, dropped, so two entry points over one model agree); any other input
+    ``input:<name>``."""
+    bare = name[2:] if name.startswith("l_") else name
+    bare = bare[:-1] if bare.endswith("_") else bare
+    for kind in ("_parameters_", "_buffers_"):
+        if kind in bare:
+            owner, leaf = bare.rsplit(kind, 1)
+            parts = owner.split("_modules_")[1:]   # [0]: the root
+            return ".".join([*parts, leaf])
+    return f"input:{bare}"
+
+
+def _source(val, inputs: dict) -> str | None:
+    while isinstance(val, torch.fx.Node):
+        if val in inputs:
+            return inputs[val]
+        name = getattr(val.target, "_opname", None)
+        if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload) and name in _PASS_THROUGH):
+            return None
+        val = val.args[0]
+    return None
+
+
+def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict,
+                 inputs: dict) -> tuple[dict, dict, dict]:
+    args, producers, sources = {}, {}, {}
     for pos, arg in enumerate(target._schema.arguments):
         val = _schema_value(node, arg, pos, via)
         if "Tensor" in str(arg.type):
             producers[arg.name] = _producer(val, produced)
+            src = _source(val, inputs)
+            if src is not None:
+                sources[arg.name] = src
         else:
             args[arg.name] = _scalar(val)
-    return args, producers
+    return args, producers, sources
 
 
 def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
-                  first_index: int = 0) -> list[RlkNode]:
+                  first_index: int = 0, input_names: list[str] | None = None) -> list[RlkNode]:
     """``first_index``: index of this graph's first rlk node in the report's list
-    (several graphs after a break), so ``producers`` indices point into that list."""
+    (several graphs after a break), so ``producers`` indices point into that list.
+    ``input_names``: the Dynamo graph's input names, one per placeholder of ``gm`` in order
+    (the AOT forward graph takes them in that order), for ``sources``."""
     nodes = []
     produced: dict[torch.fx.Node, int] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = ({ph: input_source(name) for ph, name in zip(placeholders, input_names)}
+              if input_names is not None and len(input_names) == len(placeholders) else {})
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -218,14 +258,14 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             name = target._schema.name.split("::")[1]
             spec = REGISTRY[name].as_dict()
             kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
-            args, producers = _call_record(node, target, via, produced)
+            args, producers, sources = _call_record(node, target, via, produced, inputs)
             produced[node] = first_index + len(nodes)
             nodes.append(RlkNode(
                 index=first_index + len(nodes), op=f"rlk::{name}", via=via,
                 tags=[str(t).split(".")[-1] for t in target.tags],
                 spec={"backends": spec["backends"], "mutates": spec["mutates"]},
                 inputs=[d for v in kw_vals for d in _describe(v)],
-                outputs=_describe(node.meta.get("val")), args=args, producers=producers))
+                outputs=_describe(node.meta.get("val")), args=args, producers=producers, sources=sources))
             continue
         if target is operator.getitem or _is_shape_math(node):
             continue
@@ -296,8 +336,12 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
         if backward and any(o.requires_grad for o in outs):
             sum(o.float().sum() for o in outs if o.requires_grad).backward()
     report.recompiles = len(dynamo_graphs) - report.graphs
-    for gm in first_fw:
-        report.forward.extend(analyse_graph(gm, "forward", report, len(report.forward)))
+    # the AOT forward graphs in the order Dynamo's graphs were compiled: their inputs named
+    # (for each rlk node's ``sources``) only when the two lists line up one to one
+    names = ([[n.name for n in g.graph.nodes if n.op == "placeholder"] for g in dynamo_graphs[:report.graphs]]
+             if len(first_fw) == report.graphs else [None] * len(first_fw))
+    for gm, input_names in zip(first_fw, names):
+        report.forward.extend(analyse_graph(gm, "forward", report, len(report.forward), input_names))
     for gm in first_bw:
         report.backward.extend(analyse_graph(gm, "backward", report, len(report.backward)))
     for i, n in enumerate(report.forward):

@@ -188,6 +188,7 @@ RULES: dict[str, Rule] = {
     "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED),
     "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED),
     "norm.eps": Rule(SEMANTIC, _want("rms_norm_eps", "eps")),
+    "norm.weight": Rule(SEMANTIC),
     "rope.theta": Rule(SEMANTIC, _want("rope_theta", "theta")),
     "rope.rotary_dim": Rule(SEMANTIC, _want("rotary_dim", "rotary_dim")),
     "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
@@ -217,6 +218,14 @@ def _shape(desc: str) -> tuple[str, list]:
     return dtype, [int(d) if d.isdigit() else d for d in dims.rstrip("]").split("x") if d]
 
 
+def _param(node: dict, arg: str) -> str | None:
+    """The module parameter ``node`` takes as ``arg`` (BoundaryReport sources: its dotted path
+    under the compiled callable's root), or None if the graph does not show one (older
+    side files carry no sources; a weight computed in the graph has none)."""
+    src = (node.get("sources") or {}).get(arg)
+    return src if src is not None and not src.startswith("input:") else None
+
+
 def _chain(nodes: list[dict], start, visited: set) -> tuple[list[str], list[dict], list[str]]:
     """Follow a tensor back from attention to its projection. Returns the stages in
     forward order, the norm/rope nodes' arguments (in order), and the op names."""
@@ -236,11 +245,12 @@ def _chain(nodes: list[dict], start, visited: set) -> tuple[list[str], list[dict
             args.append({"rope": node["args"]})
         elif name == "qk_rmsnorm":
             stages.append("rmsnorm")
-            args.append({"rmsnorm": node["args"]})
+            args.append({"rmsnorm": node["args"], "weight": _param(node, "weight")})
         elif name == "qk_norm_rope":  # fused: bitwise the two ops in sequence (its spec)
             stages += ["rope", "rmsnorm"]
             a = node["args"]
-            args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]}}, {"rmsnorm": {"eps": a["eps"]}}]
+            args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]}},
+                     {"rmsnorm": {"eps": a["eps"]}, "weight": _param(node, "q_weight" if out == 0 else "k_weight")}]
             cur = node["producers"].get("q" if out == 0 else "k")
             continue
         elif name == "linear":
@@ -320,6 +330,10 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             ropes = [x["rope"] for x in args if "rope" in x]
             absent = f"absent (no RMSNorm on the {name} path)"
             put(f"{L}.{name}_norm.eps", "norm.eps", _one([x["eps"] for x in norms], absent), f"{g}: rmsnorm args")
+            weights = [x["weight"] for x in args if "rmsnorm" in x]
+            put(f"{L}.{name}_norm.weight", "norm.weight",
+                Unobservable(f"the graph shows no module parameter as the {name} norm's weight")
+                if None in weights else _one(weights, absent), f"{g}: rmsnorm weight source (module path)")
             absent = f"absent (no RoPE on the {name} path)"
             put(f"{L}.{name}_rope.theta", "rope.theta", _one([x["theta"] for x in ropes], absent), f"{g}: rope args")
             put(f"{L}.{name}_rope.rotary_dim", "rope.rotary_dim", _one([x["rotary_dim"] for x in ropes], absent),
@@ -333,7 +347,9 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         # call in graph order (a set of distinct values let one side move an eps to another layer, or
         # drop a call whose values another call also had)
         if n["index"] not in visited and n["args"]:
-            rest.setdefault(n["op"], []).append(json.dumps(n["args"], sort_keys=True))
+            params = {a: _param(n, a) for a in (n.get("sources") or {}) if _param(n, a) is not None}
+            rest.setdefault(n["op"], []).append(json.dumps({**n["args"], **({"params": params} if params else {})},
+                                                           sort_keys=True))
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
@@ -694,6 +710,10 @@ def check_side(side, where: str) -> None:
                 if n["op"].split("::")[1] in _ATTENTION_OPS and (len(n["inputs"]) < 2 or len(n["outputs"]) < 2):
                     bad(f"{where_} ({n['op']})", "an attention node with q, k inputs and out, lse outputs",
                         {"inputs": n["inputs"], "outputs": n["outputs"]})
+                sources = n.get("sources")
+                if sources is not None and not (isinstance(sources, dict) and all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in sources.items())):
+                    bad(f"{where_}.sources", "an object of tensor argument -> source name (strings)", sources)
                 for arg, src in n["producers"].items():
                     if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
                             isinstance(x, int) for x in src) and 0 <= src[0] < len(nodes)):
