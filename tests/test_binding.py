@@ -271,6 +271,19 @@ def test_norm_weights_are_bound_by_their_module_path():
     assert '"weight": "layers.0.input_layernorm.weight"' in f.train[0] and '"weight": "norm.weight"' in f.rollout[0]
 
 
+def test_a_side_without_weight_sources_fails_closed(train, rollout):
+    """A side file written before the graphs named their parameters (no ``sources``) cannot show
+    which weight feeds the q/k norms: norm.weight is unobservable there, and binding fails."""
+    old = json.loads(json.dumps(rollout))
+    for e in old["entries"]:
+        for n in e["graph"]["forward"]:
+            n.pop("sources", None)
+    result = bind(train, old)
+    f = result.failure("layer[0].q_norm.weight")
+    assert f is not None and f.tier == SEMANTIC and not result.passed and result.comparable
+    assert isinstance(f.rollout, Unobservable) and "no module parameter" in f.rollout.reason
+
+
 def test_auto_split_kv_on_one_side(train, variants):
     result = bind(train, variants("auto"))
     f = _fails(result, "layer[0].attention.split_kv", SEMANTIC, "disabled", "auto")
@@ -724,6 +737,8 @@ def _malformed(side, path, value):
      r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < \d+, output\] pair"),
     (("entries", 0, "provenance", 0, "fallback"), None, r"entries\[0\].provenance\[0\] must be an object with "),
     (("plans",), ["x"], r"plans\[0\] must be an object with plan, got str 'x'"),
+    (("entries", 0, "graph", "forward", 0, "sources"), {"weight": 3},
+     r"entries\[0\].graph.forward\[0\].sources must be an object of tensor argument -> source name"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,
