@@ -253,7 +253,11 @@ def test_norm_weights_are_bound_by_their_module_path():
     train_m, roll_m = _model(), _model()
     assert probe.weights_id(train_m) == probe.weights_id(roll_m)
     train = probe.describe_train(train_m, backward=False)
-    assert bind(train, _decode(train_m)).passed
+    same = bind(train, _decode(train_m))
+    assert same.passed
+    linear = next(f for f in same.to_json()["fields"] if f["field"] == "model.linear.args")
+    assert [json.loads(c)["params"]["weight"] for c in linear["train"]] == [
+        "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight", "lm_head.weight"]
     attn = roll_m.layers[0].self_attn
     attn._qkv = types.MethodType(_swapped_qk_norms, attn)
     swapped = bind(train, _decode(roll_m))

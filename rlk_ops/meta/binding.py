@@ -343,11 +343,11 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     put("runtime.mode", "runtime.mode", _one(sorted(set(modes)), None), g + " attention op and q shape")
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
     rest: dict[str, list] = {}
-    for n in fwd:  # the model's other rlk ops (e.g. layer norms): their scalars must agree too, call by
-        # call in graph order (a set of distinct values let one side move an eps to another layer, or
-        # drop a call whose values another call also had)
-        if n["index"] not in visited and n["args"]:
-            params = {a: _param(n, a) for a in (n.get("sources") or {}) if _param(n, a) is not None}
+    for n in fwd:  # the model's other rlk ops (layer norms, o_proj, lm_head...): their scalars and the
+        # parameters they take must agree too, call by call in graph order (a set of distinct values let
+        # one side move an eps to another layer, or drop a call whose values another call also had)
+        params = {a: _param(n, a) for a in (n.get("sources") or {}) if _param(n, a) is not None}
+        if n["index"] not in visited and (n["args"] or params):
             rest.setdefault(n["op"], []).append(json.dumps({**n["args"], **({"params": params} if params else {})},
                                                            sort_keys=True))
     for op, args in rest.items():
