@@ -255,9 +255,9 @@ def test_norm_weights_are_bound_by_their_module_path():
     train = probe.describe_train(train_m, backward=False)
     same = bind(train, _decode(train_m))
     assert same.passed
-    linear = next(f for f in same.to_json()["fields"] if f["field"] == "model.linear.args")
-    assert [json.loads(c)["params"]["weight"] for c in linear["train"]] == [
-        "layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight", "lm_head.weight"]
+    norms = next(f for f in same.to_json()["fields"] if f["field"] == "model.qk_rmsnorm.args")
+    assert [json.loads(c)["params"]["weight"] for c in norms["rollout"]] == [
+        "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight", "norm.weight"]
     attn = roll_m.layers[0].self_attn
     attn._qkv = types.MethodType(_swapped_qk_norms, attn)
     swapped = bind(train, _decode(roll_m))
@@ -273,6 +273,44 @@ def test_norm_weights_are_bound_by_their_module_path():
     f = bind(train, _decode(other)).failure("model.qk_rmsnorm.args")
     assert f is not None and f.tier == SEMANTIC
     assert '"weight": "layers.0.input_layernorm.weight"' in f.train[0] and '"weight": "norm.weight"' in f.rollout[0]
+
+
+def test_weight_sources_are_the_model_parameters_they_are():
+    """Sources come from the parameters' identity in the module the entry point runs on, not from
+    Dynamo's mangled input names: a weight of another model (a closure) is not this model's; a
+    slice of a stacked weight has no single source (w[0] and w[1] are not both "w"); wrapper
+    segments (DDP's module., torch.compile's _orig_mod.) are dropped."""
+    from rlk_ops.compile.boundary import inspect_boundary, parameter_names
+
+    m, other = _model(), _model()
+    x = torch.randn(3, 4, TINY["head_dim"], dtype=torch.bfloat16)
+    norm = m.layers[0].self_attn.q_norm
+
+    def mine(self, x):
+        return rlk_ops.qk_rmsnorm(x, self.layers[0].self_attn.q_norm.weight, 1e-6)
+
+    def theirs(self, x):
+        return rlk_ops.qk_rmsnorm(x, other.layers[0].self_attn.q_norm.weight, 1e-6)
+
+    stacked = torch.nn.Parameter(torch.stack([norm.weight.detach()] * 2))
+    m.register_parameter("stacked", stacked)
+
+    def sliced(self, x):
+        return rlk_ops.qk_rmsnorm(x, self.stacked[1], 1e-6)
+
+    def source(fn):
+        return inspect_boundary(types.MethodType(fn, m), x, backward=False).forward[0].sources.get("weight")
+
+    assert source(mine) == "layers.0.self_attn.q_norm.weight"
+    assert source(theirs).startswith("input:")
+    assert source(sliced) is None
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+    names = parameter_names(Wrapper(m))
+    assert names[id(norm.weight)] == "layers.0.self_attn.q_norm.weight"
 
 
 def test_a_side_without_weight_sources_fails_closed(train, rollout):

@@ -15,6 +15,7 @@ first argument, and the ``copy_`` that writes the result back to the cache).
 """
 from __future__ import annotations
 
+import functools
 import json
 import operator
 from dataclasses import asdict, dataclass, field
@@ -54,9 +55,10 @@ class RlkNode:
     # q/k chain (projection -> norm -> rope -> attention) instead of guessing by order.
     producers: dict = field(default_factory=dict)
     # Tensor arguments by schema name -> the graph input they are, followed back through
-    # views: a module parameter's dotted path under the compiled callable's root
-    # ("layers.0.self_attn.q_norm.weight"), or "input:<name>" for another input. Lets the
-    # binding see which weight feeds which norm, not only its eps.
+    # views that keep the elements (and casts): a parameter or buffer of the module the compiled
+    # callable runs on, as its dotted path ("layers.0.self_attn.q_norm.weight", found by
+    # identity), or "input:<graph input name>" for anything else. Lets the binding see which
+    # weight feeds which norm, not only its eps.
     sources: dict = field(default_factory=dict)
 
 
@@ -195,19 +197,42 @@ def _producer(val, produced: dict) -> list | None:
     return None
 
 
-def input_source(name: str) -> str:
-    """A Dynamo graph input's name as a source: ``l_self_modules_layers_modules_0_modules_q_norm_
-    parameters_weight_`` -> ``layers.0.q_norm.weight`` (the root object, ``self`` or a closure
-    variable, dropped, so two entry points over one model agree); any other input
-    ``input:<name>``."""
-    bare = name[2:] if name.startswith("l_") else name
-    bare = bare[:-1] if bare.endswith("_") else bare
-    for kind in ("_parameters_", "_buffers_"):
-        if kind in bare:
-            owner, leaf = bare.rsplit(kind, 1)
-            parts = owner.split("_modules_")[1:]   # [0]: the root
-            return ".".join([*parts, leaf])
-    return f"input:{bare}"
+# Views that keep which elements are read (a slice or select of a stacked weight does not: w[0] and
+# w[1] would both be "w"), and dtype casts (fp32 master weights cast in the graph): a parameter
+# followed through these is still that parameter.
+_SAME_ELEMENTS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze",
+                  "unsqueeze", "alias", "clone", "contiguous", "detach", "_to_copy", "lift_fresh_copy"}
+# Wrapper modules whose attribute adds a path segment without changing the model (DDP, torch.compile,
+# FSDP, activation checkpointing): dropped, so a wrapped and a bare model name a parameter alike.
+_WRAPPER_SEGMENTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+
+def parameter_names(fn) -> dict[int, str]:
+    """id -> dotted path of every parameter and buffer of the module ``fn`` runs on (``fn`` itself,
+    a bound method's ``__self__``, or a ``functools.partial``'s first argument), wrapper segments
+    dropped; {} when there is none."""
+    root = fn
+    if isinstance(fn, functools.partial):
+        root = fn.args[0] if fn.args else None
+    elif not isinstance(fn, torch.nn.Module):
+        root = getattr(fn, "__self__", None)
+    if not isinstance(root, torch.nn.Module):
+        return {}
+    named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+    names: dict[int, str] = {}
+    for name, t in named:
+        names.setdefault(id(t), ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS))
+    return names
+
+
+def _agrees(val, shape, dtype) -> bool:
+    """An AOT graph input against a Dynamo graph input: both tensors (same dtype, rank, and every
+    dim that is a plain int on both sides) or both not. Symbolic dims are not compared: comparing
+    a SymInt with an int would specialize the graph's shapes (it guards on the value)."""
+    if not isinstance(val, torch.Tensor) or shape is None:
+        return not isinstance(val, torch.Tensor) and shape is None
+    return val.dtype == dtype and val.dim() == len(shape) and all(
+        a == b for a, b in zip(val.shape, shape) if type(a) is int and type(b) is int)
 
 
 def _source(val, inputs: dict) -> str | None:
@@ -215,7 +240,8 @@ def _source(val, inputs: dict) -> str | None:
         if val in inputs:
             return inputs[val]
         name = getattr(val.target, "_opname", None)
-        if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload) and name in _PASS_THROUGH):
+        if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload)
+                and name in _SAME_ELEMENTS):
             return None
         val = val.args[0]
     return None
@@ -237,16 +263,20 @@ def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict,
 
 
 def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
-                  first_index: int = 0, input_names: list[str] | None = None) -> list[RlkNode]:
+                  first_index: int = 0, input_names: list | None = None) -> list[RlkNode]:
     """``first_index``: index of this graph's first rlk node in the report's list
     (several graphs after a break), so ``producers`` indices point into that list.
-    ``input_names``: the Dynamo graph's input names, one per placeholder of ``gm`` in order
-    (the AOT forward graph takes them in that order), for ``sources``."""
+    ``input_names``: (source, shape, dtype) of the Dynamo graph's inputs, one per placeholder of
+    ``gm`` in order (the AOT forward graph takes them in that order), for ``sources``; used only
+    if every position agrees in shape and dtype."""
     nodes = []
     produced: dict[torch.fx.Node, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = ({ph: input_source(name) for ph, name in zip(placeholders, input_names)}
-              if input_names is not None and len(input_names) == len(placeholders) else {})
+    inputs = {}
+    if input_names is not None and len(input_names) == len(placeholders):
+        vals = [ph.meta.get("val") for ph in placeholders]
+        if all(_agrees(v, shape, dtype) for v, (_, shape, dtype) in zip(vals, input_names)):
+            inputs = {ph: src for ph, (src, _, _) in zip(placeholders, input_names)}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -311,12 +341,20 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
 
     aot_backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
     dynamo_graphs = []
+    dynamo_inputs = []
+    params = parameter_names(fn)
 
     def backend(gm, example_inputs):
         # Dynamo may call the backend again after restarting its analysis (e.g. when
         # AOT specialises a dynamic dim); only compilations that finish are graphs.
         compiled_fn = aot_backend(gm, example_inputs)
         dynamo_graphs.append(gm)
+        # each input as a source: the parameter it is (by identity), else the input's graph name
+        phs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        dynamo_inputs.append([
+            (params.get(id(t), f"input:{ph}"), tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+            else (f"input:{ph}", None, None) for ph, t in zip(phs, example_inputs)]
+            if len(phs) == len(example_inputs) else None)
         return compiled_fn
 
     counters = torch._dynamo.utils.counters
@@ -338,8 +376,7 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     report.recompiles = len(dynamo_graphs) - report.graphs
     # the AOT forward graphs in the order Dynamo's graphs were compiled: their inputs named
     # (for each rlk node's ``sources``) only when the two lists line up one to one
-    names = ([[n.name for n in g.graph.nodes if n.op == "placeholder"] for g in dynamo_graphs[:report.graphs]]
-             if len(first_fw) == report.graphs else [None] * len(first_fw))
+    names = dynamo_inputs[:report.graphs] if len(first_fw) == report.graphs else [None] * len(first_fw)
     for gm, input_names in zip(first_fw, names):
         report.forward.extend(analyse_graph(gm, "forward", report, len(report.forward), input_names))
     for gm in first_bw:

@@ -332,7 +332,9 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             put(f"{L}.{name}_norm.eps", "norm.eps", _one([x["eps"] for x in norms], absent), f"{g}: rmsnorm args")
             weights = [x["weight"] for x in args if "rmsnorm" in x]
             put(f"{L}.{name}_norm.weight", "norm.weight",
-                Unobservable(f"the graph shows no module parameter as the {name} norm's weight")
+                Unobservable(f"the graph shows no module parameter as the {name} norm's weight (a weight "
+                             "computed or sliced in the graph, graph inputs not matched to the model, or a "
+                             "side file without sources)")
                 if None in weights else _one(weights, absent), f"{g}: rmsnorm weight source (module path)")
             absent = f"absent (no RoPE on the {name} path)"
             put(f"{L}.{name}_rope.theta", "rope.theta", _one([x["theta"] for x in ropes], absent), f"{g}: rope args")
@@ -343,11 +345,12 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     put("runtime.mode", "runtime.mode", _one(sorted(set(modes)), None), g + " attention op and q shape")
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
     rest: dict[str, list] = {}
-    for n in fwd:  # the model's other rlk ops (layer norms, o_proj, lm_head...): their scalars and the
-        # parameters they take must agree too, call by call in graph order (a set of distinct values let
-        # one side move an eps to another layer, or drop a call whose values another call also had)
+    for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
+        # they take must agree too, call by call in graph order (a set of distinct values let one side move
+        # an eps to another layer, or drop a call whose values another call also had). Linears are left
+        # out: one side's fused weight (gate_up_proj) is the other's cat, which has no single source.
         params = {a: _param(n, a) for a in (n.get("sources") or {}) if _param(n, a) is not None}
-        if n["index"] not in visited and (n["args"] or params):
+        if n["index"] not in visited and n["args"]:   # ops with scalars (norms; linears: see above)
             rest.setdefault(n["op"], []).append(json.dumps({**n["args"], **({"params": params} if params else {})},
                                                            sort_keys=True))
     for op, args in rest.items():
