@@ -116,3 +116,16 @@ def test_bad_arguments_are_named():
         walk.decode(q, kc, vc, table, sl[:1], 1.0, 256)
     with pytest.raises(ValueError, match=r"C a multiple of 128; got .* C 200"):
         walk.decode(q, kc, vc, table, sl, 1.0, 200)
+
+
+def test_decode_walk_setting_is_checked(monkeypatch):
+    """fa4 canonical.DECODE_WALK: None (the default: the pair route), "merged" or "states"; anything
+    else is named before any kernel is looked up."""
+    from rlk_ops.kernels.fa4 import canonical as fa4_canonical
+
+    q = torch.zeros(2, 1, HQ, D, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 128, 4, D, dtype=torch.bfloat16)
+    assert fa4_canonical.DECODE_WALK is None and not fa4_canonical.walk_routed(q, kc, 768)
+    monkeypatch.setattr(fa4_canonical, "DECODE_WALK", "fused")
+    with pytest.raises(ValueError, match=r"DECODE_WALK must be 'merged', 'states' or None, got 'fused'"):
+        fa4_canonical.walk_routed(q, kc, 768)
