@@ -83,3 +83,16 @@ def test_walk_variants_build(monkeypatch):
     # unrolled: several chunks' loads and exps in the loop body (one chunk: 64 loads, 1 rint)
     assert ptx.count("ld.global.b16") > 2 * 64 and ptx.count("cvt.rni.f32.f32") > 2
 
+
+
+def test_walk_builds_with_three_kv_stages(monkeypatch):
+    """walk.NUM_STAGES = 3 (FA4's interface builds 2): the K/V pipeline one stage deeper (Q 16 KiB +
+    3 x (K + V) 64 KiB = 208 KiB of shared memory at tile 64 x 128; whether it launches and keeps the
+    bits is the GPU's test). The build differs from the 2-stage one only in its pipeline."""
+    from rlk_ops.kernels.fa4 import walk
+
+    two = _ptx(monkeypatch, 768, merge=True)
+    monkeypatch.setattr(walk, "NUM_STAGES", 3)
+    three = _ptx(monkeypatch, 768, merge=True)
+    assert ".target sm_90a" in three and three != two
+    assert three.count("st.global.b16") == 64 and three.count("div.rn.f64") == two.count("div.rn.f64")

@@ -83,6 +83,9 @@ def _cute_args(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pa
 # MERGE_UNROLL > 1 takes the in-program merge's skips as selects and unrolls it, so loads overlap.
 CARRY_OVERLAP = False
 MERGE_UNROLL = 1
+# K/V pipeline stages (FA4's interface builds its SM90 forward with 2). A stage count changes when a
+# block's keys arrive, not what is computed from them: the bits are checked on the GPU like the rest.
+NUM_STAGES = 2
 
 
 def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pair_lse, chunk_size, merge):
@@ -91,12 +94,12 @@ def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pai
 
     from rlk_ops.kernels.fa4.walk_sm90 import CanonicalWalkSm90
     d, group = q.shape[-1], q.shape[2] // k_cache.shape[2]
-    key = (q.dtype, d, group, chunk_size, bool(merge), bool(CARRY_OVERLAP), int(MERGE_UNROLL))
+    key = (q.dtype, d, group, chunk_size, bool(merge), bool(CARRY_OVERLAP), int(MERGE_UNROLL), int(NUM_STAGES))
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = CanonicalWalkSm90(
             torch2cute_dtype_map[q.dtype], d, d, group, is_causal=True, is_local=False, pack_gqa=True,
-            tile_m=_TILE_M, tile_n=TILE_N, num_stages=2, num_threads=384, Q_in_regs=False,
+            tile_m=_TILE_M, tile_n=TILE_N, num_stages=int(NUM_STAGES), num_threads=384, Q_in_regs=False,
             intra_wg_overlap=True, mma_pv_is_rs=True, mask_mod=None, score_mod=None, has_aux_tensors=True,
             q_subtile_factor=1, paged_kv_non_tma=False, chunk_blocks=chunk_size // TILE_N, merge=merge,
             carry_overlap=bool(CARRY_OVERLAP), merge_unroll=int(MERGE_UNROLL))
