@@ -5,11 +5,9 @@ Per case, in one interleaved run (canonical.Bench.graph_us_many, CUDA-graph repl
 (FA4 single pass, the line's reference), ``op`` (canonical:C through rlk::paged_attention as routed:
 fa4 canonical.DECODE_WALK decides), ``op_pairs`` (the op with DECODE_WALK None: pair kernel + merge
 op), ``walk`` (the walk, merging in the program), ``walk_states`` (the walk writing its partials only,
-``merge=False``; ``walk_states_s3`` with 3 K/V stages), ``walk_states_merge`` (those + the merge op),
-``walk_<variant>`` for the unrouted VARIANTS below (walk.CARRY_OVERLAP, walk.MERGE_UNROLL,
-walk.NUM_STAGES; bits ``walk_<variant>_equal`` against the op and the plain walk's partials),
-``single_walk`` / ``single_walk_s3`` (one chunk holding the whole sequence, no merge: what 3 stages
-give a single pass, so that a faster walk is not credited to the chunking)
+``merge=False``), ``walk_states_merge`` (those + the merge op), ``single_walk`` (one chunk holding
+the whole sequence, no merge: the walk's structure without its chunk boundaries; session 31 also
+timed three variants, since removed: results/h100/session31/)
 and ``read_flat`` (every K/V byte read once). Bits first: ``walk_equal`` (out and lse torch.equal to
 the op's pair route, DECODE_WALK None), ``walk_pairs_equal`` (every non-empty partial torch.equal to the routed pair kernel's).
 
@@ -35,11 +33,6 @@ from rlk_ops.kernels.triton import pair_decode as pd  # noqa: E402
 CASES = tuple(tuple(int(x) for x in c.split("x"))
               for c in os.environ.get("CASES", "64x8192,64x32768").split(","))
 CHUNK = int(os.environ.get("CHUNK", "768"))
-# the unrouted walk variants timed (walk.CARRY_OVERLAP, walk.MERGE_UNROLL, walk.NUM_STAGES)
-VARIANTS = (("carry", {"CARRY_OVERLAP": True}),
-            ("carry_unroll4", {"CARRY_OVERLAP": True, "MERGE_UNROLL": 4}),
-            ("stages3", {"NUM_STAGES": 3}),
-            ("carry_unroll4_stages3", {"CARRY_OVERLAP": True, "MERGE_UNROLL": 4, "NUM_STAGES": 3}))
 
 
 def variant_fn(module, settings, fn):
@@ -82,29 +75,14 @@ def main():
             fns["walk"] = lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c)
             fns["walk_states"] = lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False)
 
-            for tag, settings in VARIANTS:
-                try:  # the unrouted variants (walk.CARRY_OVERLAP, walk.MERGE_UNROLL): bits, then times
-                    with mock.patch.multiple(walk, **settings):
-                        vo, vl, vpo, vpl = walk.decode(q, kc, vc, pt, sl, b.scale, c)
-                    row[f"walk_{tag}_equal"] = (cb.beq(vo.reshape(-1), ro.reshape(-1))
-                                                and cb.beq(vl.reshape(-1), rl.reshape(-1))
-                                                and cb.beq(vpo[full].reshape(-1), po[full].reshape(-1)))
-                    fns[f"walk_{tag}"] = variant_fn(walk, settings, lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c))
-                except Exception as e:  # noqa: BLE001 - recorded
-                    row[f"walk_{tag}"] = f"failed: {type(e).__name__}: {str(e)[:800]}"
-
             def states_merge():  # as the "states" route runs it: the lengths computed every step
                 _, _, po2, pl2 = walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False)
                 return tm.merge_attn_states(po2, pl2, state_lens=walk.pair_lengths(sl, n, c))
             fns["walk_states_merge"] = states_merge
             # the walk over one chunk holding the whole sequence, without its merge: FA4's single pass plus
-            # one partial's store, at 2 and 3 K/V stages (what the deeper pipeline gives a single pass)
+            # one partial's store (what the walk's own structure costs, apart from its chunk boundaries)
             whole = pt.shape[1] * 128
-            for tag, stages in (("single_walk", 2), ("single_walk_s3", 3)):
-                fns[tag] = variant_fn(walk, {"NUM_STAGES": stages},
-                                      lambda: walk.decode(q, kc, vc, pt, sl, b.scale, whole, merge=False))
-            fns["walk_states_s3"] = variant_fn(walk, {"NUM_STAGES": 3},
-                                               lambda: walk.decode(q, kc, vc, pt, sl, b.scale, c, merge=False))
+            fns["single_walk"] = lambda: walk.decode(q, kc, vc, pt, sl, b.scale, whole, merge=False)
         except Exception as e:  # noqa: BLE001 - recorded: the walk did not build or run here
             row["walk"] = f"failed: {type(e).__name__}: {str(e)[:800]}"
         print(b.timed_row(row, fns), flush=True)

@@ -3,8 +3,7 @@
 # (.gpu/fa4a, .gpu/fa4b; the pytest-xdist wheels in .gpu/xd): its CUDA tests, then the probe
 # (benchmarks/probe_fa4_walk.py), then the Triton pair/walk CUDA tests (pair kernel at other G).
 # Usage (GPU machine): [PAIRS=none|all|K] [TESTS_K=...] bash benchmarks/walk_fa4.sh COMMIT [PROBE_CASES]
-#   COMMIT: the local tree's commit, typed out (the device's git metadata is stale). With the three walk
-#   variants the tests may need their own call: TESTS_K="plain or pair_routes", then TESTS_K="carry".
+#   COMMIT: the local tree's commit, typed out (the device's git metadata is stale).
 #   PROBE_CASES: BxCTX,... (default 64x8192,64x32768), or none to run the tests only.
 #   -> $OUT/walk_fa4_tests.log, $OUT/walk_fa4_probe.json, $OUT/pair_walk_tests.log
 set -u -o pipefail

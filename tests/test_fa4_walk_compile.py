@@ -68,31 +68,3 @@ def test_walk_without_its_merge_builds_without_the_merge(monkeypatch):
     ptx = _ptx(monkeypatch, 768, merge=False)
     assert "cvt.rni.f32.f32" not in ptx and "div.rn.f64" not in ptx
     assert ptx.count("st.global.b16") == 64 and ptx.count("ld.global.b16") == 0
-
-
-def test_walk_variants_build(monkeypatch):
-    """The probe's unrouted variants (walk.CARRY_OVERLAP: the boundary step; walk.MERGE_UNROLL: the
-    merge's skips as selects, unrolled) build too; the boundary step closes a chunk in its own
-    branch, so the partial's stores appear twice."""
-    from rlk_ops.kernels.fa4 import walk
-
-    monkeypatch.setattr(walk, "CARRY_OVERLAP", True)
-    monkeypatch.setattr(walk, "MERGE_UNROLL", 4)
-    ptx = _ptx(monkeypatch, 768, merge=True)
-    assert ptx.count("st.global.b16") == 128 and "div.rn.f64" in ptx
-    # unrolled: several chunks' loads and exps in the loop body (one chunk: 64 loads, 1 rint)
-    assert ptx.count("ld.global.b16") > 2 * 64 and ptx.count("cvt.rni.f32.f32") > 2
-
-
-
-def test_walk_builds_with_three_kv_stages(monkeypatch):
-    """walk.NUM_STAGES = 3 (FA4's interface builds 2): the K/V pipeline one stage deeper (Q 16 KiB +
-    3 x (K + V) 64 KiB = 208 KiB of shared memory at tile 64 x 128; whether it launches and keeps the
-    bits is the GPU's test). The build differs from the 2-stage one only in its pipeline."""
-    from rlk_ops.kernels.fa4 import walk
-
-    two = _ptx(monkeypatch, 768, merge=True)
-    monkeypatch.setattr(walk, "NUM_STAGES", 3)
-    three = _ptx(monkeypatch, 768, merge=True)
-    assert ".target sm_90a" in three and three != two
-    assert three.count("st.global.b16") == 64 and three.count("div.rn.f64") == two.count("div.rn.f64")

@@ -23,11 +23,16 @@ The producer is FA4's, unchanged: it loads the blocks top to bottom without a br
 chunk's keys are in flight while a chunk is finalized. Every step that makes a partial's bits is
 FA4's (the same methods, the same configuration as the pair call: tile, overlap, MMA variant).
 
-Measured (results/h100/session30/, H100): every partial equals FA4's pair call and the merged row
-the pairs + merge op route, bit for bit; at page 128, batch 64 it is slower than that route (merged
-1.055-1.057x FA4 single pass, the partials alone 1.019-1.021x), so kernels/fa4/canonical.py does
-not route it (DECODE_WALK None). CARRY_OVERLAP and MERGE_UNROLL below are the next variants, built
-and not yet run on a GPU.
+Measured (results/h100/session30/ and session31/, H100; page 128, batch 64, over FA4 single pass in
+the same run): every partial equals FA4's pair call and the merged row the pairs + merge op route,
+bit for bit. It is slower than that route: merged 1.055x at C = 768 (1.033 at 1536, 1.029 at 2048),
+the partials alone 1.020 / 1.011 / 1.006, against the routed pairs + merge 1.017-1.030. So
+kernels/fa4/canonical.py does not route it (DECODE_WALK None). Closing a partial costs about 0.2% per
+chunk boundary; the merge in the program a fixed ~2.3-3.5% (sixteen threads hold the query's rows,
+and each chunk's step waits on global loads while the SM has nothing else to run). The walk over one
+chunk holding the whole sequence costs nothing over FA4 (0.9997-1.0021x). Three variants were built
+and measured in session 31 and removed: the next chunk's first QK^T issued with the closing chunk's
+last PV (no change), the merge unrolled with selects (1.07-1.19x), 3 K/V pipeline stages (+0.4-1.2%).
 
 Only where it applies: sm90, head_dim 128, one query token per sequence (decode), G = 4 (where
 FA4's pair call takes the 64-row tile), page size = FA4's key tile (128: its TMA path), no window,
@@ -78,15 +83,6 @@ def _cute_args(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pa
             to_cute_tensor(page_table, assumed_align=4, leading_dim=1), AuxData(aux, None))
 
 
-# Variants of the walk for the probe (unrouted, unmeasured until a GPU runs them): CARRY_OVERLAP issues
-# the next chunk's first QK^T with the closing chunk's last PV (walk_sm90.boundary_step);
-# MERGE_UNROLL > 1 takes the in-program merge's skips as selects and unrolls it, so loads overlap.
-CARRY_OVERLAP = False
-MERGE_UNROLL = 1
-# K/V pipeline stages (FA4's interface builds its SM90 forward with 2). A stage count changes when a
-# block's keys arrive, not what is computed from them: the bits are checked on the GPU like the rest.
-NUM_STAGES = 2
-
 
 def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pair_lse, chunk_size, merge):
     import cutlass.cute as cute
@@ -94,15 +90,14 @@ def _compiled(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out, pai
 
     from rlk_ops.kernels.fa4.walk_sm90 import CanonicalWalkSm90
     d, group = q.shape[-1], q.shape[2] // k_cache.shape[2]
-    key = (q.dtype, d, group, chunk_size, bool(merge), bool(CARRY_OVERLAP), int(MERGE_UNROLL), int(NUM_STAGES))
+    key = (q.dtype, d, group, chunk_size, bool(merge))
     fn = _COMPILED.get(key)
     if fn is None:
         kernel = CanonicalWalkSm90(
             torch2cute_dtype_map[q.dtype], d, d, group, is_causal=True, is_local=False, pack_gqa=True,
-            tile_m=_TILE_M, tile_n=TILE_N, num_stages=int(NUM_STAGES), num_threads=384, Q_in_regs=False,
+            tile_m=_TILE_M, tile_n=TILE_N, num_stages=2, num_threads=384, Q_in_regs=False,
             intra_wg_overlap=True, mma_pv_is_rs=True, mask_mod=None, score_mod=None, has_aux_tensors=True,
-            q_subtile_factor=1, paged_kv_non_tma=False, chunk_blocks=chunk_size // TILE_N, merge=merge,
-            carry_overlap=bool(CARRY_OVERLAP), merge_unroll=int(MERGE_UNROLL))
+            q_subtile_factor=1, paged_kv_non_tma=False, chunk_blocks=chunk_size // TILE_N, merge=merge)
         qkvol, used, table, aux = _cute_args(q, k_cache, v_cache, out, lse, seq_lens, page_table, pair_out,
                                              pair_lse)
         fn = _COMPILED[key] = cute.compile(

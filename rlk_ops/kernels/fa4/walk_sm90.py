@@ -14,7 +14,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Float64, Int32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import utils
@@ -122,15 +121,11 @@ def log_f32(x: Float32) -> Float32:
 class CanonicalWalkSm90(FlashAttentionForwardSm90):
     """FA4's SM90 forward whose consumer walks canonical:C chunks (module docstring)."""
 
-    def __init__(self, *args, chunk_blocks: int, merge: bool = True, carry_overlap: bool = False,
-                 merge_unroll: int = 1, **kwargs):
+    def __init__(self, *args, chunk_blocks: int, merge: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        # head_dim_v <= 128: FA4's rescale_O_before_gemm (on above 128) is not carried by boundary_step
-        assert self.intra_wg_overlap and self.pack_gqa and not self.is_local and self.tile_hdimv <= 128
+        assert self.intra_wg_overlap and self.pack_gqa and not self.is_local
         self.chunk_blocks = chunk_blocks
         self.merge = merge
-        self.carry_overlap = carry_overlap
-        self.merge_unroll = merge_unroll
 
     @cute.jit
     def close_chunk(self, c, softmax, acc_O, tOcO, mPairO, mPairLSE, batch_idx, head_idx, seqlen_k, top_lse):
@@ -153,39 +148,6 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
                 lse_c = softmax.row_sum[r] if seqlen_k > 0 else -Float32.inf
                 mPairLSE[c, batch_idx, h] = lse_c
                 top_lse[r] = utils.fmax(top_lse[r], lse_c)
-
-    @cute.jit
-    def boundary_step(self, smem_pipe_read, mma_qk_fn, mma_pv_fn, pipeline_k, pipeline_v, tOrP, smem_copy_params,
-                      softmax, close_chunk):
-        """``carry_overlap``: the step across a chunk boundary. The next chunk's top block's QK^T is
-        issued with the closing chunk's last PV (as FA4's overlapped step issues a block's QK^T with
-        the previous block's PV); once the PV is done, ``close_chunk`` finalizes and stores the
-        closing chunk; then the new block's softmax starts the next chunk (``is_first``, FA4's first
-        block: its P rounded as ``first_half_block_overlap`` rounds it). The arithmetic of both chunks
-        is the non-overlapped sequence's (last_half, finalize, first_half); only the issue order
-        differs. The top block of a chunk below the sequence's last is whole and unmasked."""
-        smem_pipe_read_v = smem_pipe_read.clone()
-        smem_pipe_read.advance()
-        pipeline_k.consumer_wait(smem_pipe_read, pipeline_k.consumer_try_wait(smem_pipe_read))
-        self.warp_scheduler_barrier_sync()
-        acc_S = mma_qk_fn(B_idx=smem_pipe_read.index, wg_wait=-1)
-        pipeline_v.consumer_wait(smem_pipe_read_v, pipeline_v.consumer_try_wait(smem_pipe_read_v))
-        mma_pv_fn(B_idx=smem_pipe_read_v.index, wg_wait=-1)
-        self.warp_scheduler_barrier_arrive()
-        warpgroup.wait_group(0)
-        pipeline_k.consumer_release(smem_pipe_read)
-        pipeline_v.consumer_release(smem_pipe_read_v)
-        close_chunk()
-        softmax.online_softmax(acc_S, is_first=True)
-        tOrP_acc = layout_utils.reshape_acc_to_frgA(acc_S)
-        tOrP_cur = tOrP if const_expr(self.mma_pv_is_rs) else cute.make_rmem_tensor_like(tOrP_acc, self.dtype)
-        tOrP_cur.store(tOrP_acc.load().to(self.dtype))
-        if const_expr(not self.mma_pv_is_rs):
-            cute.copy(smem_copy_params.smem_thr_copy_P, smem_copy_params.smem_thr_copy_P.retile(tOrP_cur),
-                      smem_copy_params.tPsP)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_warp()
-        return smem_pipe_read
 
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, mO, mLSE, sQ, sK, sVt, sP, sO, learnable_sink, pipeline_k,
@@ -252,31 +214,18 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
             close = partial(self.close_chunk, softmax=softmax, acc_O=acc_O, tOcO=tOcO, mPairO=mPairO,
                             mPairLSE=mPairLSE, batch_idx=batch_idx, head_idx=head_idx, seqlen_k=seqlen.seqlen_k,
                             top_lse=top_lse)
-            if const_expr(self.carry_overlap):
-                kv_state = first(n_block=n_block_max - 1, seqlen=seqlen, kv_consumer_state=kv_state,
-                                 mask_fn=partial(mask_fn, mask_mod=None), score_mod_fn=None, is_first_block=True)
             for ci in cutlass.range(n_chunks, unroll=1):
                 c = n_chunks - 1 - ci
                 hi = cutlass.min(n_block_max, (c + 1) * CB)
-                if const_expr(not self.carry_overlap):
-                    kv_state = first(n_block=hi - 1, seqlen=seqlen, kv_consumer_state=kv_state,
-                                     mask_fn=partial(mask_fn, mask_mod=None), score_mod_fn=None, is_first_block=True)
+                kv_state = first(n_block=hi - 1, seqlen=seqlen, kv_consumer_state=kv_state,
+                                 mask_fn=partial(mask_fn, mask_mod=None), score_mod_fn=None, is_first_block=True)
                 started = False
                 for n_tile in cutlass.range(hi - 1 - c * CB, unroll=1):
                     kv_state = step(kv_state, n_block=hi - 2 - n_tile, seqlen=seqlen,
                                     mma_pv_fn=partial(mma_pv_fn, zero_init=not started), mask_fn=None)
                     started = True
-                if const_expr(self.carry_overlap):
-                    if ci < n_chunks - 1:
-                        kv_state = self.boundary_step(kv_state, mma_qk_fn, partial(mma_pv_fn, zero_init=not started),
-                                                      pipeline_k, pipeline_v, tOrP, smem_copy, softmax,
-                                                      partial(close, c))
-                    else:
-                        kv_state = last(kv_consumer_state=kv_state, zero_init=not started)
-                        close(c)
-                else:
-                    kv_state = last(kv_consumer_state=kv_state, zero_init=not started)
-                    close(c)
+                kv_state = last(kv_consumer_state=kv_state, zero_init=not started)
+                close(c)
             pipeline_q.consumer_release_w_index(0)
             q_phase ^= 1
             if const_expr(self.merge):
@@ -291,28 +240,14 @@ class CanonicalWalkSm90(FlashAttentionForwardSm90):
                         h = head_idx * group + row
                         m = top_lse[r]
                         m_safe = m if m != -Float32.inf else Float32(0.0)
-                        if const_expr(self.merge_unroll == 1):
-                            for c in cutlass.range(n_chunks, unroll=1):
-                                lse_c = mPairLSE[c, batch_idx, h]
-                                if lse_c != -Float32.inf:
-                                    w = exp_f32(f32op("sub", lse_c, m_safe))
-                                    total = f32op("add", total, w)
-                                    for j in cutlass.range_constexpr(n_cols):
-                                        o = Float32(mPairO[c, batch_idx, h, tOcO[r, j][1]])
-                                        acc_mn[r, j] = f32op("add", acc_mn[r, j], f32op("mul", w, o))
-                        else:
-                            # the same steps with selects for the skip, so a chunk's loads wait on
-                            # nothing and merge_unroll chunks' loads are in flight together (every
-                            # chunk below n_chunks was written; a skipped one's values are unused)
-                            for c in cutlass.range(n_chunks, unroll=self.merge_unroll):
-                                lse_c = mPairLSE[c, batch_idx, h]
-                                present = lse_c != -Float32.inf
+                        for c in cutlass.range(n_chunks, unroll=1):
+                            lse_c = mPairLSE[c, batch_idx, h]
+                            if lse_c != -Float32.inf:
                                 w = exp_f32(f32op("sub", lse_c, m_safe))
-                                total = f32op("add", total, w) if present else total
+                                total = f32op("add", total, w)
                                 for j in cutlass.range_constexpr(n_cols):
                                     o = Float32(mPairO[c, batch_idx, h, tOcO[r, j][1]])
-                                    acc_mn[r, j] = (f32op("add", acc_mn[r, j], f32op("mul", w, o)) if present
-                                                    else acc_mn[r, j])
+                                    acc_mn[r, j] = f32op("add", acc_mn[r, j], f32op("mul", w, o))
                         for j in cutlass.range_constexpr(n_cols):
                             acc_mn[r, j] = f32op("div", acc_mn[r, j], total) if total != 0.0 else Float32(0.0)
                         softmax.row_sum[r] = f32op("add", m, log_f32(total))
