@@ -1062,8 +1062,16 @@ def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeyp
         monkeypatch.setattr(fa4_canonical, "DECODE_PAIRS", "triton" if route in walks else route)
         monkeypatch.setattr(fa4_canonical, "DECODE_WALK", walks.get(route))
         assert fa4_canonical.walk_routed(qd, k_cache, chunk) == (route in walks)
-        got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
-                                             split_kv=f"canonical:{chunk}")
+        with provenance.capture() as log:
+            got[route] = rlk_ops.paged_attention(qd, k_cache, v_cache, table[seqs], seq_lens,
+                                                 split_kv=f"canonical:{chunk}")
+        # provenance names what computed the pairs inside the fa4 backend (the merge: its own record)
+        from rlk_ops.kernels.triton import pair_decode
+        kernel = ("fa4.walk" if route in walks else "triton.pair_decode"
+                  if route == "triton" and pair_decode.routable(qd, k_cache, chunk) else "fa4")
+        merged_apart = set() if route == "walk" else {("merge_attn_states", "triton", "triton")}
+        assert {(r.op, r.actual_backend, r.kernel) for r in log.records()} == {
+            ("paged_attention", "fa4", kernel), *merged_apart}, route
     for route, (o, l) in got.items():
         assert bitwise_equal(got["fa4"][0], o) and bitwise_equal(got["fa4"][1], l), route
         for i, r in enumerate(rows):

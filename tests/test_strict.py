@@ -19,6 +19,42 @@ def test_default_is_strict_and_records_provenance():
         "attention_fwd", "cpu", "cpu", False, 1)
 
 
+def test_records_name_the_kernel_a_backend_noted(monkeypatch):
+    """``kernel``: the backend's name, or what the backend's code noted for that call (the fa4
+    canonical decode notes Triton's pair kernel). An op's kernel that calls another dispatched op
+    keeps its own note; a kernel that raised leaves no note behind for the next call."""
+    from rlk_ops.kernels import cpu as cpu_pkg
+    from rlk_ops.kernels import dispatch
+
+    plain = cpu_pkg.paged_attention
+    lse = torch.randn(2, 1, 4, 1)
+
+    def noted(*args, **kwargs):
+        provenance.note_kernel("test.outer")
+        rlk_ops.merge_attn_states(torch.randn(2, 1, 1, 4, 8), lse)   # nested: its record says "cpu"
+        provenance.note_kernel("test.second")
+        provenance.note_kernel("test.outer")
+        if args[1].shape[1] == 3:
+            raise ValueError("refused")
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_pkg, "paged_attention", noted)
+    monkeypatch.setattr(dispatch, "_cache", {})
+    kc = torch.randn(4, 4, 2, 8)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 8)
+    with provenance.capture() as log:
+        rlk_ops.paged_attention(q, kc, kc, table, torch.tensor([5, 3], dtype=torch.int32))
+        with pytest.raises(ValueError, match="refused"):
+            rlk_ops.paged_attention(q, kc[:, :3], kc[:, :3], table, torch.tensor([5, 3], dtype=torch.int32))
+        rlk_ops.attention(*_qkv())
+    got = {(r.op, r.actual_backend, r.kernel, r.calls) for r in log.records()}
+    assert got == {("paged_attention", "cpu", "test.outer+test.second", 1), ("merge_attn_states", "cpu", "cpu", 2),
+                   ("attention_fwd", "cpu", "cpu", 1)}
+    provenance.note_kernel("outside")   # no dispatched call: nothing to note into, nothing raised
+    assert all(r.as_dict()["kernel"] for r in log.records())
+
+
 def test_strict_refuses_unavailable_backend():
     with rlk_ops.use_backend(attention_fwd="flashinfer"), provenance.capture() as log:
         with pytest.raises(rlk_ops.StrictModeError, match=r"rlk::attention_fwd on cpu: backend 'flashinfer' "

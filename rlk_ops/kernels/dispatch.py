@@ -214,8 +214,12 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
     if run is None:
         @functools.wraps(fn)  # (its attributes too, e.g. the merge's accepts_state_lens)
         def run(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            provenance.record(*record)  # once it has run: a call the kernel refused ran nothing
+            provenance.begin_call()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                kernel = provenance.end_call()
+            provenance.record(*record, kernel)  # once it has run: a call the kernel refused ran nothing
             return out
 
         _cache[key] = run

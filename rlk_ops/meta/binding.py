@@ -15,7 +15,7 @@ from each side and classifies every one:
              and domain, reduction order, split-KV policy and executed plan, the q/k path
              (RMSNorm eps, RoPE theta / rotary_dim / rotate-half), fallbacks, the
              determinism spec of every executed backend, blocking environment settings.
-* RECORDED   free to differ, reported: mode (prefill/decode), page size, backend ids
+* RECORDED   free to differ, reported: mode (prefill/decode), page size, backend and kernel ids
              whose numerics class is the same, compile on/off, strict flag, leaks.
 
 Fail closed: a field nobody observed is UNOBSERVABLE, which fails its tier (an op in a
@@ -185,7 +185,7 @@ RULES: dict[str, Rule] = {
     "attention.p_rounding": Rule(SEMANTIC, _want("p_rounding", "P rounding")),
     "attention.reduction_order": Rule(SEMANTIC),
     "attention.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict"),
-    "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED),
+    "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED), "attention.kernel": Rule(RECORDED),
     "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED),
     "norm.eps": Rule(SEMANTIC, _want("rms_norm_eps", "eps")),
     "norm.weight": Rule(SEMANTIC),
@@ -370,11 +370,15 @@ def _backend_facts(put, L, op, node, recs, plans, policy, dtype):
     src = "provenance of the executed calls"
     if not recs:
         why = Unobservable(f"{node['op']} is in the graph but no call was recorded: compiled, never executed")
-        for f in ("backend", "fallback", "accumulation", "p_rounding", "lse_domain", "reduction_order", "split_plan"):
+        for f in ("backend", "kernel", "fallback", "accumulation", "p_rounding", "lse_domain", "reduction_order",
+                  "split_plan"):
             put(f"{L}.attention.{f}", f"attention.{f}", why, src)
         return
     put(f"{L}.attention.backend", "attention.backend",
         _one(sorted({f"{r['requested_backend']}->{r['actual_backend']}" for r in recs}), None), src)
+    # what computed it inside the backend (provenance.note_kernel; older records: the backend's own)
+    put(f"{L}.attention.kernel", "attention.kernel",
+        _one(sorted({r.get("kernel") or r["actual_backend"] for r in recs}), None), src)
     falls = [f"requested {r['requested_backend']}, ran {r['actual_backend']}: {r['fallback_reason']}"
              for r in recs if r["fallback"]]
     put(f"{L}.attention.fallback", "attention.fallback", _one(falls, False), src)

@@ -1,9 +1,16 @@
 """Provenance: which backend actually ran each rlk op, and on what.
 
 The dispatch point (``kernels/dispatch.py``) records one entry per distinct
-(op, requested backend, actual backend, fallback, device) with a call count, when the
+(op, requested backend, actual backend, fallback, device, kernel) with a call count, when the
 kernel returns (a call the kernel refused ran nothing). Records are cheap (a dict update
 per call) and always on; ``capture()`` scopes them.
+
+``kernel`` is what computed the call inside its backend: the backend's name when the backend ran
+its own kernel, else what the backend's code said through ``note_kernel`` (the fa4 backend's
+canonical decode runs Triton's pair kernel where that kernel's shapes allow: "triton.pair_decode";
+FA4's chunk walk, where routed: "fa4.walk"). It names what computed the values: a kernel that only
+lays data out (the fa4 pair route's Triton ``decode_pairs``, before FA4 computes the pairs) is not
+named, and another rlk op called inside (the merge) has its own record.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class CallRecord:
     fallback: bool
     fallback_reason: str | None
     device: str
+    kernel: str | None = None   # None: the backend's own (records from before kernels were noted)
     calls: int = 0
 
     def as_dict(self) -> dict:
@@ -40,12 +48,13 @@ class ProvenanceLog:
         self._lock = threading.Lock()
 
     def record(self, op: str, requested: str, actual: str, fallback: bool,
-               reason: str | None, device: str) -> None:
-        key = (op, requested, actual, fallback, device)
+               reason: str | None, device: str, kernel: str | None = None) -> None:
+        kernel = kernel or actual
+        key = (op, requested, actual, fallback, device, kernel)
         with self._lock:  # the count too: ``+=`` on an attribute is a read and a write
             rec = self._records.get(key)
             if rec is None:
-                rec = self._records[key] = CallRecord(op, requested, actual, fallback, reason, device)
+                rec = self._records[key] = CallRecord(op, requested, actual, fallback, reason, device, kernel)
             rec.calls += 1
 
     def records(self) -> list[CallRecord]:
@@ -68,12 +77,42 @@ def current() -> ProvenanceLog:
     return _stack[-1]
 
 
-def record(op: str, requested: str, actual: str, fallback: bool, reason: str | None, device: str) -> None:
+def record(op: str, requested: str, actual: str, fallback: bool, reason: str | None, device: str,
+           kernel: str | None = None) -> None:
     """Into every open log: the process-wide one and each enclosing ``capture()``. (Into the
     innermost only, a capture opened inside another, e.g. the binding probe's, hid its calls and
     fallbacks from the outer one and from ``current()`` afterwards.)"""
     for log in tuple(_stack):
-        log.record(op, requested, actual, fallback, reason, device)
+        log.record(op, requested, actual, fallback, reason, device, kernel)
+
+
+# The kernels noted by the dispatched call running on this thread, innermost call last: an op's
+# kernel may call another dispatched op (the fa4 canonical decode calls the merge op), whose notes
+# are its own.
+_calls = threading.local()
+
+
+def begin_call() -> None:
+    """The dispatch wrapper, before it runs a kernel: a fresh note for this call."""
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    stack.append([])
+
+
+def end_call() -> str | None:
+    """The dispatch wrapper, after the kernel returned or raised: what it noted ("a+b" for several,
+    in order, each once), or None."""
+    names = _calls.stack.pop()
+    return "+".join(dict.fromkeys(names)) or None
+
+
+def note_kernel(name: str) -> None:
+    """Called by a backend's code: ``name`` computed (part of) the current dispatched call. Outside
+    a dispatched call (a kernel called directly) there is no record, and nothing to note."""
+    stack = getattr(_calls, "stack", None)
+    if stack:
+        stack[-1].append(name)
 
 
 @contextlib.contextmanager

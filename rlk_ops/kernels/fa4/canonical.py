@@ -47,6 +47,7 @@ from rlk_ops.kernels.cpu import canonical
 from rlk_ops.kernels.dispatch import kernel_for
 from rlk_ops.kernels.fa4 import loader
 from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
+from rlk_ops.meta import provenance
 
 
 def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
@@ -260,6 +261,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     bsz, _, hq, d = q.shape
     if walk_routed(q, k_cache, chunk_size):
         from rlk_ops.kernels.fa4 import walk
+        provenance.note_kernel("fa4.walk")
         if DECODE_WALK == "states":   # the walk's partials, merged by the merge op
             _, _, pair_out, pair_lse = walk.decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                    chunk_size, merge=False)
@@ -275,6 +277,7 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
         launch = triton_pairs.step_launch(q, k_cache, n)
+        provenance.note_kernel("triton.pair_decode")
         out, lse, pair_lens, n = triton_pairs.pair_decode(q, k_cache, v_cache, page_table, seq_lens, softmax_scale,
                                                           chunk_size, layout="keys", **launch)
         # the merge dispatch hands over is the Triton backend's wrapper (kernels/triton/__init__.py), which
