@@ -559,34 +559,6 @@ def test_public_arguments_take_numpy_scalars():
     assert torch.equal(compiled(x, pos), rlk_ops.rope(x, pos, 1e4, 8))
 
 
-RD_NUMPY = 8
-
-
-@pytest.mark.parametrize("where", ["global", "inside"])
-def test_numpy_int_and_bool_arguments_under_compile_are_named(where, monkeypatch):
-    """An int or bool argument given as a numpy scalar (or a tensor) has no known value while Dynamo
-    traces: under fullgraph the rotary_dim of a global np.int64 failed in inductor
-    (GuardOnDataDependentSymNode), np.int64(8) made inside, and a causal np.bool_, broke the graph.
-    Now the argument is named; without fullgraph the frame runs eagerly, with eager's bits."""
-    np = pytest.importorskip("numpy")
-    monkeypatch.setitem(globals(), "RD_NUMPY", np.int64(8))
-    x, pos = torch.randn(3, 2, 8), torch.arange(3)
-    q = torch.randn(1, 3, 2, 8)
-    rope = ((lambda a, p: rlk_ops.rope(a, p, 1e4, RD_NUMPY)) if where == "global"
-            else (lambda a, p: rlk_ops.rope(a, p, 1e4, np.int64(8))))
-    attend = lambda a: rlk_ops.attention(a, a, a, causal=np.bool_(False))[0]   # noqa: E731
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"rlk::rope: rotary_dim must be a Python int under torch.compile, got "
-                                        r"ndarray .*pass int\(rotary_dim\)"):
-        torch.compile(rope, fullgraph=True)(x, pos)
-    with pytest.raises(Exception, match=r"rlk::attention_fwd: causal must be a Python bool under torch.compile"):
-        torch.compile(attend, fullgraph=True)(q)
-    # (backend "eager": inductor's CPU codegen of the traced np.int64(8) itself fails to compile here)
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(rope, backend="eager")(x, pos), rlk_ops.rope(x, pos, 1e4, 8))
-    assert torch.equal(torch.compile(attend, backend="eager")(q), rlk_ops.attention(q, q, q, causal=False)[0])
-
-
 def test_append_of_rows_that_require_grad_is_refused_before_writing():
     """k or v requiring grad: the append once wrote K and then failed on V (a cache view taken
     under no_grad), or wrote both and left the cache requiring grad, so that every later append

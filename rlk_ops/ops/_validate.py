@@ -89,24 +89,10 @@ def float_arg(op: str, name: str, value) -> float:
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
 
 
-def _traced(op: str, name: str, value, kind: str) -> None:
-    """Under torch.compile a numpy scalar (or a tensor) arrives as an array whose value is not known
-    while tracing: int()/bool() of it became a graph break, or an unbacked integer that the op's int
-    argument could not take (inductor failed with GuardOnDataDependentSymNode). Named instead; with
-    fullgraph=False, Dynamo runs the frame eagerly, where the value converts."""
-    if torch.compiler.is_compiling():
-        fail(op, f"{name} must be a Python {kind} under torch.compile, got {type(value).__name__} (a numpy "
-                 f"scalar or a tensor is traced as an array whose value is not known while tracing); "
-                 f"pass {kind}({name})")
-
-
 def int_arg(op: str, name: str, value) -> int:
-    """An integer (int, numpy integer; not bool) that fits in int64, as an int. Under torch.compile
-    a Python int only (``_traced``)."""
+    """An integer (int, numpy integer; not bool) that fits in int64, as an int."""
     if isinstance(value, torch.SymInt):
         return value
-    if not isinstance(value, int):
-        _traced(op, name, value, "int")
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -120,12 +106,9 @@ def int_arg(op: str, name: str, value) -> int:
 
 def bool_arg(op: str, name: str, value) -> bool:
     """A bool, or a value equal to 0 or 1 that converts to one: an int, a numpy scalar, a 0-d
-    tensor or array (not a string, None, or a sequence, which ``bool()`` would take). Under
-    torch.compile a Python bool or int only (``_traced``)."""
+    tensor or array (not a string, None, or a sequence, which ``bool()`` would take)."""
     if isinstance(value, bool):
         return value
-    if not isinstance(value, (int, torch.SymInt, torch.SymBool)):   # (symbolic: bool() guards on it)
-        _traced(op, name, value, "bool")
     if value is None or isinstance(value, (str, bytes, list, tuple, dict)):
         fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
     try:
