@@ -778,6 +778,8 @@ def _malformed(side, path, value):
     (("entries", 0, "graph", "forward", 1, "producers", "x"), [99, 0],
      r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < \d+, output\] pair"),
     (("entries", 0, "provenance", 0, "fallback"), None, r"entries\[0\].provenance\[0\] must be an object with "),
+    (("entries", 0, "provenance", 0, "kernel"), [1], r"entries\[0\].provenance\[0\].kernel must be a string or "
+                                                     r"null, got list \[1\]"),
     (("plans",), ["x"], r"plans\[0\] must be an object with plan, got str 'x'"),
     (("entries", 0, "graph", "forward", 0, "sources"), {"weight": 3},
      r"entries\[0\].graph.forward\[0\].sources must be an object of tensor argument -> source name"),

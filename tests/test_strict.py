@@ -21,24 +21,33 @@ def test_default_is_strict_and_records_provenance():
 
 def test_records_name_the_kernel_a_backend_noted(monkeypatch):
     """``kernel``: the backend's name, or what the backend's code noted for that call (the fa4
-    canonical decode notes Triton's pair kernel). An op's kernel that calls another dispatched op
-    keeps its own note; a kernel that raised leaves no note behind for the next call."""
+    canonical decode notes Triton's pair kernel), each name once, in order. A nested dispatched op
+    keeps its own notes, also when it raises and the outer kernel goes on (its slot is popped: the
+    outer kernel's next note is the outer call's). A call that raised is not recorded."""
     from rlk_ops.kernels import cpu as cpu_pkg
     from rlk_ops.kernels import dispatch
 
-    plain = cpu_pkg.paged_attention
-    lse = torch.randn(2, 1, 4, 1)
+    plain_paged, plain_merge = cpu_pkg.paged_attention, cpu_pkg.merge_attn_states
 
-    def noted(*args, **kwargs):
+    def merge(out, lse, *args, **kwargs):
+        provenance.note_kernel("test.inner")
+        if out.shape[0] == 3:
+            raise ValueError("inner refused")
+        return plain_merge(out, lse, *args, **kwargs)
+
+    def paged(*args, **kwargs):
         provenance.note_kernel("test.outer")
-        rlk_ops.merge_attn_states(torch.randn(2, 1, 1, 4, 8), lse)   # nested: its record says "cpu"
-        provenance.note_kernel("test.second")
+        rlk_ops.merge_attn_states(torch.randn(2, 1, 1, 4, 8), torch.randn(2, 1, 4, 1))
+        with pytest.raises(ValueError, match="inner refused"):
+            rlk_ops.merge_attn_states(torch.randn(3, 1, 1, 4, 8), torch.randn(3, 1, 4, 1))
+        provenance.note_kernel("test.after")
         provenance.note_kernel("test.outer")
         if args[1].shape[1] == 3:
             raise ValueError("refused")
-        return plain(*args, **kwargs)
+        return plain_paged(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_pkg, "paged_attention", noted)
+    monkeypatch.setattr(cpu_pkg, "paged_attention", paged)
+    monkeypatch.setattr(cpu_pkg, "merge_attn_states", merge)
     monkeypatch.setattr(dispatch, "_cache", {})
     kc = torch.randn(4, 4, 2, 8)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
@@ -49,10 +58,11 @@ def test_records_name_the_kernel_a_backend_noted(monkeypatch):
             rlk_ops.paged_attention(q, kc[:, :3], kc[:, :3], table, torch.tensor([5, 3], dtype=torch.int32))
         rlk_ops.attention(*_qkv())
     got = {(r.op, r.actual_backend, r.kernel, r.calls) for r in log.records()}
-    assert got == {("paged_attention", "cpu", "test.outer+test.second", 1), ("merge_attn_states", "cpu", "cpu", 2),
-                   ("attention_fwd", "cpu", "cpu", 1)}
+    assert got == {("paged_attention", "cpu", "test.outer+test.after", 1),
+                   ("merge_attn_states", "cpu", "test.inner", 2), ("attention_fwd", "cpu", "cpu", 1)}
+    assert provenance.call_slots() == []   # every slot popped, the raising calls' too
     provenance.note_kernel("outside")   # no dispatched call: nothing to note into, nothing raised
-    assert all(r.as_dict()["kernel"] for r in log.records())
+    assert provenance.call_slots() == []
 
 
 def test_strict_refuses_unavailable_backend():

@@ -214,11 +214,12 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
     if run is None:
         @functools.wraps(fn)  # (its attributes too, e.g. the merge's accepts_state_lens)
         def run(*args, **kwargs):
-            provenance.begin_call()
+            slots = provenance.call_slots()
+            slots.append(None)   # this call's kernel notes (provenance.note_kernel)
             try:
                 out = fn(*args, **kwargs)
             finally:
-                kernel = provenance.end_call()
+                kernel = slots.pop()
             provenance.record(*record, kernel)  # once it has run: a call the kernel refused ran nothing
             return out
 

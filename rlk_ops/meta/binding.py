@@ -692,6 +692,8 @@ def check_side(side, where: str) -> None:
         for j, r in enumerate(records or []):
             if not isinstance(r, dict) or any(k not in r for k in _RECORD_KEYS):
                 bad(f"entries[{i}].provenance[{j}]", f"an object with {', '.join(_RECORD_KEYS)}", r)
+            if not isinstance(r.get("kernel"), (str, type(None))):   # optional: written since session 31
+                bad(f"entries[{i}].provenance[{j}].kernel", "a string or null", r["kernel"])
         graph = e.get("graph")
         if graph is None:
             continue

@@ -86,33 +86,30 @@ def record(op: str, requested: str, actual: str, fallback: bool, reason: str | N
         log.record(op, requested, actual, fallback, reason, device, kernel)
 
 
-# The kernels noted by the dispatched call running on this thread, innermost call last: an op's
-# kernel may call another dispatched op (the fa4 canonical decode calls the merge op), whose notes
-# are its own.
+# The kernels noted by each dispatched call running on this thread, innermost call last (None: none
+# noted): an op's kernel may call another dispatched op (the fa4 canonical decode calls the merge
+# op), whose notes are its own. The dispatch wrapper pushes a slot before the kernel runs and pops
+# it after, also when the kernel raises.
 _calls = threading.local()
 
 
-def begin_call() -> None:
-    """The dispatch wrapper, before it runs a kernel: a fresh note for this call."""
-    stack = getattr(_calls, "stack", None)
-    if stack is None:
-        stack = _calls.stack = []
-    stack.append([])
-
-
-def end_call() -> str | None:
-    """The dispatch wrapper, after the kernel returned or raised: what it noted ("a+b" for several,
-    in order, each once), or None."""
-    names = _calls.stack.pop()
-    return "+".join(dict.fromkeys(names)) or None
+def call_slots() -> list:
+    """This thread's stack of note slots (the dispatch wrapper appends None, runs, pops)."""
+    try:
+        return _calls.stack
+    except AttributeError:
+        _calls.stack = []
+        return _calls.stack
 
 
 def note_kernel(name: str) -> None:
-    """Called by a backend's code: ``name`` computed (part of) the current dispatched call. Outside
-    a dispatched call (a kernel called directly) there is no record, and nothing to note."""
-    stack = getattr(_calls, "stack", None)
+    """Called by a backend's code: ``name`` computed (part of) the current dispatched call; several
+    names are joined with "+" in the order noted, each once. Outside a dispatched call (a kernel called
+    directly) there is no record, and nothing to note."""
+    stack = call_slots()
     if stack:
-        stack[-1].append(name)
+        have = stack[-1]
+        stack[-1] = name if have is None else have if name in have.split("+") else f"{have}+{name}"
 
 
 @contextlib.contextmanager

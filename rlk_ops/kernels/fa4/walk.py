@@ -28,11 +28,12 @@ the same run): every partial equals FA4's pair call and the merged row the pairs
 bit for bit. It is slower than that route: merged 1.055x at C = 768 (1.033 at 1536, 1.029 at 2048),
 the partials alone 1.020 / 1.011 / 1.006, against the routed pairs + merge 1.017-1.030. So
 kernels/fa4/canonical.py does not route it (DECODE_WALK None). Closing a partial costs about 0.2% per
-chunk boundary; the merge in the program a fixed ~2.3-3.5% (sixteen threads hold the query's rows,
+chunk boundary; the merge in the program a fixed ~2.2-3.4% (sixteen threads hold the query's rows,
 and each chunk's step waits on global loads while the SM has nothing else to run). The walk over one
 chunk holding the whole sequence costs nothing over FA4 (0.9997-1.0021x). Three variants were built
 and measured in session 31 and removed: the next chunk's first QK^T issued with the closing chunk's
-last PV (no change), the merge unrolled with selects (1.07-1.19x), 3 K/V pipeline stages (+0.4-1.2%).
+last PV (no change), the merge unrolled with selects (with the carried overlap: 1.07-1.19x),
+3 K/V pipeline stages (+0.4-1.4%).
 
 Only where it applies: sm90, head_dim 128, one query token per sequence (decode), G = 4 (where
 FA4's pair call takes the 64-row tile), page size = FA4's key tile (128: its TMA path), no window,
