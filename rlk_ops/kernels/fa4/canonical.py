@@ -225,8 +225,10 @@ DECODE_PAIRS = "triton"
 # page 128, C = 768, Hq 16 / Hkv 4, over FA4 single pass in the same run) the walk is slower
 # than the pair route: 64 x 8k merged 1.057x, states 1.019x, states + merge op 1.039x; 64 x 32k
 # 1.055x / 1.021x / 1.029x; the pair route (pairs + merge op) measured 1.020x / 1.018x on an
-# H100 in session 29 and 1.047x at 32 x 8k, 1.016x at 16 x 32k in this run. Every bit equal
-# (tests/test_fa4_walk.py, the route test in tests/test_canonical_cuda.py).
+# H100 in session 29 and 1.047x at 32 x 8k, 1.016x at 16 x 32k in this run. Session 31 (64 x 8k,
+# C = 768 / 1536 / 2048, results/h100/session31/): merged 1.055 / 1.033 / 1.029x against the pair
+# route's 1.017 / 1.020 / 1.025x in the same runs. Every bit equal (tests/test_fa4_walk.py, the route
+# test in tests/test_canonical_cuda.py).
 DECODE_WALK = None
 WALK_MIN_PROGRAMS = 256
 
