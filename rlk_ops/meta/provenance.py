@@ -35,7 +35,7 @@ class CallRecord:
     fallback: bool
     fallback_reason: str | None
     device: str
-    kernel: str | None = None   # None: the backend's own (records from before kernels were noted)
+    kernel: str | None = None   # the log fills it: the backend's name unless its code noted another
     calls: int = 0
 
     def as_dict(self) -> dict:
