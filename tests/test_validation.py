@@ -210,6 +210,9 @@ def _rollout_step(context=(7, 30), page_size=16, sq=1):
     ("seq_lens one short", r"slot_mapping\[\d+\] = \d+ is not the slot of its token"),
     ("positions off", r"positions\[0, 0\] = \d+ is not its token's position \d+ \(seq_lens\[0\] = \d+ with"),
     ("seq_lens shorter than the new tokens", r"seq_lens\[0\] = 0 is shorter than the \d+ new query tokens"),
+    ("a page in two tables", r"slot_mapping\[\d+\] = \d+ \(page \d+, offset \d+\) holds token \d+ of sequence 1, "
+                             r"already cached \(page_table\[1, 0\] = \d+, seq_lens\[1\] = \d+ with \d+ new tokens\): the "
+                             r"append would overwrite another sequence's K/V"),
 ])
 @pytest.mark.parametrize("device_path", [False, True])
 def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case, pattern, sq, device_path,
@@ -217,7 +220,9 @@ def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case
     """forward_rollout's four descriptions of where the new tokens sit (positions, slot_mapping,
     page_table, seq_lens) must agree. Before, each op checked its own arguments only: a slot in
     another sequence's page overwrote that sequence's cached K/V, and seq_lens or positions that
-    disagreed gave a wrong answer, all without an error (review). Refused before any write.
+    disagreed gave a wrong answer, all without an error (review). So did a slot where its own table
+    puts it but in a page another row's table holds with that row's cached tokens (session 31
+    audit). Refused before any write.
     device_path: the masks CUDA tensors take (page checks and placement in one sync), on CPU."""
     if device_path:
         monkeypatch.setattr(V, "on_device", lambda t: True)
@@ -232,6 +237,11 @@ def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case
         sl = sl - 1
     elif case == "positions off":
         pos = pos + 5
+    elif case == "a page in two tables":   # every slot where its own table puts it, in a page sequence 1 fills
+        pt = pt.clone()
+        pt[0, 0] = pt[1, 0]
+        p = sl.long()[:, None] - sq + torch.arange(sq)
+        slots = (pt.long().gather(1, p // 16) * 16 + p % 16).reshape(-1)
     else:
         sl = sl.clone()
         sl[0] = 0

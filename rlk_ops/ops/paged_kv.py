@@ -171,7 +171,8 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_len
 
 def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions):
     """Row b * Sq + j is token p = seq_lens[b] - Sq + j of sequence b: its slot must be
-    page_table[b, p // page_size] * page_size + p % page_size, and positions[b, j] == p."""
+    page_table[b, p // page_size] * page_size + p % page_size, and positions[b, j] == p; and it must
+    not hold a token another row has cached (two rows whose tables share a page: ``_cached_fill``)."""
     b, t = page_table.shape[0], slot_mapping.shape[0]
     if b == 0 or t == 0:
         return
@@ -188,6 +189,8 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
         live = slot_mapping != -1
         masks = [live & (slot_mapping != slot)] + ([live & (positions.reshape(-1) != p)]
                                                    if positions is not None else [])
+        fill = _cached_fill(page_table, seq_lens, num_pages, ps, sq)
+        masks.append(live & (slot_mapping % ps < fill[(slot_mapping // ps).clamp(0, num_pages)]))
         if V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, sq), *masks):
             return
     # seq_lens in [Sq, capacity] and pages in range (named first), then the placement
@@ -212,6 +215,34 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
             r = i // sq
             V.fail(op, f"positions[{r}, {i % sq}] = {int(pos[i])} is not its token's position {int(p[i])} "
                        f"(seq_lens[{r}] = {int(lens[r])} with {sq} new tokens)")
+    # another row's cached token in the slot: two rows whose tables hold one page
+    fill = _cached_fill(table, lens, num_pages, ps, sq)
+    bad = live & (got % ps < fill[(got // ps).clamp(0, num_pages)])
+    if bool(bad.any()):
+        i = V.first_bad(bad)[0]
+        page, off = int(got[i]) // ps, int(got[i]) % ps
+        cached = lens.to(torch.int64) - sq
+        for r2, j in (table == page).nonzero().tolist():
+            if off < cached[r2] - j * ps:
+                V.fail(op, f"slot_mapping[{i}] = {int(got[i])} (page {page}, offset {off}) holds token {j * ps + off} "
+                           f"of sequence {r2}, already cached (page_table[{r2}, {j}] = {page}, seq_lens[{r2}] = "
+                           f"{int(lens[r2])} with {sq} new tokens): the append would overwrite another "
+                           f"sequence's K/V; two rows share page {page}")
+
+
+def _cached_fill(page_table, seq_lens, num_pages, ps, sq):
+    """``[num_pages + 1]`` int64: per page, how many of its leading slots hold a token that some row
+    had cached before this append (positions below seq_lens - Sq), the most over the rows whose
+    tables hold the page; ids out of range count into the last entry. A row writes its own tokens at
+    or past its cached length, so only another row sharing the page can make a slot's offset fall
+    below this."""
+    cached = (seq_lens.to(torch.int64) - sq).clamp_min(0)
+    cols = torch.arange(page_table.shape[1], device=page_table.device).view(1, -1)
+    count = (cached.view(-1, 1) - cols * ps).clamp(0, ps)
+    ids = page_table.to(torch.int64)
+    ids = torch.where((count > 0) & (ids >= 0) & (ids < num_pages), ids, num_pages)
+    fill = torch.zeros(num_pages + 1, dtype=torch.int64, device=page_table.device)
+    return fill.scatter_reduce(0, ids.reshape(-1), count.reshape(-1), "amax")
 
 
 def _check_slots(op, slot_mapping, n_slots):
