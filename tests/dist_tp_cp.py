@@ -35,14 +35,14 @@ def _write(out_dir, name, obj):
 
 
 # ------------------------------------------------------------------ attention level
-def attention_inputs(seed=0):
+def attention_inputs(seed=0, hq=4, hkv=2):
     g = torch.Generator().manual_seed(seed)
     t = sum(LENS)
-    q = torch.randn(t, 4, 32, generator=g).to(DT)
-    k = torch.randn(t, 2, 32, generator=g).to(DT)
-    v = torch.randn(t, 2, 32, generator=g).to(DT)
-    dout = torch.randn(t, 4, 32, generator=g).to(DT)
-    dlse = torch.randn(4, t, generator=g)  # the loss also uses lse: exercises its gradient
+    q = torch.randn(t, hq, 32, generator=g).to(DT)
+    k = torch.randn(t, hkv, 32, generator=g).to(DT)
+    v = torch.randn(t, hkv, 32, generator=g).to(DT)
+    dout = torch.randn(t, hq, 32, generator=g).to(DT)
+    dlse = torch.randn(hq, t, generator=g)  # the loss also uses lse: exercises its gradient
     cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
     return q, k, v, dout, dlse, cu
 
@@ -153,19 +153,23 @@ def block_checks(mesh, runs, out_dir, tag):
 # ------------------------------------------------------------------ DTensor rules
 def dtensor_rule_checks(mesh):
     """rlk ops on DTensors via register_sharding: heads-sharded attention and column-parallel
-    linear, forward and backward, bitwise equal to plain tensors."""
-    q, k, v, dout, dlse, cu = attention_inputs(seed=1)
-    ref = attention_reference(q, k, v, dout, dlse, cu)
-    heads = (Shard(1), Replicate())
-    qd, kd, vd = (distribute_tensor(t, mesh, heads).requires_grad_() for t in (q, k, v))
-    cud = distribute_tensor(cu, mesh, (Replicate(), Replicate()))
-    out, lse = rlk_ops.attention(qd, kd, vd, True, cu_seqlens_q=cud, cu_seqlens_k=cud)
-    assert out.placements == heads and lse.placements == (Shard(0), Replicate())
-    dout_d = distribute_tensor(dout, mesh, heads)
-    dlse_d = distribute_tensor(dlse, mesh, (Shard(0), Replicate()))
-    ((out.float() * dout_d.float()).sum() + (lse * dlse_d).sum()).backward()
-    for name, t in (("out", out), ("lse", lse), ("dq", qd.grad), ("dk", kd.grad), ("dv", vd.grad)):
-        assert torch.equal(t.full_tensor(), ref[name]), f"DTensor attention: {name} differs"
+    linear, forward and backward, bitwise equal to plain tensors. Heads that do not split evenly
+    over the mesh (Hq 12, Hkv 3 here) take the replicated strategy: before, they were sharded,
+    each rank's query heads mapped onto the wrong KV heads, and the result was wrong."""
+    for hq, hkv, sharded in ((8, 4, True), (12, 3, False)):
+        q, k, v, dout, dlse, cu = attention_inputs(seed=1, hq=hq, hkv=hkv)
+        ref = attention_reference(q, k, v, dout, dlse, cu)
+        heads = (Shard(1), Replicate())
+        qd, kd, vd = (distribute_tensor(t, mesh, heads).requires_grad_() for t in (q, k, v))
+        cud = distribute_tensor(cu, mesh, (Replicate(), Replicate()))
+        out, lse = rlk_ops.attention(qd, kd, vd, True, cu_seqlens_q=cud, cu_seqlens_k=cud)
+        want = (heads, (Shard(0), Replicate())) if sharded else ((Replicate(),) * 2,) * 2
+        assert (out.placements, lse.placements) == want, (hq, hkv, out.placements, lse.placements)
+        dout_d = distribute_tensor(dout, mesh, heads)
+        dlse_d = distribute_tensor(dlse, mesh, (Shard(0), Replicate()))
+        ((out.float() * dout_d.float()).sum() + (lse * dlse_d).sum()).backward()
+        for name, t in (("out", out), ("lse", lse), ("dq", qd.grad), ("dk", kd.grad), ("dv", vd.grad)):
+            assert torch.equal(t.full_tensor(), ref[name]), f"DTensor attention (Hq {hq}, Hkv {hkv}): {name} differs"
     x = torch.randn(48, 128, generator=torch.Generator().manual_seed(2)).to(DT)
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)).to(DT)
     y = rlk_ops.linear(distribute_tensor(x, mesh, (Replicate(), Shard(0))), distribute_tensor(w, mesh, (Shard(0),

@@ -459,3 +459,24 @@ def test_preflight_encodes_floats_bit_for_bit():
     assert checks._encode("x", 0.0)[0] != checks._encode("x", -0.0)[0]  # distinct bits, distinct values
     assert checks._encode("x", "1")[1] == "metadata x must be an int or a float, got '1'"
     assert checks._encode("x", 2 ** 64)[1] == "metadata x must be an int or a float, got 18446744073709551616"
+
+
+def test_metadata_tells_apart_batches_of_one_size_and_total():
+    """The cross-rank preflight compares each rank's layout metadata. Its lengths hash was a
+    polynomial mod 2^61, for which a session 31 audit built two batches of one size and total with
+    the same hash: both ranks' prepare accepted their own batch, and the forward would have run on
+    layouts that disagree."""
+    a = [1224, 1436, 892, 1608, 892, 892, 1160, 892]
+    b = [892, 892, 1028, 892, 900, 1780, 892, 1720]
+    assert len(a) == len(b) and sum(a) == sum(b)
+
+    def meta(lens):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        return build_layout(cu, 2, 0, "contiguous").metadata()
+
+    old = [0, 0]
+    for j, lens in enumerate((a, b)):
+        for i, n in enumerate(lens):
+            old[j] = (old[j] * 1000003 + n * (i + 1)) % (1 << 61)
+    assert old[0] == old[1]   # the collision the old hash had
+    assert meta(a) != meta(b) and meta(a) == meta(list(a))

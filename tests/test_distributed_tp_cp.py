@@ -90,7 +90,9 @@ def test_compare_block_bad_input(monkeypatch, kwargs, match):
 
 
 def test_compare_block_one_process_accepts_good_input():
-    """The checks reject nothing valid: a negative seed, list cu_seqlens, canonical chunks."""
+    """The checks reject nothing valid: a negative seed, list cu_seqlens, canonical chunks. (In one
+    process the canonical reference is the module's own computation, so bitwise rows say nothing
+    here; the meshes' tests compare across processes.)"""
     for chunks in (None, CHUNKS):
         c = compare.compare_block(_BLOCK, None, _X, _POS, _CU.tolist(), "zigzag", chunks, seed=-1)
-        assert c.claims_hold() and (chunks is None or all(r.bitwise for r in c.rows)), c.table()
+        assert c.claims_hold() and c.rows, c.table()

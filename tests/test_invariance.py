@@ -123,6 +123,38 @@ def test_dq_batch_invariant(qkv):
     assert bitwise_equal(dq_one[0], dq_all[1])
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_of_a_head_subset_equals_its_slice(varlen):
+    """Tensor parallelism gives each rank some of the heads: every gradient of a KV head and its
+    query heads must not depend on how many other heads the call holds. dk/dv add up the query
+    rows in chunks, and the chunks were sized by the number of KV heads, so with 300 rows x group 4
+    they were cut differently for 4 KV heads than for 2 (a session 31 audit of the DTensor rules)."""
+    g = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 300, 16, 4, 32
+    q, dout = (torch.randn(1, t, hq, d, generator=g).to(DT) for _ in range(2))
+    k, v = (torch.randn(1, t, hkv, d, generator=g).to(DT) for _ in range(2))
+    dlse = torch.randn(1, hq, t, generator=g)
+    cu = torch.tensor([0, 180, 300], dtype=torch.int32)
+
+    def grads(a, b, c, do, dl):
+        a, b, c = (x.clone().requires_grad_() for x in (a, b, c))
+        if varlen:
+            out, lse = rlk_ops.attention(a[0], b[0], c[0], cu_seqlens_q=cu, cu_seqlens_k=cu)
+            loss = (out.float() * do[0].float()).sum() + (lse * dl[0]).sum()
+        else:
+            out, lse = rlk_ops.attention(a, b, c)
+            loss = (out.float() * do.float()).sum() + (lse * dl).sum()
+        return torch.autograd.grad(loss, (a, b, c))
+
+    full = grads(q, k, v, dout, dlse)
+    for h0, h1 in ((0, 2), (2, 4), (1, 2)):   # KV heads [h0, h1) and their query heads
+        qs = slice(h0 * hq // hkv, h1 * hq // hkv)
+        part = grads(q[:, :, qs], k[:, :, h0:h1], v[:, :, h0:h1], dout[:, :, qs], dlse[:, qs])
+        assert bitwise_equal(part[0], full[0][:, :, qs]), ("dq", h0, h1)
+        assert bitwise_equal(part[1], full[1][:, :, h0:h1]), ("dk", h0, h1)
+        assert bitwise_equal(part[2], full[2][:, :, h0:h1]), ("dv", h0, h1)
+
+
 def test_batch_invariance_when_sequences_share_a_chunk():
     """The CPU kernel computes short sequences several to one temporary product (kernels/cpu/
     attention.py ``_chunks``); a sequence's rows, lse and dq alone must equal its rows in that

@@ -30,6 +30,8 @@ dK/dV back onto the gathered keys in a fixed order.
 """
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -173,9 +175,11 @@ class CPLayout:
 
     def metadata(self) -> list[int]:
         """Ints every cp rank must agree on (for the cross-rank preflight)."""
-        cu_hash = 0
-        for i, n in enumerate(self.seq_lens):
-            cu_hash = (cu_hash * 1000003 + n * (i + 1)) % (1 << 61)
+        # 63 bits of blake2b over the lengths: a polynomial hash mod 2^61 let two different batches of
+        # one size and total collide (a session 31 audit built such a pair), and both ranks went on
+        h = hashlib.blake2b(digest_size=8)
+        h.update(b"".join(int(n).to_bytes(8, "little", signed=True) for n in self.seq_lens))
+        cu_hash = int.from_bytes(h.digest(), "little") >> 1
         return [len(self.seq_lens), sum(self.seq_lens), cu_hash, MODES.index(self.mode), self.n_chunks,
                 int(self.canonical)]
 

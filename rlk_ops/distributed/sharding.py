@@ -1,8 +1,9 @@
 """DTensor sharding rules for the rlk ops (``register_sharding``).
 
 With these rules an rlk op accepts DTensor arguments whose placements let it run
-shard-locally, with no communication: heads sharded (attention, its backward,
-per-head norm, RoPE), tokens sharded (row-wise ops), column-parallel ``linear``.
+shard-locally, with no communication: heads sharded (attention and its backward where Hq
+and Hkv split evenly over the mesh; per-head norm, RoPE), tokens sharded (row-wise ops),
+column-parallel ``linear``.
 No rule produces ``Partial``: a reduction across ranks would then be DTensor's own
 all-reduce, whose order we do not control. When no local strategy fits (e.g. the
 weight gradient of a token-sharded ``linear``), DTensor falls back to the
@@ -36,6 +37,24 @@ def _ndim(spec) -> int:
     return int(ndim) if ndim is not None else len(spec.tensor_meta.shape)
 
 
+def _heads_split_evenly(q, k) -> bool:
+    """Whether heads may be sharded: Hq and Hkv both divisible by the mesh's size (every mesh dim's,
+    and their product, in case the heads are sharded over several). Split unevenly, a rank's query
+    heads no longer map onto its own KV heads as the global ones do (Hq 12, Hkv 3 over 2 ranks: 6 / 2
+    and 6 / 1 heads), which the kernels accept and compute wrongly (a session 31 audit). Otherwise
+    DTensor takes the replicated strategy, exact."""
+    mesh = getattr(q, "mesh", None)
+    if mesh is None:
+        return False
+    hq, hkv = _shape(q)[-2], _shape(k)[-2]
+    return all(hq % n == 0 and hkv % n == 0 for n in (*mesh.shape, mesh.size()))
+
+
+def _shape(spec) -> tuple:
+    shape = getattr(spec, "shape", None)
+    return tuple(shape if shape is not None else spec.tensor_meta.shape)
+
+
 def _token_dims(x) -> range:
     """Dims of a [..., H, D] tensor that are neither heads nor head_dim."""
     return range(_ndim(x) - 2)
@@ -47,7 +66,8 @@ def _attention_fwd(q, k, v, causal, softmax_scale, cu_q, cu_k, max_q, max_k, spl
     rules = [([R, R], [R, R, R, *rest])]
     head = _ndim(q) - 2
     lse_head = 0 if _ndim(q) == 3 else 1   # varlen lse [Hq, T], dense [B, Hq, S]
-    rules.append(([Shard(head), Shard(lse_head)], [Shard(head)] * 3 + rest))
+    if _heads_split_evenly(q, k):
+        rules.append(([Shard(head), Shard(lse_head)], [Shard(head)] * 3 + rest))
     if _ndim(q) == 4:  # dense: batch rows are independent
         rules.append(([Shard(0), Shard(0)], [Shard(0)] * 3 + rest))
     return rules
@@ -61,7 +81,8 @@ def _attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_q, c
     head = _ndim(q) - 2
     lse_head = 0 if _ndim(q) == 3 else 1
     sh, sl = Shard(head), Shard(lse_head)
-    rules.append(([sh, sh, sh], [sh] * 5 + [sl, sl if has_dlse else None] + rest))
+    if _heads_split_evenly(q, k):
+        rules.append(([sh, sh, sh], [sh] * 5 + [sl, sl if has_dlse else None] + rest))
     if _ndim(q) == 4:
         s0 = Shard(0)
         rules.append(([s0, s0, s0], [s0] * 6 + [s0 if has_dlse else None] + rest))

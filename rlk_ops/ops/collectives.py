@@ -11,6 +11,11 @@ public functions take the group itself (None: the default group). Checks run bef
 any communication, so bad input raises on the rank that has it before it sends anything;
 the other ranks then wait until the process group's timeout. To make every rank raise
 together, check inputs across ranks first (rlk_ops.distributed.checks.preflight).
+The checks are local: each rank's ``x`` must have the same shape and dtype, which nothing
+here compares across ranks (that would cost a second collective per call). With shapes or
+dtypes that differ between ranks, gloo has aborted a rank's process and another rank has
+returned uninitialised memory (a session 31 audit). The block's callers
+(rlk_ops.distributed) compare them in their preflight.
 """
 from __future__ import annotations
 

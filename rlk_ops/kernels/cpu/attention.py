@@ -174,7 +174,11 @@ def _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, causal, scale):
         v_all = _pad_blocks(v, n_keys)                             # [B, Hkv, N, D]
         lse_rows = _lse_rows(lse.to(acc_t), h_kv)
         dlse_rows = None if dlse is None else _lse_rows(dlse.to(acc_t), h_kv)
-        for b0, b1, s0, s1 in _chunks(bsz, sq, g, h_kv, d):
+        # dk/dv add up the query rows chunk by chunk: the chunks are sized as for one KV head, so
+        # their bounds (and the bits) do not depend on how many KV heads this call holds. Sized for
+        # all of them, a tensor-parallel rank (fewer heads) chunked its rows differently from one
+        # device and its dk/dv differed (a session 31 audit); the temporaries now grow with Hkv.
+        for b0, b1, s0, s1 in _chunks(bsz, sq, g, 1, d):
             rows = _rows(q[b0:b1, s0:s1], h_kv, acc_t)
             rows_t = rows.transpose(-1, -2).contiguous()          # [b, Hkv, D, R]
             do = _rows(dout[b0:b1, s0:s1], h_kv, acc_t)
