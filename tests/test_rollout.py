@@ -366,16 +366,45 @@ def test_sampler_noise_is_distinct_per_seed_sequence_and_position():
     assert len({sampler(0, 10_007, logp), sampler(1, 0, logp)} | {sampler(q, 3, logp) for q in range(12)}) > 1
 
 
-def test_a_run_that_fails_midway_releases_what_it_admitted():
-    """Two requests that each fit, but not both at once: the run fails on a full cache and
-    leaves the cache as it found it, so the next run can use the same ids."""
+def test_a_request_waits_for_the_pages_it_needs():
+    """Two requests that each fit, but not both at once (2 pages each, 3 in the cache): the
+    second waits until the first finishes. Before, both were admitted and the run failed on a
+    full cache mid-way, losing the finished sequence's result (a session 31 audit). A second run
+    on the same engine logs its own steps only."""
     eng, cache = _engine(num_pages=3, max_running=2)
     reqs = [Request(0, list(range(1, 8)), 2), Request(1, list(range(1, 8)), 2)]
-    with pytest.raises(CacheFullError):
+    res = eng.run(reqs)
+    assert [len(r.generated) for r in res] == [2, 2] and cache.free_pages == 3
+    assert res[1].admitted_step > res[0].finished_step
+    steps = len(eng.log)
+    eng2, _ = _engine(num_pages=3, max_running=1)
+    assert [r.generated for r in eng2.run(reqs)] == [r.generated for r in res]
+    assert len(eng.run(reqs)) == 2 and len(eng.log) == steps and eng.log[0].step == 0
+
+
+def test_a_run_that_fails_midway_releases_what_it_admitted():
+    """A run whose forward fails at its third step leaves the cache as it found it, so the next
+    run can use the same ids; a request that cannot get its pages while nothing of the run is
+    running (pages held outside the run) is named."""
+    calls = []
+
+    def failing(model, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("forward failed")
+        return type(model).forward_rollout(model, *args, **kwargs)
+
+    eng, cache = _engine(num_pages=6, max_running=2, forward=failing)
+    reqs = [Request(0, list(range(1, 8)), 2), Request(1, list(range(1, 8)), 2)]
+    with pytest.raises(RuntimeError, match="forward failed"):
         eng.run(reqs)
-    assert cache.free_pages == 3 and not list(cache._lens)
+    assert cache.free_pages == 6 and not list(cache._lens)
     eng2, cache2 = _engine(num_pages=3, max_running=1)
-    assert [len(r.generated) for r in eng2.run(reqs)] == [2, 2] and cache2.free_pages == 3
+    cache2.add(99)
+    cache2.reserve(99, 5)   # 2 of 3 pages held by a sequence outside the run
+    with pytest.raises(CacheFullError, match=r"request 0: needs 2 pages of 4 tokens but only 1 of 3 are free"):
+        eng2.run(reqs)
+    assert cache2.free_pages == 1 and list(cache2._lens) == [99]
 
 
 def test_engine_and_sampler_arguments_are_named():

@@ -1,6 +1,7 @@
 """The rollout loop: chunked prefill, then decode with continuous batching.
 
-Each step: admit waiting requests while fewer than ``max_running`` run; every
+Each step: admit waiting requests, in order, while fewer than ``max_running`` run and the
+cache has the pages the next one needs to its end beside what the running ones still need; every
 running sequence still in its prompt prefills one chunk (``chunk`` tokens, alone:
 B=1); every sequence past its prompt decodes one token, all together (B = number of
 decoding sequences, which changes as sequences finish and join). A finished
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlk_ops.ops._validate import positive_ints
-from rlk_ops.rollout.cache import PagedKVCache
+from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
 from rlk_ops.rollout.model import Trace, log_softmax
 
 
@@ -167,10 +168,15 @@ class RolloutEngine:
                 raise ValueError(f"request {r.seq_id}: needs {tokens} cached tokens = {pages} pages of "
                                  f"{self.cache.page_size}, but the cache has {self.cache.num_pages} pages")
 
+    def _pages_for(self, req: Request) -> int:
+        """Pages ``req`` holds at its end (the last generated token is never cached)."""
+        return -(-(len(req.prompt) + req.max_new_tokens - 1) // self.cache.page_size)
+
     def run(self, requests: list[Request]) -> list[SeqResult]:
         if not isinstance(requests, (list, tuple)):  # a generator was consumed by the checks: nothing ran
             raise ValueError(f"requests must be a list or tuple of Request objects, got {type(requests).__name__}")
         self._check(requests)
+        self.log = []   # this run's steps (a second run appended to the first's)
         running: list[tuple[Request, SeqResult]] = []
         try:
             return self._loop(requests, running)
@@ -187,7 +193,19 @@ class RolloutEngine:
         while waiting or running:
             log = StepLog(step, [], [], [], [])
             while waiting and len(running) < self.max_running:
-                req = waiting.popleft()
+                # admitted only when the cache can hold it to its end next to what the running
+                # sequences still need: before, two requests that fit only one after the other were
+                # both admitted and the run failed mid-way on a full cache (a session 31 audit)
+                req = waiting[0]
+                owed = sum(self._pages_for(q) - len(self.cache.pages(r.seq_id)) for q, r in running)
+                if self.cache.free_pages - owed < self._pages_for(req):
+                    if not running:   # nothing of this run will free a page
+                        raise CacheFullError(
+                            f"request {req.seq_id}: needs {self._pages_for(req)} pages of {self.cache.page_size} "
+                            f"tokens but only {self.cache.free_pages} of {self.cache.num_pages} are free (the rest "
+                            f"held by sequences outside this run)")
+                    break   # waits (in order) for a running sequence to finish
+                waiting.popleft()
                 self.cache.add(req.seq_id)
                 res = SeqResult(req.seq_id, list(req.prompt), admitted_step=step)
                 running.append((req, res))
