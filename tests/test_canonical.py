@@ -450,19 +450,21 @@ def _batches(draw):
     page_size = draw(st.sampled_from([1, 3, 16, 128]))
     lens = draw(st.lists(st.integers(1, 300), min_size=1, max_size=3))
     sq = draw(st.integers(1, min(lens)))
-    return chunk, page_size, lens, sq, draw(st.integers(0, 2**31 - 1)), draw(st.permutations(range(len(lens))))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))  # bf16/fp16 round P and the partials
+    return (chunk, page_size, lens, sq, draw(st.integers(0, 2**31 - 1)), draw(st.permutations(range(len(lens)))),
+            dtype)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches())
 def test_property_paged_rows_equal_packed_training(case):
-    chunk, page_size, lens, sq, seed, order = case
+    chunk, page_size, lens, sq, seed, order, dtype = case
     g = torch.Generator().manual_seed(seed)
-    pack = [torch.randn(sum(lens), h, D, generator=g) for h in (HQ, HKV, HKV)]  # float32
+    pack = [torch.randn(sum(lens), h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV)]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     out, lse = rlk_ops.attention(*pack, cu_seqlens_q=cu, cu_seqlens_k=cu, split_kv=f"canonical:{chunk}")
     need = [math.ceil(n / page_size) for n in lens]
-    k_cache = torch.randn(sum(need) + 2, page_size, HKV, D, generator=g)
+    k_cache = torch.randn(sum(need) + 2, page_size, HKV, D, generator=g).to(dtype)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(k_cache.shape[0], generator=g)
     table = torch.randint(-5, 10**6, (len(lens), max(need) + 1), generator=g, dtype=torch.int32)

@@ -23,17 +23,20 @@ def paged_batches(draw):
     spare = draw(st.integers(0, 4))
     seed = draw(st.integers(0, 2**31 - 1))
     order = draw(st.permutations(list(range(n_seq))))  # batch composition / order
-    return page_size, lens, sq, need, spare, seed, order
+    # bf16 / fp16 round P before P @ V, which float32 skips (a session 31 audit found the
+    # property ran float32 only)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    return page_size, lens, sq, need, spare, seed, order, dtype
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(paged_batches())
 def test_paged_rows_equal_dense_prefill(case):
-    page_size, lens, sq, need, spare, seed, order = case
+    page_size, lens, sq, need, spare, seed, order, dtype = case
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(need) + spare
-    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=g)
-    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=g)
+    k_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, HKV, D, generator=g).to(dtype)
     perm = torch.randperm(num_pages, generator=g)
     max_pages = max(need) + 1
     page_table = torch.randint(-5, 10**6, (len(lens), max_pages), generator=g, dtype=torch.int32)
@@ -43,9 +46,9 @@ def test_paged_rows_equal_dense_prefill(case):
         pages = perm[used:used + need[b]]
         used += need[b]
         page_table[b, :need[b]] = pages.int()
-        k = torch.randn(n, HKV, D, generator=g)
-        v = torch.randn(n, HKV, D, generator=g)
-        q = torch.randn(n, HQ, D, generator=g)
+        k = torch.randn(n, HKV, D, generator=g).to(dtype)
+        v = torch.randn(n, HKV, D, generator=g).to(dtype)
+        q = torch.randn(n, HQ, D, generator=g).to(dtype)
         slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
         rlk_ops.paged_kv_append(k_cache, v_cache, k, v, slots)
         seqs.append((q, k, v))
