@@ -399,12 +399,13 @@ def test_a_run_that_fails_midway_releases_what_it_admitted():
     with pytest.raises(RuntimeError, match="forward failed"):
         eng.run(reqs)
     assert cache.free_pages == 6 and not list(cache._lens)
-    eng2, cache2 = _engine(num_pages=3, max_running=1)
+    eng2, cache2 = _engine(num_pages=4, max_running=1)
     cache2.add(99)
-    cache2.reserve(99, 5)   # 2 of 3 pages held by a sequence outside the run
-    with pytest.raises(CacheFullError, match=r"request 0: needs 2 pages of 4 tokens but only 1 of 3 are free"):
-        eng2.run(reqs)
-    assert cache2.free_pages == 1 and list(cache2._lens) == [99]
+    cache2.reserve(99, 5)   # 2 of 4 pages held by a sequence outside the run
+    small, big = Request(0, [1, 2, 3], 3), Request(1, list(range(1, 12)), 2)   # 2 and 3 pages
+    with pytest.raises(CacheFullError, match=r"request 1: needs 3 pages of 4 tokens but only 2 of 4 are free"):
+        eng2.run([small, big])   # refused before anything ran (it failed after request 0 had finished)
+    assert cache2.free_pages == 2 and list(cache2._lens) == [99] and eng2.log == []
 
 
 def test_engine_and_sampler_arguments_are_named():

@@ -252,6 +252,26 @@ def test_rollout_slots_must_be_where_page_table_and_seq_lens_put_the_tokens(case
     assert ref.shape == x.shape
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_append_refuses_a_slot_another_row_skips_as_cached(device_path, monkeypatch):
+    """A -1 slot means the token is already in the cache, where the row's table puts it. Row 1
+    skips its token 6 (slot 6, page 1, shared with row 0) and row 0 writes its token 6 there, while
+    row 1 writes row 0's skipped token 5: both overwrite a cached token (session 31 review)."""
+    if device_path:
+        monkeypatch.setattr(V, "on_device", lambda t: True)
+    kc, vc = torch.zeros(4, 4, 1, 2), torch.zeros(4, 4, 1, 2)
+    k = torch.full((4, 1, 2), 5.0)
+    table, lens = torch.tensor([[0, 1], [3, 1]], dtype=torch.int32), torch.tensor([7, 7], dtype=torch.int32)
+    with pytest.raises(RlkInputError, match=r"slot_mapping\[1\] = 6 is where sequence 1 keeps its token 6, which its "
+                                            r"slot_mapping\[3\] = -1 says is cached"):
+        torch.ops.rlk.paged_kv_append(kc, vc, k, k, torch.tensor([-1, 6, 5, -1]), table, lens, None)
+    assert not kc.any() and not vc.any()
+    # each row skipping its own cached token and writing its own: accepted
+    torch.ops.rlk.paged_kv_append(kc, vc, k, k, torch.tensor([-1, 6, -1, 14]), torch.tensor([[0, 1], [2, 3]],
+                                                                                              dtype=torch.int32), lens, None)
+    assert int(kc.ne(0).sum()) == 4
+
+
 def test_append_placement_arguments_go_together():
     blk, (x, pos, kc, vc, pt, sl, slots) = _rollout_step()
     k = torch.zeros(2, 2, 16, dtype=kc.dtype)

@@ -172,7 +172,8 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_len
 def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions):
     """Row b * Sq + j is token p = seq_lens[b] - Sq + j of sequence b: its slot must be
     page_table[b, p // page_size] * page_size + p % page_size, and positions[b, j] == p; and it must
-    not hold a token another row has cached (two rows whose tables share a page: ``_cached_fill``)."""
+    not hold a token another row has cached (two rows whose tables share a page: ``_cached_fill``, and
+    the tokens rows skip with -1: ``_held``)."""
     b, t = page_table.shape[0], slot_mapping.shape[0]
     if b == 0 or t == 0:
         return
@@ -191,6 +192,7 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
                                                    if positions is not None else [])
         fill = _cached_fill(page_table, seq_lens, num_pages, ps, sq)
         masks.append(live & (slot_mapping % ps < fill[(slot_mapping // ps).clamp(0, num_pages)]))
+        masks.append(live & _held(slot, live, num_pages * ps)[slot_mapping.clamp(0, num_pages * ps)])
         if V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, sq), *masks):
             return
     # seq_lens in [Sq, capacity] and pages in range (named first), then the placement
@@ -228,6 +230,21 @@ def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
                            f"of sequence {r2}, already cached (page_table[{r2}, {j}] = {page}, seq_lens[{r2}] = "
                            f"{int(lens[r2])} with {sq} new tokens): the append would overwrite another "
                            f"sequence's K/V; two rows share page {page}")
+    # or a token another row's -1 slot says is cached (the slot its table puts that token in)
+    bad = live & _held(slot, live, num_pages * ps)[got.clamp(0, num_pages * ps)]
+    if bool(bad.any()):
+        i = V.first_bad(bad)[0]
+        j = int(((slot == got[i]) & ~live).nonzero()[0])
+        V.fail(op, f"slot_mapping[{i}] = {int(got[i])} is where sequence {j // sq} keeps its token {int(p[j])}, which "
+                   f"its slot_mapping[{j}] = -1 says is cached: the append would overwrite another sequence's K/V")
+
+
+def _held(slot, live, n_slots):
+    """``[n_slots + 1]`` bool: the slots of the tokens rows skip with -1 (cached, by that meaning),
+    where their tables put them; slots out of range count into the last entry."""
+    ok = ~live & (slot >= 0) & (slot < n_slots)
+    held = torch.zeros(n_slots + 1, dtype=torch.bool, device=slot.device)
+    return held.index_fill_(0, torch.where(ok, slot, n_slots), True)
 
 
 def _cached_fill(page_table, seq_lens, num_pages, ps, sq):

@@ -176,6 +176,12 @@ class RolloutEngine:
         if not isinstance(requests, (list, tuple)):  # a generator was consumed by the checks: nothing ran
             raise ValueError(f"requests must be a list or tuple of Request objects, got {type(requests).__name__}")
         self._check(requests)
+        free = self.cache.free_pages   # the most this run can ever hold (other sequences keep theirs)
+        for r in requests:
+            if self._pages_for(r) > free:
+                raise CacheFullError(f"request {r.seq_id}: needs {self._pages_for(r)} pages of {self.cache.page_size} "
+                                     f"tokens but only {free} of {self.cache.num_pages} are free (the rest held by "
+                                     f"sequences outside this run)")
         self.log = []   # this run's steps (a second run appended to the first's)
         running: list[tuple[Request, SeqResult]] = []
         try:
@@ -199,7 +205,7 @@ class RolloutEngine:
                 req = waiting[0]
                 owed = sum(self._pages_for(q) - len(self.cache.pages(r.seq_id)) for q, r in running)
                 if self.cache.free_pages - owed < self._pages_for(req):
-                    if not running:   # nothing of this run will free a page
+                    if not running:   # nothing of this run will free a page (pages taken outside it mid-run)
                         raise CacheFullError(
                             f"request {req.seq_id}: needs {self._pages_for(req)} pages of {self.cache.page_size} "
                             f"tokens but only {self.cache.free_pages} of {self.cache.num_pages} are free (the rest "

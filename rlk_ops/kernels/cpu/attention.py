@@ -40,7 +40,8 @@ from rlk_ops.meta.contract import SplitKVPolicy
 from rlk_ops.ops._validate import RlkInputError
 
 BLOCK = 128
-# elements of the largest temporary product per step (fp32: 16 MiB)
+# elements of the largest temporary product per step (fp32: 16 MiB); the backward's, per KV head
+# (its row chunks must not depend on the head count: _backward), so Hkv x that there
 _BUDGET = 1 << 22
 
 
