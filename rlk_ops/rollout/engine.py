@@ -163,7 +163,7 @@ class RolloutEngine:
                         raise ValueError(f"request {r.seq_id}: {name}[{i}] = {t!r} is not a token id in "
                                          f"[0, {vocab if vocab is not None else 'vocab'})")
             tokens = len(r.prompt) + r.max_new_tokens - 1  # the last generated token is never cached
-            pages = -(-tokens // self.cache.page_size)
+            pages = self._pages_for(r)
             if pages > self.cache.num_pages:
                 raise ValueError(f"request {r.seq_id}: needs {tokens} cached tokens = {pages} pages of "
                                  f"{self.cache.page_size}, but the cache has {self.cache.num_pages} pages")
@@ -172,6 +172,11 @@ class RolloutEngine:
         """Pages ``req`` holds at its end (the last generated token is never cached)."""
         return -(-(len(req.prompt) + req.max_new_tokens - 1) // self.cache.page_size)
 
+    def _no_pages(self, req: Request, free: int) -> CacheFullError:
+        return CacheFullError(f"request {req.seq_id}: needs {self._pages_for(req)} pages of {self.cache.page_size} "
+                              f"tokens but only {free} of {self.cache.num_pages} are free (the rest held by "
+                              f"sequences outside this run)")
+
     def run(self, requests: list[Request]) -> list[SeqResult]:
         if not isinstance(requests, (list, tuple)):  # a generator was consumed by the checks: nothing ran
             raise ValueError(f"requests must be a list or tuple of Request objects, got {type(requests).__name__}")
@@ -179,9 +184,7 @@ class RolloutEngine:
         free = self.cache.free_pages   # the most this run can ever hold (other sequences keep theirs)
         for r in requests:
             if self._pages_for(r) > free:
-                raise CacheFullError(f"request {r.seq_id}: needs {self._pages_for(r)} pages of {self.cache.page_size} "
-                                     f"tokens but only {free} of {self.cache.num_pages} are free (the rest held by "
-                                     f"sequences outside this run)")
+                raise self._no_pages(r, free)
         self.log = []   # this run's steps (a second run appended to the first's)
         running: list[tuple[Request, SeqResult]] = []
         try:
@@ -206,10 +209,7 @@ class RolloutEngine:
                 owed = sum(self._pages_for(q) - len(self.cache.pages(r.seq_id)) for q, r in running)
                 if self.cache.free_pages - owed < self._pages_for(req):
                     if not running:   # nothing of this run will free a page (pages taken outside it mid-run)
-                        raise CacheFullError(
-                            f"request {req.seq_id}: needs {self._pages_for(req)} pages of {self.cache.page_size} "
-                            f"tokens but only {self.cache.free_pages} of {self.cache.num_pages} are free (the rest "
-                            f"held by sequences outside this run)")
+                        raise self._no_pages(req, self.cache.free_pages)
                     break   # waits (in order) for a running sequence to finish
                 waiting.popleft()
                 self.cache.add(req.seq_id)
