@@ -272,6 +272,71 @@ def test_append_refuses_a_slot_another_row_skips_as_cached(device_path, monkeypa
     assert int(kc.ne(0).sum()) == 4
 
 
+_ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs a CUDA GPU")])
+
+
+def _placement_args(case, sq, device):
+    """Two sequences (7 and 10 tokens cached, the last sq of each new; pages of 4), the slots where their
+    tables put the new tokens, changed as ``case`` says."""
+    ps = 4
+    g = torch.Generator().manual_seed(3)
+    kc, vc = (torch.randn(8, ps, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    table, lens = torch.tensor([[3, 1, 0], [5, 2, 7]], dtype=torch.int32), torch.tensor([7, 10], dtype=torch.int32)
+    if case == "a page in two tables":   # sequence 0's new tokens go to page 5, which sequence 1 has filled
+        table[0, 1] = table[1, 0]
+    elif case == "a -1 slot's token written by another row":  # both rows' token 9 in page 7; row 1 skips its own
+        table[0, 2], lens[0] = table[1, 2], 10
+    pos = lens.long()[:, None] - sq + torch.arange(sq)
+    slots = (table.long().gather(1, pos // ps) * ps + pos % ps).reshape(-1)
+    if case == "slot in another sequence's page":
+        slots[0] = int(table[1, 0]) * ps + 1
+    elif case == "seq_lens one short":
+        lens = lens - 1
+    elif case == "positions off":
+        pos = pos + 5
+    elif case == "seq_lens shorter than the new tokens":
+        lens[0] = 0
+    elif case == "a -1 slot's token written by another row":
+        slots[sq:] = -1
+    k, v = (torch.randn(2 * sq, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    return [t.to(device) for t in (kc, vc, k, v, slots, table, lens, pos)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu, device path", _ON_CUDA])
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("case,pattern", [
+    ("slot in another sequence's page", r"slot_mapping\[0\] = 21 is not the slot of its token: row 0 is token \d of "
+                                       r"sequence 0"),
+    ("seq_lens one short", r"slot_mapping\[\d\] = \d+ is not the slot of its token"),
+    ("positions off", r"positions\[0, 0\] = \d+ is not its token's position \d"),
+    ("seq_lens shorter than the new tokens", r"seq_lens\[0\] = 0 is shorter than the \d new query tokens"),
+    ("a page in two tables", r"slot_mapping\[0\] = \d+ \(page 5, offset \d\) holds token \d of sequence 1, already "
+                             r"cached"),
+    ("a -1 slot's token written by another row", r"slot_mapping\[\d\] = \d+ is where sequence 1 keeps its token \d, "
+                                                 r"which its slot_mapping\[\d\] = -1 says is cached"),
+])
+def test_append_placement_refusals_on_the_tensors_device(case, pattern, sq, device, monkeypatch):
+    """The placement checks on each device's own path: on CUDA the page checks, the slots and the
+    placement are device-side masks read in one sync (session 31's cached-token masks had run on CPU
+    only, with on_device patched). Each refusal leaves both caches unchanged; the same call with the
+    slots where the tables put the tokens writes what the unchecked append writes. ("cpu, device
+    path": the CUDA masks on CPU tensors.)"""
+    if device == "cpu, device path":
+        device = "cpu"
+        monkeypatch.setattr(V, "on_device", lambda t: True)
+    kc, vc, k, v, slots, table, lens, pos = _placement_args(case, sq, device)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(RlkInputError, match=pattern):
+        torch.ops.rlk.paged_kv_append(kc, vc, k, v, slots, table, lens, pos)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    kc, vc, k, v, slots, table, lens, pos = _placement_args("none", sq, device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    torch.ops.rlk.paged_kv_append(kc, vc, k, v, slots, table, lens, pos)
+    torch.ops.rlk.paged_kv_append(kc2, vc2, k, v, slots, None, None, None)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and not torch.equal(kc, before[0])
+
+
 def test_append_placement_arguments_go_together():
     blk, (x, pos, kc, vc, pt, sl, slots) = _rollout_step()
     k = torch.zeros(2, 2, 16, dtype=kc.dtype)
