@@ -84,7 +84,7 @@ def test_compiled_equals_eager():
     (lambda a: a.update(pos=a["pos"].int()), r"positions must be torch.int64, got torch.int32"),
     (lambda a: a.update(pos=a["pos"][:5]), r"positions must have x's leading shape \[37\]"),
     (lambda a: a.update(rd=7), r"rotary_dim must be even and in \(0, head_dim=16\], got 7"),
-    (lambda a: a.update(eps=-1.0), r"eps must be a finite number >= 0, got -1.0"),
+    (lambda a: a.update(eps=-1.0), r"eps must be a finite number > 0, got -1.0"),
     (lambda a: a.update(theta=0.0), r"theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
     # theta < 1 gives frequencies > 1: angles past what the reference sincos reduces exactly (once inf/NaN)
     (lambda a: a.update(theta=1e-30), r"theta must be a finite number >= 1 \(the RoPE base\), got 1e-30"),

@@ -112,6 +112,10 @@ CASES = [
      r"q must be bfloat16, float16, float32 or float64, got torch.int32"),
     ("cu_seqlens decreasing", varlen(cu_q=(0, 4, 3), tq=3, cu_k=(0, 4, 6)),
      r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = 3 < cu_seqlens_q\[1\] = 4"),
+    # int32 differences wrapped INT32_MAX -> INT32_MIN to +1: accepted, then a crash (or 16 GiB) in the kernel
+    ("cu_seqlens wrapping int32", varlen(cu_q=(0, 2 ** 31 - 1, -2 ** 31 + 5, 5), cu_k=(0, 2, 4, 6), causal=False,
+                                         max_seqlen_q=2 ** 31 - 1),
+     r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[2\] = -2147483643 < cu_seqlens_q\[1\] = 2147483647"),
     ("cu_seqlens wrong total", varlen(cu_q=(0, 3, 4)), r"cu_seqlens_q\[-1\] must equal the packed token count 5, got 4"),
     ("cu_seqlens not starting at 0", varlen(cu_k=(1, 4, 6)), r"cu_seqlens_k\[0\] must be 0, got 1"),
     ("cu_seqlens wrong dtype", varlen(dtype=torch.int64), r"cu_seqlens_q must be torch.int32, got torch.int64"),
@@ -130,8 +134,21 @@ CASES = [
     ("theta <= 0", rope(theta=0.0), r"theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
     ("theta < 1", rope(theta=1e-30), r"theta must be a finite number >= 1 \(the RoPE base\), got 1e-30"),
     ("rope 1-D x", rope(x_shape=(8,), pos=torch.arange(1)), r"x must be \[..., heads, head_dim\]"),
+    # 0-d x or q with rotary_dim None: an IndexError in the wrapper (session 32 audit)
+    ("rope 0-d x", lambda: rlk_ops.rope(torch.tensor(1.0), torch.tensor(0)),
+     r"rope: x must be \[..., heads, head_dim\] \(at least 2-D\), got shape \[\]"),
+    ("qk_norm_rope 0-d q", lambda: rlk_ops.qk_norm_rope(torch.tensor(1.0), torch.tensor(1.0), torch.ones(8),
+                                                       torch.ones(8), torch.tensor(0)),
+     r"qk_norm_rope: q must be \[..., heads, head_dim\] \(at least 2-D\), got shape \[\]"),
     # norm
-    ("eps < 0", norm(eps=-1e-6), r"eps must be a finite number >= 0, got -1e-06"),
+    ("eps < 0", norm(eps=-1e-6), r"eps must be a finite number > 0, got -1e-06"),
+    # an all-zero row normalised to NaN without an error (session 32 audit)
+    ("eps 0", norm(eps=0.0), r"eps must be a finite number > 0, got 0.0 \(with 0 an all-zero row normalises to NaN\)"),
+    ("eps 0 in float32", norm(eps=1e-300), r"eps must be at least 1.17549\d*e-38, the smallest normal torch.float32 "
+                                           r"\(the accumulation dtype of torch.float32 inputs\), got 1e-300"),
+    ("qk_norm_rope eps 0", lambda: rlk_ops.qk_norm_rope(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.ones(8),
+                                                        torch.ones(8), torch.arange(2), eps=0.0),
+     r"qk_norm_rope: eps must be a finite number > 0, got 0.0"),
     ("norm weight shape", norm(w_shape=(16,)), r"weight must have shape \[8\] \(x's head_dim\), got \[16\]"),
     ("norm weight dtype", norm(w_dtype=torch.float64), r"weight must have the dtype of x \(torch.float32\), got torch.float64"),
     ("norm int input", norm(x_dtype=torch.int64, w_dtype=torch.int64), r"x must be bfloat16, float16, float32 or float64"),
@@ -158,9 +175,15 @@ CASES = [
      r"k_cache must have num_pages, page_size, H_kv and D >= 1, got shape \[0, 4, 2, 8\]"),
     ("append to no pages", append(slots=(0, 1, 2), cache_kw={"num_pages": 0}),
      r"k_cache must have num_pages, page_size, H_kv and D >= 1"),
-    ("softmax_scale not a number", attn(softmax_scale="x"), r"softmax_scale must be a float or None, got 'x'"),
+    ("softmax_scale not a number", attn(softmax_scale="x"), r"softmax_scale must be a float or None, got str 'x'"),
     ("paged softmax_scale not a number", lambda: rlk_ops.paged_attention(*_paged(), softmax_scale=[1.0]),
-     r"softmax_scale must be a float or None, got \[1.0\]"),
+     r"softmax_scale must be a float or None, got list \[1.0\]"),
+    # float("0.5") and float(True) once converted (session 32 audit)
+    ("softmax_scale a numeric string", attn(softmax_scale="0.5"),
+     r"softmax_scale must be a float or None, got str '0.5'"),
+    ("softmax_scale a bool", attn(softmax_scale=True), r"softmax_scale must be a float or None, got bool True"),
+    ("softmax_scale too large", attn(softmax_scale=10 ** 400),
+     r"softmax_scale must be a float or None, got int 1000.*, too large for a float"),
     # devices
     ("mixed devices", lambda: rlk_ops.attention(torch.randn(1, 2, 2, 4, device="meta"), torch.randn(1, 2, 2, 4),
                                                 torch.randn(1, 2, 2, 4)),
@@ -400,6 +423,15 @@ def test_split_kv_policy_errors():
     # C is bounded: the decode layout allocates C / page_size table columns per pair
     with pytest.raises(RlkInputError, match=r"canonical:C needs C <= 1048576 \(MAX_CANONICAL_CHUNK\), got 128000"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=f"canonical:{128 * 10**15}")
+    # one spelling per policy, ASCII digits, no whitespace (reports and the binding compare the text; session 32
+    # audit: these ran, and 5000 digits raised int()'s own error, naming no argument)
+    generic = r"split_kv must be 'disabled', 'auto', 'fixed:N', 'canonical' or 'canonical:C', got "
+    for text, pattern in ((" canonical:128\n", generic + r"' canonical:128\\n'"),
+                          ("canonical:\uff11\uff12\uff18", generic + "'canonical:"),
+                          ("canonical:" + "1" * 5000, generic + r"'canonical:1+'\.\.\.$"),
+                          ("canonical:0768", r"split_kv must be written 'canonical:768', got 'canonical:0768'")):
+        with pytest.raises(RlkInputError, match=pattern):
+            rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=text)
     # a backend that lacks a policy says so as an input error
     with pytest.raises(RlkInputError, match=r"split_kv 'fixed:4' is not implemented by the cpu backend"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="fixed:4")
@@ -628,6 +660,16 @@ _X = torch.randn(2, 3, 2, 8)
     (lambda: rlk_ops.paged_kv_gather(*_cache(), None, torch.ones(1, dtype=torch.int32)),
      r"paged_kv_gather: page_table must be a torch.Tensor, got NoneType"),
     (lambda: rlk_ops.all_gather(_X, 1.0), r"all_gather: dim must be an int, got float 1.0"),
+    # an OverflowError and Tensor.item()'s RuntimeError on a meta tensor (session 32 audit)
+    (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), 10 ** 400),
+     r"rope: theta must be a float, got int 1000.*, too large for a float"),
+    (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), 1e4, torch.tensor(4, device="meta")),
+     r"rope: rotary_dim must be an int, got Tensor"),
+    (lambda: rlk_ops.qk_rmsnorm(_X, torch.ones(8), torch.tensor(1e-6, device="meta")),
+     r"qk_rmsnorm: eps must be a float, got Tensor"),
+    # a sparse tensor reached the dispatcher: "Could not run 'rlk::linear' ... 'SparseCPU' backend"
+    (lambda: rlk_ops.linear(torch.randn(3, 8).to_sparse(), torch.randn(4, 8)),
+     r"linear: x must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
     (lambda: rlk_ops.reduce_scatter(_X, "1"), r"reduce_scatter: dim must be an int, got str '1'"),
 ])
 def test_public_arguments_of_the_wrong_type_are_named(call, pattern):

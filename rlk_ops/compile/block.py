@@ -52,8 +52,8 @@ class Qwen3AttentionConfig:
             raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
                              f"{self.rope_theta!r}")
         if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
-            raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= 0, got "
+                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number > 0, got "
                              f"{self.rms_norm_eps!r}")
         if not isinstance(self.attention_bias, bool):
             raise ValueError(f"Qwen3AttentionConfig attention_bias must be a bool, got {self.attention_bias!r}")

@@ -31,7 +31,9 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-_POLICY = re.compile(r"^(disabled|auto|fixed:(-?\d+)|canonical(?::(-?\d+))?)$")
+# ASCII digits only (\d would take other scripts' digits), at most 18 (int() of a 5000-digit string
+# raises its own error); no surrounding whitespace: one spelling per policy (``_parse_uncached``)
+_POLICY = re.compile(r"(disabled|auto|fixed:(-?\d{1,18})|canonical(?::(-?\d{1,18}))?)", re.ASCII)
 DEFAULT_CANONICAL_CHUNK = 768
 # the largest C accepted: 2^20 tokens, past any context this package serves; the decode layout
 # allocates C / page_size page-table columns per pair, so C is bounded, not free
@@ -51,10 +53,11 @@ class SplitKVPolicy:
 
     @classmethod
     def _parse_uncached(cls, text: str) -> "SplitKVPolicy":
-        m = _POLICY.match(text.strip())
+        m = _POLICY.fullmatch(text)
         if not m:
+            shown = repr(text) if len(text) <= 60 else repr(text[:57]) + "..."
             raise ValueError(f"split_kv must be 'disabled', 'auto', 'fixed:N', 'canonical' or 'canonical:C', "
-                             f"got {text!r}")
+                             f"got {shown}")
         kind = m.group(1).split(":")[0]
         size = m.group(2) or m.group(3)
         size = int(size) if size else None
@@ -66,7 +69,10 @@ class SplitKVPolicy:
             raise ValueError(f"split_kv canonical:C needs C <= {MAX_CANONICAL_CHUNK} (MAX_CANONICAL_CHUNK), got {size}")
         if kind == "fixed" and size <= 0:
             raise ValueError(f"split_kv fixed:N needs N > 0, got {size}")
-        return cls(kind, size)
+        policy = cls(kind, size)
+        if text not in (str(policy), "canonical"):  # e.g. canonical:0768: reports and binding compare the text
+            raise ValueError(f"split_kv must be written {str(policy)!r}, got {text!r}")
+        return policy
 
     def __str__(self) -> str:
         return self.kind if self.size is None else f"{self.kind}:{self.size}"
@@ -82,7 +88,7 @@ def spell(text) -> str:
     binding compare one spelling); anything else unchanged (the op's check validates it).
     A plain string comparison: it runs inside torch.compile'd code."""
     text = str(text)
-    return f"canonical:{DEFAULT_CANONICAL_CHUNK}" if text.strip() == "canonical" else text
+    return f"canonical:{DEFAULT_CANONICAL_CHUNK}" if text == "canonical" else text
 
 
 @functools.lru_cache(maxsize=256)

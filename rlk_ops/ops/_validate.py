@@ -15,6 +15,7 @@ Every error names the op, the argument, the expected and the actual value. Two k
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 from typing import Iterator
@@ -73,6 +74,8 @@ def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
         if not isinstance(value, torch.Tensor):
             kind = "a torch.Tensor or None" if name in optional else "a torch.Tensor"
             fail(op, f"{name} must be {kind}, got {type(value).__name__} {_short(value)}")
+        if value.layout != torch.strided:  # else the dispatcher's "Could not run 'rlk::op' ... 'SparseCPU'"
+            fail(op, f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
 def float_arg(op: str, name: str, value) -> float:
@@ -85,7 +88,9 @@ def float_arg(op: str, name: str, value) -> float:
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
     try:
         return float(value)
-    except (TypeError, ValueError, RuntimeError):
+    except OverflowError:  # an int past float's range
+        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}, too large for a float")
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
 
 
@@ -97,7 +102,7 @@ def int_arg(op: str, name: str, value) -> int:
         if isinstance(value, bool):
             raise TypeError
         i = operator.index(value)
-    except TypeError:
+    except (TypeError, RuntimeError):  # RuntimeError: a meta tensor has no value
         fail(op, f"{name} must be an int, got {type(value).__name__} {_short(value)}")
     if not _INT64[0] <= i < _INT64[1]:
         fail(op, f"{name} must fit in int64, got {i}")
@@ -230,10 +235,27 @@ def softmax_scale(op: str, q: torch.Tensor, value) -> float:
             fail(op, "q must have a head_dim (its last dim), got a 0-d tensor")
         head_dim(op, "q", q)
         return q.shape[-1] ** -0.5
+    if isinstance(value, (bool, str, bytes)):  # float(True) and float("0.5") would convert
+        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}")
     try:
         return float(value)
-    except (TypeError, ValueError):
-        fail(op, f"softmax_scale must be a float or None, got {value!r}")
+    except OverflowError:
+        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}, too large "
+                 f"for a float")
+    except (TypeError, ValueError, RuntimeError):
+        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}")
+
+
+def rms_eps(op: str, eps, dtype: torch.dtype) -> None:
+    """RMSNorm's eps: finite, and a normal number of the accumulation dtype (float64 for float64
+    inputs, else float32): 0 makes an all-zero row 0 / 0 = NaN, and so does an eps that rounds to 0
+    (1e-300 in float32)."""
+    if not (eps > 0 and math.isfinite(eps)):
+        fail(op, f"eps must be a finite number > 0, got {eps} (with 0 an all-zero row normalises to NaN)")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if isinstance(eps, float) and eps < torch.finfo(acc).tiny:
+        fail(op, f"eps must be at least {torch.finfo(acc).tiny}, the smallest normal {acc} (the accumulation "
+                 f"dtype of {dtype} inputs), got {eps}")
 
 
 def check_positions(op: str, x: torch.Tensor, positions: torch.Tensor, x_layout: str) -> None:
@@ -272,7 +294,7 @@ def check_cu_seqlens(op: str, name: str, cu: torch.Tensor, total: int, max_seqle
         fail(op, f"{name} must be 1-D [batch + 1] with at least 2 entries, got shape {shape_str(cu)}")
     if not value_checks_enabled(cu, op):
         return
-    vals = cu.cpu()
+    vals = cu.cpu().long()  # differences in int64: in int32 INT32_MAX -> INT32_MIN wraps to +1
     if int(vals[0]) != 0:
         fail(op, f"{name}[0] must be 0, got {int(vals[0])}")
     lens = vals[1:] - vals[:-1]

@@ -170,7 +170,8 @@ def check_varlen_values(op, q, k, causal, cu_q, cu_k, max_q, max_k):
     if cu_q is None:
         return
     if V.on_device(cu_q) and V.value_checks_enabled(cu_q, op) and min(cu_q.shape[0], cu_k.shape[0]) >= 2:
-        lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        cq, ck = cu_q.long(), cu_k.long()  # int64 differences (int32 ones wrap: see V.check_cu_seqlens)
+        lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
         masks = [cu_q[:1] != 0, cu_k[:1] != 0, lq < 0, lk < 0, cu_q[-1:] != q.shape[0], cu_k[-1:] != k.shape[0],
                  lq > (max_q or q.shape[0]), lk > (max_k or k.shape[0])]
         if causal:
@@ -181,8 +182,8 @@ def check_varlen_values(op, q, k, causal, cu_q, cu_k, max_q, max_k):
     V.check_cu_seqlens(op, "cu_seqlens_q", cu_q, q.shape[0], max_q or q.shape[0], "max_seqlen_q")
     V.check_cu_seqlens(op, "cu_seqlens_k", cu_k, k.shape[0], max_k or k.shape[0], "max_seqlen_k")
     if causal and V.value_checks_enabled(cu_q, op):
-        lq = (cu_q[1:] - cu_q[:-1]).cpu()
-        lk = (cu_k[1:] - cu_k[:-1]).cpu()
+        cq, ck = cu_q.cpu().long(), cu_k.cpu().long()
+        lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
         bad = lq > lk
         if bool(bad.any()):
             i = V.first_bad(bad)[0]

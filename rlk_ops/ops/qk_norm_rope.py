@@ -4,7 +4,7 @@
     k          [..., Hkv, D]  same leading shape, D and dtype as q
     q_weight, k_weight [D]    q's dtype
     positions  [...]          int64, the leading shape, absolute positions >= 0
-    eps >= 0; theta > 0; rotary_dim even in (0, D]
+    eps > 0; theta > 0; rotary_dim even in (0, D]
     -> (q_out, k_out)         q's and k's shapes, contiguous
 
     q_out = rope(qk_rmsnorm(q, q_weight, eps), positions, theta, rotary_dim)  (bitwise)
@@ -34,7 +34,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """``rope(qk_rmsnorm(q))`` and ``rope(qk_rmsnorm(k))`` in one op. Differentiable."""
     op = "qk_norm_rope"
     V.tensors(op, q=q, k=k, q_weight=q_weight, k_weight=k_weight, positions=positions)
-    rd = q.shape[-1] if rotary_dim is None else V.int_arg(op, "rotary_dim", rotary_dim)
+    # (a 0-d q: rotary_dim 0 here, and the op's check names q's rank)
+    rd = (q.shape[-1] if q.dim() else 0) if rotary_dim is None else V.int_arg(op, "rotary_dim", rotary_dim)
     return torch.ops.rlk.qk_norm_rope(q, k, q_weight, k_weight, positions, V.float_arg(op, "eps", eps),
                                       V.float_arg(op, "theta", theta), rd)
 
@@ -99,8 +100,7 @@ def _check(q, k, q_weight, k_weight, positions, eps, theta, rotary_dim):
         V.same_dtype(op, name, w, "q", q)
     V.check_positions(op, q, positions, "[..., heads, head_dim]")
     V.same_device(op, {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight, "positions": positions})
-    if not (eps >= 0 and math.isfinite(eps)):
-        V.fail(op, f"eps must be a finite number >= 0, got {eps}")
+    V.rms_eps(op, eps, q.dtype)
     if not (theta >= 1 and math.isfinite(theta)):  # MAX_POSITION holds for frequencies <= 1
         V.fail(op, f"theta must be a finite number >= 1 (the RoPE base), got {theta}")
     if rotary_dim <= 0 or rotary_dim > d or rotary_dim % 2:

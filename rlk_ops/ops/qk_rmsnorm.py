@@ -11,7 +11,6 @@ because dweight reduces over every token and head (fixed order, no atomics).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -82,8 +81,7 @@ def _check(op, x, weight, eps):
         V.fail(op, f"weight must have shape [{x.shape[-1]}] (x's head_dim), got {V.shape_str(weight)}")
     V.same_dtype(op, "weight", weight, "x", x)
     V.same_device(op, {"x": x, "weight": weight})
-    if not (eps >= 0 and math.isfinite(eps)):
-        V.fail(op, f"eps must be a finite number >= 0, got {eps}")
+    V.rms_eps(op, eps, x.dtype)
 
 
 def _check_grad(op, dy, x):

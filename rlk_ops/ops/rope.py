@@ -31,7 +31,8 @@ MAX_POSITION = int(SINCOS_MAX_ABS)
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 1e6, rotary_dim: int | None = None) -> torch.Tensor:
     """Apply RoPE to q or k. Differentiable in x."""
     V.tensors("rope", x=x, positions=positions)
-    rd = x.shape[-1] if rotary_dim is None else V.int_arg("rope", "rotary_dim", rotary_dim)
+    # (a 0-d x: rotary_dim 0 here, and the op's check names x's rank)
+    rd = (x.shape[-1] if x.dim() else 0) if rotary_dim is None else V.int_arg("rope", "rotary_dim", rotary_dim)
     return torch.ops.rlk.rope(x, positions, V.float_arg("rope", "theta", theta), rd)
 
 
