@@ -634,6 +634,35 @@ def test_a_split_plan_that_contradicts_the_policy_fails(train, variants):
     _violates(result, "layer[0].attention.split_plan", "policy 'disabled' means plan 'single_pass'")
 
 
+def test_scale_spellings_equal_in_float32_bind():
+    """1 / math.sqrt(d) and d ** -0.5 differ in a double's last bit at d = 32 (also 96, 128), but every kernel
+    scales in float32, where they are one number, and the logits are bitwise equal. Binding compared the
+    doubles: FAIL, and even two such sides "violated" the mandate (session 32 audit). A scale that differs
+    in float32 still fails."""
+    import math
+    d = 32
+    assert d ** -0.5 != 1 / math.sqrt(d)
+
+    def rescale(value):
+        def edit(entry, node):
+            if "softmax_scale" in node["args"]:
+                node["args"]["softmax_scale"] = value
+        return edit
+
+    m = _model(head_dim=d)
+    train, rollout = probe.describe_train(m, backward=False), _decode(m)
+    megatron = _edit(train, rescale(1 / math.sqrt(d)))
+    result = bind(megatron, rollout)
+    assert result.passed, result.summary()
+    assert bind(megatron, megatron).passed
+    field = next(f for f in result.fields if f.field == "layer[0].attention.softmax_scale")
+    assert field.train == field.rollout == torch.tensor(d ** -0.5, dtype=torch.float32).item()
+    moved = field.rollout * (1 + 2 ** -20)   # a few float32 ulps away
+    off = _edit(train, rescale(moved))
+    _fails(bind(off, rollout), "layer[0].attention.softmax_scale", SEMANTIC,
+           torch.tensor(moved, dtype=torch.float32).item(), field.rollout)
+
+
 def test_scale_causal_and_recompiles_are_checked_on_agreeing_sides(train):
     def scale(entry, node):
         if "softmax_scale" in node["args"]:
@@ -783,6 +812,20 @@ def _malformed(side, path, value):
     (("plans",), ["x"], r"plans\[0\] must be an object with plan, got str 'x'"),
     (("entries", 0, "graph", "forward", 0, "sources"), {"weight": 3},
      r"entries\[0\].graph.forward\[0\].sources must be an object of tensor argument -> source name"),
+    # session 32 audit: each of these crashed bind (TypeError, IndexError, KeyError) or looped forever
+    (("entries", 0, "provenance", 0, "device"), ["cpu"], r"entries\[0\].provenance\[0\].device must be a string, "
+                                                         r"got list \['cpu'\]"),
+    (("entries", 0, "provenance", 0, "op"), 0, r"entries\[0\].provenance\[0\].op must be a string, got int 0"),
+    (("entries", 0, "provenance", 0, "fallback"), "no", r"entries\[0\].provenance\[0\].fallback must be a bool"),
+    (("plans",), [{"plan": ["x"]}], r"plans\[0\].plan must be a string, got list"),
+    (("entries", 0, "name"), ["train"], r"entries\[0\].name must be a string or null, got list"),
+    (("topology", "tp"), "1", r"topology.tp must be an int >= 1, got str '1'"),
+    (("entries", 0, "graph", "forward", 1, "producers", "x"), [1, 0],
+     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < 1, output\] pair \(an earlier"),
+    (("entries", 0, "graph", "forward", 0, "index"), 5,
+     r"entries\[0\].graph.forward\[0\].index must be its position in the list \(0\), got int 5"),
+    (("entries", 0, "graph", "forward", 0, "args", "extra"), {"a": 1},
+     r"entries\[0\].graph.forward\[0\].args.extra must be a number, string, null or a list of them"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,
@@ -797,3 +840,34 @@ def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, v
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     (tmp_path / "rollout.json").write_text(json.dumps(rollout))
     assert main(["check", "--train", str(tmp_path / "bad.json"), "--rollout", str(tmp_path / "rollout.json")]) == 2
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda n: n["inputs"].__setitem__(0, "bfloat16"), r"inputs\[0\] must be a tensor description 'dtype\[d0x...\]'"),
+    (lambda n: n["args"].__setitem__("causal", "0"), r"args.causal must be a bool or 0 / 1, got str '0'"),
+    (lambda n: n["outputs"].__setitem__(1, 7), r"must be a node object"),
+])
+def test_malformed_attention_nodes_are_named(train, rollout, edit, message):
+    """An attention node's q description without a shape was an IndexError inside bind; causal "0" bound as
+    causal (bool("0") is True) (session 32 audit)."""
+    for side, name in ((train, "training"), (rollout, "rollout")):
+        bad = json.loads(json.dumps(side))
+        nodes = bad["entries"][0]["graph"]["forward"]
+        j = next(i for i, n in enumerate(nodes) if "attention" in n["op"])
+        edit(nodes[j])
+        pair = (bad, rollout) if name == "training" else (train, bad)
+        with pytest.raises(binding.SideFormatError, match=rf"the {name} side: entries\[0\].graph.forward\[{j}\]"
+                                                          rf"(\.| )" + message):
+            bind(*pair)
+
+
+@pytest.mark.parametrize("op,arg", [("rlk::rope", "theta"), ("rlk::rope", "rotary_dim"), ("rlk::qk_rmsnorm", "eps")])
+def test_rope_and_norm_nodes_need_their_scalars(train, op, arg):
+    """A rope or norm node without the scalar binding compares was a KeyError inside bind (session 32 audit)."""
+    bad = json.loads(json.dumps(train))
+    nodes = bad["entries"][0]["graph"]["forward"]
+    j = next(i for i, n in enumerate(nodes) if n["op"] == op)
+    del nodes[j]["args"][arg]
+    with pytest.raises(binding.SideFormatError, match=rf"entries\[0\].graph.forward\[{j}\].args must be an object "
+                                                      rf"with .*{arg}.* \({op}\)"):
+        bind(bad, train)

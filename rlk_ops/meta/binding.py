@@ -25,9 +25,12 @@ only configured). Every failure names the field, both values and the tier.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of
@@ -107,11 +110,22 @@ def _m_dtype(v, m, ctx):
     return None if v in ("bfloat16", "float16", "float32") else "not a dtype the strict kernels cover"
 
 
+def _as_run(scale, dtype: str):
+    """The softmax scale the kernels use: the float64 value for float64 inputs, else rounded to float32
+    (the CPU reference multiplies float32 scores by it, FA4, FlashInfer and the Triton kernels take a
+    float32): ``1 / math.sqrt(128)`` and ``128 ** -0.5`` differ in the last bit of a double only."""
+    if not isinstance(scale, float) or dtype == "float64":
+        return scale
+    return torch.tensor(scale, dtype=torch.float32).item()
+
+
 def _m_scale(v, m, ctx):
     head_dim = ctx.get(ctx["name"].replace("softmax_scale", "head_dim"))
+    dtype = ctx.get(ctx["name"].replace("softmax_scale", "dtype"))
     want = m.softmax_scale if m.softmax_scale is not None else \
         (head_dim ** -0.5 if isinstance(head_dim, int) else None)
-    return None if want is None or v == want else f"the mandate is {want!r} (head_dim ** -0.5 unless given)"
+    return None if want is None or v == _as_run(want, dtype) else \
+        f"the mandate is {_as_run(want, dtype)!r} (head_dim ** -0.5 unless given; as the kernels use it)"
 
 
 def _m_split(v, m, ctx):
@@ -305,7 +319,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         put(f"{L}.attention.dtype", "attention.dtype", q_dtype, src + " q dtype")
         put(f"{L}.attention.causal", "attention.causal", bool(a["causal"]) if "causal" in a else True,
             src + (" args" if "causal" in a else " (causal by the op's definition)"))
-        put(f"{L}.attention.softmax_scale", "attention.softmax_scale", a.get("softmax_scale"), src + " args")
+        put(f"{L}.attention.softmax_scale", "attention.softmax_scale", _as_run(a.get("softmax_scale"), q_dtype),
+            src + " args" + ("" if q_dtype == "float64" else " (as float32: every backend scales in float32)"))
         policy = a.get("split_kv") or ("auto" if op == "paged_attention_auto" else None)
         put(f"{L}.attention.split_kv", "attention.split_kv",
             policy if policy is not None else Unobservable(f"{n['op']} passes no split_kv"),
@@ -663,37 +678,59 @@ _RECORD_KEYS = ("op", "device", "requested_backend", "actual_backend", "fallback
 _ATTENTION_OPS = ("attention_fwd", "paged_attention", "paged_attention_auto")  # read: inputs[0..1], outputs[1]
 
 
+_TENSOR_DESC = re.compile(r"[A-Za-z0-9_]+\[[^\[\]]*\]")           # "bfloat16[2x1x4x16]" (dims may be symbols)
+# the scalar arguments binding reads, per op (a missing one was a KeyError inside bind)
+_NEEDED_ARGS = {"rope": ("theta", "rotary_dim"), "qk_rmsnorm": ("eps",), "qk_norm_rope": ("eps", "theta", "rotary_dim")}
+_SCALAR = (int, float, str, type(None))
+
+
 def check_side(side, where: str) -> None:
     """The structure ``bind`` reads, checked before it reads it: a malformed file once
-    raised a bare KeyError ('forward', 'device', 'args') or AttributeError from inside the
-    binding. Raises ``SideFormatError`` naming ``where`` and the path of the first problem."""
+    raised a bare KeyError ('forward', 'device', 'args'), IndexError, TypeError or AttributeError
+    from inside the binding, or looped forever on a producer cycle. Raises ``SideFormatError``
+    naming ``where`` and the path of the first problem."""
     def bad(path, want, got):
         raise SideFormatError(f"{where}: {path} must be {want}, got {type(got).__name__} {repr(got)[:80]}")
+
+    def string(path, value, optional=False):
+        if not (isinstance(value, str) or (optional and value is None)):
+            bad(path, "a string or null" if optional else "a string", value)
 
     if not isinstance(side, dict):
         bad("the side description", "a JSON object", side)
     for key in _SIDE_DICTS:
         if side.get(key) is not None and not isinstance(side[key], dict):
             bad(key, "an object", side[key])
+    topo = side.get("topology") or {}
+    for key in ("tp", "cp"):
+        if key in topo and not (isinstance(topo[key], int) and not isinstance(topo[key], bool) and topo[key] >= 1):
+            bad(f"topology.{key}", "an int >= 1", topo[key])
     if side.get("plans") is not None and not isinstance(side["plans"], list):
         bad("plans", "a list", side["plans"])
     for i, p in enumerate(side.get("plans") or []):
         if not isinstance(p, dict) or "plan" not in p:
             bad(f"plans[{i}]", "an object with plan", p)
+        string(f"plans[{i}].plan", p["plan"])
+        string(f"plans[{i}].op", p.get("op"), optional=True)
     entries = side.get("entries")
     if not isinstance(entries, list):
         bad("entries", "a list", entries)
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             bad(f"entries[{i}]", "an object", e)
+        string(f"entries[{i}].name", e.get("name"), optional=True)
         records = e.get("provenance")
         if records is not None and not isinstance(records, list):
             bad(f"entries[{i}].provenance", "a list", records)
         for j, r in enumerate(records or []):
             if not isinstance(r, dict) or any(k not in r for k in _RECORD_KEYS):
                 bad(f"entries[{i}].provenance[{j}]", f"an object with {', '.join(_RECORD_KEYS)}", r)
-            if not isinstance(r.get("kernel"), (str, type(None))):   # optional: written since session 31
-                bad(f"entries[{i}].provenance[{j}].kernel", "a string or null", r["kernel"])
+            for k in ("op", "device", "requested_backend", "actual_backend"):
+                string(f"entries[{i}].provenance[{j}].{k}", r[k])
+            if not isinstance(r["fallback"], bool):
+                bad(f"entries[{i}].provenance[{j}].fallback", "a bool", r["fallback"])
+            string(f"entries[{i}].provenance[{j}].fallback_reason", r["fallback_reason"], optional=True)
+            string(f"entries[{i}].provenance[{j}].kernel", r.get("kernel"), optional=True)  # since session 31
         graph = e.get("graph")
         if graph is None:
             continue
@@ -706,27 +743,45 @@ def check_side(side, where: str) -> None:
             if not isinstance(graph.get(key), list):
                 bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))
         for key in ("forward", "backward"):
-            nodes = graph[key]
-            for j, n in enumerate(nodes):
-                where_ = f"entries[{i}].graph.{key}[{j}]"
-                if not isinstance(n, dict) or any(k not in n for k in _NODE_KEYS) or not isinstance(n["op"], str) \
-                        or "::" not in n["op"] or not isinstance(n["args"], dict) or not isinstance(n["index"], int) \
-                        or not isinstance(n["producers"], dict) or any(
-                            not isinstance(n[k], list) or not all(isinstance(t, str) for t in n[k])
-                            for k in ("inputs", "outputs")):
-                    bad(where_, "a node object with op 'ns::name', index (an int), inputs and outputs (lists of "
-                        "tensor descriptions), producers and args (objects)", n)
-                if n["op"].split("::")[1] in _ATTENTION_OPS and (len(n["inputs"]) < 2 or len(n["outputs"]) < 2):
-                    bad(f"{where_} ({n['op']})", "an attention node with q, k inputs and out, lse outputs",
-                        {"inputs": n["inputs"], "outputs": n["outputs"]})
-                sources = n.get("sources")
-                if sources is not None and not (isinstance(sources, dict) and all(
-                        isinstance(k, str) and isinstance(v, str) for k, v in sources.items())):
-                    bad(f"{where_}.sources", "an object of tensor argument -> source name (strings)", sources)
-                for arg, src in n["producers"].items():
-                    if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
-                            isinstance(x, int) for x in src) and 0 <= src[0] < len(nodes)):
-                        bad(f"{where_}.producers.{arg}", f"null or a [node index < {len(nodes)}, output] pair", src)
+            for j, n in enumerate(graph[key]):
+                _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)
+
+
+def _check_node(bad, where_: str, j: int, n) -> None:
+    if not isinstance(n, dict) or any(k not in n for k in _NODE_KEYS) or not isinstance(n["op"], str) \
+            or "::" not in n["op"] or not isinstance(n["args"], dict) or not isinstance(n["index"], int) \
+            or not isinstance(n["producers"], dict) or any(
+                not isinstance(n[k], list) or not all(isinstance(t, str) for t in n[k]) for k in ("inputs", "outputs")):
+        bad(where_, "a node object with op 'ns::name', index (an int), inputs and outputs (lists of "
+            "tensor descriptions), producers and args (objects)", n)
+    if n["index"] != j:   # binding reads nodes by position and marks them visited by index
+        bad(f"{where_}.index", f"its position in the list ({j})", n["index"])
+    for k, v in n["args"].items():
+        if not isinstance(v, _SCALAR) and not (isinstance(v, list) and all(isinstance(x, _SCALAR) for x in v)):
+            bad(f"{where_}.args.{k}", "a number, string, null or a list of them", v)
+    name = n["op"].split("::")[1]
+    if name in _ATTENTION_OPS:
+        if len(n["inputs"]) < 2 or len(n["outputs"]) < 2:
+            bad(f"{where_} ({n['op']})", "an attention node with q, k inputs and out, lse outputs",
+                {"inputs": n["inputs"], "outputs": n["outputs"]})
+        for k, desc in (("inputs[0]", n["inputs"][0]), ("inputs[1]", n["inputs"][1]), ("outputs[1]", n["outputs"][1])):
+            if not _TENSOR_DESC.fullmatch(desc) or (k != "outputs[1]" and len(_shape(desc)[1]) < 2):
+                bad(f"{where_}.{k}", "a tensor description 'dtype[d0x...]' (q and k with 2 dims or more)", desc)
+        causal = n["args"].get("causal", True)
+        if not (isinstance(causal, bool) or causal in (0, 1)):   # bool("0") is True
+            bad(f"{where_}.args.causal", "a bool or 0 / 1", causal)
+    for arg in _NEEDED_ARGS.get(name, ()):
+        if arg not in n["args"]:
+            bad(f"{where_}.args", f"an object with {', '.join(_NEEDED_ARGS[name])} ({n['op']})", n["args"])
+    sources = n.get("sources")
+    if sources is not None and not (isinstance(sources, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in sources.items())):
+        bad(f"{where_}.sources", "an object of tensor argument -> source name (strings)", sources)
+    for arg, src in n["producers"].items():
+        # an earlier node: graphs are in topological order, and a cycle made binding's path walk loop forever
+        if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in src) and 0 <= src[0] < j):
+            bad(f"{where_}.producers.{arg}", f"null or a [node index < {j}, output] pair (an earlier node)", src)
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
