@@ -304,6 +304,21 @@ def test_weight_sources_are_the_model_parameters_they_are():
     assert source(mine) == "layers.0.self_attn.q_norm.weight"
     assert source(theirs).startswith("input:")
     assert source(sliced) is None
+    # a lossy round trip or a reordering view is not the same weight (session 32 audit: both bound as
+    # "q_norm.weight", with other logits); lossless casts and views in memory order are; a transpose
+    # undone keeps its steps in the name (it binds only against the same steps: conservative)
+    name = "layers.0.self_attn.q_norm.weight"
+    w = (lambda self: self.layers[0].self_attn.q_norm.weight)
+    for make, want in (
+            (lambda t: t.to(torch.float8_e4m3fn).to(torch.bfloat16), name + ".to(float8_e4m3fn).to(bfloat16)"),
+            (lambda t: t.reshape(4, 4).t().reshape(16), name + ".reshape(4, 4).permute(1, 0).reshape(16)"),
+            (lambda t: t.reshape(4, 4).transpose(-1, 0).reshape(16), name + ".reshape(4, 4).permute(1, 0).reshape(16)"),
+            (lambda t: t.float().to(torch.bfloat16), name),
+            (lambda t: t.reshape(2, 8).contiguous().view(16).clone(), name),
+            (lambda t: t.reshape(4, 4).t().t().reshape(16), name + ".reshape(4, 4).permute(1, 0).permute(1, 0)"
+                                                                  ".reshape(16)")):
+        got = source(lambda self, x, make=make: rlk_ops.qk_rmsnorm(x, make(w(self)), 1e-6))
+        assert got == want, (got, want)
 
     class Wrapper(torch.nn.Module):
         def __init__(self, inner):

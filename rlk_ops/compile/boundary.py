@@ -197,11 +197,57 @@ def _producer(val, produced: dict) -> list | None:
     return None
 
 
-# Views that keep which elements are read (a slice or select of a stacked weight does not: w[0] and
-# w[1] would both be "w"), and dtype casts (fp32 master weights cast in the graph): a parameter
-# followed through these is still that parameter.
-_SAME_ELEMENTS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze",
-                  "unsqueeze", "alias", "clone", "contiguous", "detach", "_to_copy", "lift_fresh_copy"}
+# Ops a parameter is followed through to the rlk op that takes it (a slice or select of a stacked weight
+# is not followed: w[0] and w[1] would both be "w"). Views in memory order and copies keep each element's
+# place; so do casts that lose nothing the consumer's dtype holds (fp32 master weights cast to bf16 in the
+# graph). A reordering view (w.reshape(4, 4).t().reshape(16)) or a cast through a narrower dtype
+# (bf16 -> float8 -> bf16) is not the same weight: the chain is written into the source's name
+# (``_source``), so two sides bind only when they transform the parameter alike.
+_SAME_ORDER = {"view", "_unsafe_view", "reshape", "expand", "squeeze", "unsqueeze", "alias", "clone",
+               "contiguous", "detach", "lift_fresh_copy"}
+_REORDER = {"permute", "transpose", "t"}
+_CAST = {"_to_copy"}
+_SAME_ELEMENTS = _SAME_ORDER | _REORDER | _CAST
+
+
+def _holds(a: torch.dtype, b: torch.dtype) -> bool:
+    """Every value of dtype ``b`` is one of ``a``'s (floats: precision and range at least ``b``'s)."""
+    if a == b:
+        return True
+    if not (a.is_floating_point and b.is_floating_point):
+        return False
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return fa.eps <= fb.eps and fa.max >= fb.max and fa.smallest_normal <= fb.smallest_normal
+
+
+def _step(node: torch.fx.Node, final: torch.dtype | None) -> tuple[str, bool]:
+    """How one followed op transforms the tensor: (text, whether it changes which value sits where)."""
+    name = node.target._opname
+    val = node.meta.get("val")
+    shape = list(val.shape) if isinstance(val, torch.Tensor) else None
+    if name in _CAST:
+        dtype = val.dtype if isinstance(val, torch.Tensor) else None
+        lossless = dtype is not None and final is not None and _holds(dtype, final)
+        return f".to({str(dtype).replace('torch.', '')})", not lossless
+    if name in _REORDER:
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        rank = src.dim() if isinstance(src, torch.Tensor) else None
+        if name == "permute":
+            dims = [int(d) % rank if rank else int(d) for d in node.args[1]]
+        elif rank is None:
+            return f".{name}{tuple(node.args[1:])}", True
+        else:
+            a, b = ((0, 1) if name == "t" else (int(node.args[1]) % rank, int(node.args[2]) % rank)) if rank >= 2 \
+                else (0, 0)
+            dims = list(range(rank))
+            dims[a], dims[b] = dims[b], dims[a]
+        return f".permute({', '.join(map(str, dims))})", dims != sorted(dims)
+    if name in ("clone", "contiguous", "detach", "alias", "lift_fresh_copy"):
+        return "", False
+    return (f".{'expand' if name == 'expand' else 'reshape'}({', '.join(map(str, shape))})" if shape is not None
+            else f".{name}"), False
+
+
 # Wrapper modules whose attribute adds a path segment without changing the model (DDP, torch.compile,
 # FSDP, activation checkpointing): dropped, so a wrapped and a bare model name a parameter alike.
 _WRAPPER_SEGMENTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
@@ -236,13 +282,22 @@ def _agrees(val, shape, dtype) -> bool:
 
 
 def _source(val, inputs: dict) -> str | None:
+    """The graph input (a module parameter's path, or ``input:...``) that ``val`` is, followed back through
+    _SAME_ELEMENTS; when the way there reorders elements or casts through a narrower dtype, the steps are
+    appended (``k_norm.weight.to(float8_e4m3fn).to(bfloat16)``), None when it is not such an input."""
+    final = val.meta.get("val").dtype if isinstance(val, torch.fx.Node) and \
+        isinstance(val.meta.get("val"), torch.Tensor) else None
+    steps, changed = [], False
     while isinstance(val, torch.fx.Node):
         if val in inputs:
-            return inputs[val]
+            return inputs[val] + ("".join(reversed(steps)) if changed else "")
         name = getattr(val.target, "_opname", None)
         if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload)
                 and name in _SAME_ELEMENTS):
             return None
+        text, moved = _step(val, final)
+        steps.append(text)
+        changed |= moved
         val = val.args[0]
     return None
 
