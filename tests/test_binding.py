@@ -886,3 +886,96 @@ def test_rope_and_norm_nodes_need_their_scalars(train, op, arg):
     with pytest.raises(binding.SideFormatError, match=rf"entries\[0\].graph.forward\[{j}\].args must be an object "
                                                       rf"with .*{arg}.* \({op}\)"):
         bind(bad, train)
+
+
+# ------------------------------------------------ what the analysed graphs do not show (session 32 audit)
+def test_rlk_calls_outside_the_analysed_graphs_fail_closed(train, monkeypatch):
+    """An input norm run under torch.compiler.disable (eps 0.1 on the rollout) appears in no graph: its
+    calls were recorded, never analysed, and the pair bound while the logits differed."""
+    from rlk_ops.rollout import model as M
+
+    m = _model()
+    ln = m.layers[0].input_layernorm
+    ln.forward = torch.compiler.disable(types.MethodType(M._RMSNorm.forward, ln))
+    ln.eps = 0.1
+    result = bind(train, _decode(m))
+    f = result.failure("graph.outside_calls")
+    assert f is not None and f.tier == SEMANTIC and f.rollout == {"rlk::qk_rmsnorm": 1}, result.summary()
+    assert "outside the analysed graphs" in f.detail
+    assert bind(train, train).failure("graph.outside_calls") is None
+
+
+def test_a_graph_reused_across_frames_fails_closed(train, monkeypatch):
+    """A graph break in shared code (the MLP): Dynamo compiles the norm's frame once and reuses its graph for
+    the later norms, whose weights the report never names (a final norm taking another layer's weight bound)."""
+    from rlk_ops.rollout import model as M
+
+    mlp = M._MLP.forward
+
+    def with_break(self, x):
+        torch._dynamo.graph_break()
+        return mlp(self, x)
+    monkeypatch.setattr(M._MLP, "forward", with_break)
+    side = _decode(_model())
+    runs = side["entries"][0]["graph"]["graph_runs"]["forward"]
+    assert max(runs) > 1, runs
+    f = bind(train, side).failure("graph.reruns")
+    assert f is not None and f.rollout == sum(r - 1 for r in runs if r > 1) and "ran more than once" in f.detail
+
+
+def test_a_graph_that_is_not_the_eager_computation_fails(train, monkeypatch):
+    """The engine and the rescore run the entry points eagerly; binding analyses a compiled trace. A rollout
+    whose eager path differs from its traced one (a branch on torch.compiler.is_compiling(), RoPE theta
+    1e4 when eager) bound with the traced branch's values."""
+    import dataclasses
+
+    orig = Qwen3Attention.forward_rollout
+
+    def forward_rollout(self, *args, **kw):
+        if torch.compiler.is_compiling():
+            return orig(self, *args, **kw)
+        saved = self.config
+        self.config = dataclasses.replace(saved, rope_theta=1e4)
+        try:
+            return orig(self, *args, **kw)
+        finally:
+            self.config = saved
+    monkeypatch.setattr(Qwen3Attention, "forward_rollout", forward_rollout)
+    side = _decode(_model())
+    _fails(bind(train, side), "graph.eager_equal", SEMANTIC, True, False)
+
+
+def test_side_files_without_run_counts_fail_closed(train, rollout):
+    """graph_runs, outside_calls and eager_equal are written since session 32: a side file without them
+    cannot show that its graphs are what ran, so those fields are UNOBSERVABLE."""
+    old = json.loads(json.dumps(rollout))
+    for e in old["entries"]:
+        for key in ("graph_runs", "outside_calls", "eager_equal"):
+            del e["graph"][key]
+    result = bind(train, old)
+    for name in ("graph.reruns", "graph.outside_calls", "graph.eager_equal"):
+        f = result.failure(name)
+        assert f is not None and f.status == "unobservable" and "before session 32" in f.detail, name
+    assert bind(train, rollout).passed
+
+
+def test_a_path_cut_by_a_graph_break_is_unobservable_not_absent(train, monkeypatch):
+    """A graph break between RoPE and the cache append (same numbers): the q/k paths in the attention's graph
+    start at graph inputs. They were reported as having no RMSNorm and no RoPE ("absent"); the norm and
+    RoPE ran in the graph before the break, so the fields are UNOBSERVABLE."""
+    def with_break(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                   return_attention=False):
+        b, sq, hidden = hidden_states.shape
+        q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+        torch._dynamo.graph_break()
+        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens,
+                                positions)
+        attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+                                            seq_lens, split_kv=self.config.split_kv)
+        out = rlk_ops.linear(attn.reshape(b * sq, -1), self.o_proj.weight).reshape(b, sq, hidden)
+        return (out, attn, lse) if return_attention else out
+    monkeypatch.setattr(Qwen3Attention, "forward_rollout", with_break)
+    result = bind(train, _decode(_model()))
+    for name in ("layer[0].q_norm.eps", "layer[0].k_rope.theta", "layer[0].q.stages"):
+        f = result.failure(name)
+        assert f is not None and f.status == "unobservable" and "graph break" in f.detail, (name, result.summary())

@@ -15,6 +15,7 @@ first argument, and the ``copy_`` that writes the result back to the cache).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import operator
@@ -79,6 +80,14 @@ class BoundaryReport:
     graph_breaks: int = 0
     recompiles: int = 0
     movement_nodes: dict[str, int] = field(default_factory=dict)
+    # the first call (and its backward): how often each reported graph ran, forward then backward (more
+    # than once: Dynamo reused it for another frame after a graph break, and its nodes name the first
+    # run's tensors only); rlk calls no reported graph accounts for, per op (run outside the compiled
+    # graphs: torch.compiler.disable, a frame compiled earlier); whether its outputs were bitwise an eager
+    # run's on copies of its arguments (None: not compared)
+    graph_runs: dict[str, list[int]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    outside_calls: dict[str, int] = field(default_factory=dict)
+    eager_equal: bool | None = None
 
     @property
     def forward_ops(self) -> list[str]:
@@ -372,27 +381,54 @@ def _converting_copy(name: str, node: torch.fx.Node) -> bool:
     return not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.dtype == src.dtype)
 
 
+def eager_outputs(fn, args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors ``fn`` returns run eagerly, without grad, on deep copies of its arguments (a KV
+    cache it appends to is a copy): what ``inspect_boundary(..., eager=...)`` compares its compiled
+    call with. Call it outside any ``provenance.capture()`` that should hold only the compiled run."""
+    a, kw = copy.deepcopy((args, kwargs or {}))
+    with torch.no_grad():
+        return _tensors(fn(*a, **kw))
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+
+
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
-                     more_calls: tuple[tuple, ...] = (), **kwargs) -> BoundaryReport:
+                     more_calls: tuple[tuple, ...] = (), eager: list | None = None, **kwargs) -> BoundaryReport:
     """Compile ``fn`` (no fullgraph requirement, so breaks are counted rather than
     raised), run it on ``args`` and, if ``backward`` and an output requires grad,
     run one backward of the sum of its outputs (this accumulates ``.grad`` on leaves).
     ``more_calls`` are further argument tuples (e.g. other sequence lengths): the
     graphs compiled for them beyond the first call's are counted as ``recompiles``;
-    the reported rlk nodes are those of the first call's graphs."""
+    the reported rlk nodes are those of the first call's graphs. ``eager``: ``eager_outputs``
+    of the same call, compared bitwise with the first call's (``eager_equal``)."""
+    from rlk_ops.meta import provenance
+
     if not callable(fn):
         raise TypeError(f"inspect_boundary: fn must be a callable (a function or module), got {type(fn).__name__}")
     report = BoundaryReport()
     fw_graphs: list[torch.fx.GraphModule] = []
     bw_graphs: list[torch.fx.GraphModule] = []
+    runs: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def counted(kind: str, gm):
+        i = len(runs[kind])
+        runs[kind].append(0)
+        inner = gm.forward
+
+        def run(*a):
+            runs[kind][i] += 1
+            return inner(*a)
+        return make_boxed_func(run)
 
     def fw_compiler(gm, _inputs):
         fw_graphs.append(gm)
-        return make_boxed_func(gm.forward)
+        return counted("forward", gm)
 
     def bw_compiler(gm, _inputs):
         bw_graphs.append(gm)
-        return make_boxed_func(gm.forward)
+        return counted("backward", gm)
 
     aot_backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)
     dynamo_graphs = []
@@ -416,26 +452,43 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     breaks_before = sum(counters["graph_break"].values())
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
-    out = compiled(*args, **kwargs)
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-    if backward and any(o.requires_grad for o in outs):
-        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    with provenance.capture() as first_call:
+        outs = _tensors(compiled(*args, **kwargs))
+        if eager is not None:
+            report.eager_equal = len(outs) == len(eager) and all(
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(outs, eager))
+        if backward and any(o.requires_grad for o in outs):
+            sum(o.float().sum() for o in outs if o.requires_grad).backward()
     first_fw, first_bw = list(fw_graphs), list(bw_graphs)
+    report.graph_runs = {k: list(v) for k, v in runs.items()}
     report.graphs = len(dynamo_graphs)
     report.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
     for more in more_calls:
-        out = compiled(*more, **kwargs)
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        outs = _tensors(compiled(*more, **kwargs))
         if backward and any(o.requires_grad for o in outs):
             sum(o.float().sum() for o in outs if o.requires_grad).backward()
     report.recompiles = len(dynamo_graphs) - report.graphs
     # the AOT forward graphs in the order Dynamo's graphs were compiled: their inputs named
     # (for each rlk node's ``sources``) only when the two lists line up one to one
     names = dynamo_inputs[:report.graphs] if len(first_fw) == report.graphs else [None] * len(first_fw)
-    for gm, input_names in zip(first_fw, names):
-        report.forward.extend(analyse_graph(gm, "forward", report, len(report.forward), input_names))
-    for gm in first_bw:
-        report.backward.extend(analyse_graph(gm, "backward", report, len(report.backward)))
+    accounted: dict[str, int] = {}   # rlk calls the reported graphs made in the first call: nodes x runs
+
+    def account(nodes, n_runs):
+        for node in nodes:
+            accounted[node.op] = accounted.get(node.op, 0) + n_runs
+        return nodes
+    for k, (gm, input_names) in enumerate(zip(first_fw, names)):
+        report.forward.extend(account(analyse_graph(gm, "forward", report, len(report.forward), input_names),
+                                      report.graph_runs["forward"][k]))
+    for k, gm in enumerate(first_bw):
+        report.backward.extend(account(analyse_graph(gm, "backward", report, len(report.backward)),
+                                       report.graph_runs["backward"][k]))
+    made: dict[str, int] = {}        # the top-level rlk calls of the first call (nested ones: inside a kernel)
+    for r in first_call.records():
+        if not r.nested:
+            made[f"rlk::{r.op}"] = made.get(f"rlk::{r.op}", 0) + r.calls
+    report.outside_calls = {op: n - accounted.get(op, 0) for op, n in sorted(made.items())
+                            if n > accounted.get(op, 0)}
     for i, n in enumerate(report.forward):
         n.index = i
     for i, n in enumerate(report.backward):

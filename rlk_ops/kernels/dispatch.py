@@ -220,7 +220,8 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
                 out = fn(*args, **kwargs)
             finally:
                 kernel = slots.pop()
-            provenance.record(*record, kernel)  # once it has run: a call the kernel refused ran nothing
+            # once it has run: a call the kernel refused ran nothing; slots left: inside another call
+            provenance.record(*record, kernel, bool(slots))
             return out
 
         _cache[key] = run

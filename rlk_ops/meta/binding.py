@@ -212,6 +212,15 @@ RULES: dict[str, Rule] = {
     "ops.backend": Rule(RECORDED, None, True),
     "graph.recompiles": Rule(SEMANTIC, lambda v, m, ctx: None if v == 0 else
                              "graphs compiled for later warm-up calls were not analysed"),
+    "graph.reruns": Rule(SEMANTIC, lambda v, m, ctx: None if v == 0 else
+                         "a compiled graph ran more than once in one call (Dynamo reused it for another frame "
+                         "after a graph break): its nodes name the first run's tensors only"),
+    "graph.outside_calls": Rule(SEMANTIC, lambda v, m, ctx: None if v == {} else
+                                "rlk calls ran outside the analysed graphs (torch.compiler.disable, or a frame "
+                                "compiled before): their arguments were never seen"),
+    "graph.eager_equal": Rule(SEMANTIC, lambda v, m, ctx: None if v is True else
+                              "the compiled call's outputs are not bitwise an eager run's of the same call: the "
+                              "analysed graph is not what the entry computes run eagerly"),
     "graph.breaks": Rule(RECORDED), "graph.leaks": Rule(RECORDED),
     "runtime.mode": Rule(RECORDED), "runtime.page_size": Rule(RECORDED), "runtime.compiled": Rule(RECORDED),
     "runtime.strict": Rule(RECORDED), "runtime.devices": Rule(RECORDED),
@@ -296,6 +305,16 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     put("graph.recompiles", "graph.recompiles", graph["recompiles"], "BoundaryReport.recompiles")
     put("graph.breaks", "graph.breaks", graph["graph_breaks"], "BoundaryReport.graph_breaks")
     put("graph.leaks", "graph.leaks", len(graph["leaks"]), "BoundaryReport.leaks")
+    older = "a side file written before session 32 (no {} in its graph)"
+    runs = graph.get("graph_runs")
+    put("graph.reruns", "graph.reruns", Unobservable(older.format("graph_runs")) if runs is None else
+        sum(max(0, r - 1) for k in ("forward", "backward") for r in runs[k]), "BoundaryReport.graph_runs")
+    put("graph.outside_calls", "graph.outside_calls", Unobservable(older.format("outside_calls"))
+        if graph.get("outside_calls") is None else graph["outside_calls"], "BoundaryReport.outside_calls")
+    eager = graph.get("eager_equal")
+    put("graph.eager_equal", "graph.eager_equal", eager if eager is not None else Unobservable(
+        older.format("eager_equal") if "eager_equal" not in graph else "the compiled call was not compared with "
+        "an eager run (inspect_boundary without eager=)"), "BoundaryReport.eager_equal")
     put("runtime.devices", "runtime.devices", sorted({r["device"] for r in records}), "provenance")
     by_op: dict[str, list[dict]] = {}
     for r in records:
@@ -337,13 +356,18 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         v_src = n["producers"].get("v" if op == "attention_fwd" else "v_cache")
         for name, start in (("q", q_src), ("k", k_src), ("v", v_src)):
             stages, args, ops = _chain(fwd, start, visited)
-            put(f"{L}.{name}.stages", "path.stages", ">".join(stages), f"{g}: producers of {n['op']}.{name}")
+            # a path that starts at a graph input in a graph with breaks: what made that input ran in another
+            # graph, not followed here; its stages are not "absent" but unseen (session 32 audit)
+            cut = Unobservable(f"the {name} path starts at a graph input and the entry has graph breaks: the "
+                               f"stages before the break ran in another graph") \
+                if stages[0] == "graph input" and graph["graph_breaks"] else None
+            put(f"{L}.{name}.stages", "path.stages", cut or ">".join(stages), f"{g}: producers of {n['op']}.{name}")
             put(f"{L}.{name}.ops", "path.ops", " > ".join(ops), f"{g}: producers")
             if name == "v":
                 continue
             norms = [x["rmsnorm"] for x in args if "rmsnorm" in x]
             ropes = [x["rope"] for x in args if "rope" in x]
-            absent = f"absent (no RMSNorm on the {name} path)"
+            absent = cut or f"absent (no RMSNorm on the {name} path)"
             put(f"{L}.{name}_norm.eps", "norm.eps", _one([x["eps"] for x in norms], absent), f"{g}: rmsnorm args")
             weights = [x["weight"] for x in args if "rmsnorm" in x]
             put(f"{L}.{name}_norm.weight", "norm.weight",
@@ -351,7 +375,7 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
                              "computed or sliced in the graph, graph inputs not matched to the model, or a "
                              "side file without sources)")
                 if None in weights else _one(weights, absent), f"{g}: rmsnorm weight source (module path)")
-            absent = f"absent (no RoPE on the {name} path)"
+            absent = cut or f"absent (no RoPE on the {name} path)"
             put(f"{L}.{name}_rope.theta", "rope.theta", _one([x["theta"] for x in ropes], absent), f"{g}: rope args")
             put(f"{L}.{name}_rope.rotary_dim", "rope.rotary_dim", _one([x["rotary_dim"] for x in ropes], absent),
                 f"{g}: rope args")
@@ -742,6 +766,17 @@ def check_side(side, where: str) -> None:
         for key in ("forward", "backward", "leaks"):
             if not isinstance(graph.get(key), list):
                 bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))
+        runs = graph.get("graph_runs")   # these three: written since session 32 (absent: unobservable)
+        if runs is not None and not (isinstance(runs, dict) and all(
+                isinstance(runs.get(k), list) and all(isinstance(r, int) and r >= 0 for r in runs[k])
+                for k in ("forward", "backward"))):
+            bad(f"entries[{i}].graph.graph_runs", "an object of forward and backward run counts (ints >= 0)", runs)
+        outside = graph.get("outside_calls")
+        if outside is not None and not (isinstance(outside, dict) and all(
+                isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in outside.items())):
+            bad(f"entries[{i}].graph.outside_calls", "an object of op name -> call count (> 0)", outside)
+        if not isinstance(graph.get("eager_equal"), (bool, type(None))):
+            bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         for key in ("forward", "backward"):
             for j, n in enumerate(graph[key]):
                 _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)

@@ -194,17 +194,21 @@ def flashinfer_plans(records: list[dict]) -> list[dict]:
 def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
     """Compile ``fn`` with the capturing backend, run it on ``args`` (and one backward
     when asked), and return the entry's evidence: graph, provenance, plan records, and
-    the strict mode it ran under."""
-    from rlk_ops.compile.boundary import inspect_boundary
+    the strict mode it ran under. The same call also runs eagerly first, on copies of the
+    arguments: the graph counts as the entry's computation only if its outputs are bitwise that
+    run's (``graph.eager_equal``: an engine that runs the entry eagerly runs what was bound)."""
+    from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
     from rlk_ops.kernels.dispatch import strict_mode
 
+    eager = eager_outputs(fn, args, kwargs)   # before the capture: its calls are not the entry's evidence
     before = _plan_logs()
     with provenance.capture() as log:
-        report = inspect_boundary(fn, *args, backward=backward, **kwargs)
+        report = inspect_boundary(fn, *args, backward=backward, eager=eager, **kwargs)
     plans = [r for k, (r, calls) in _plan_logs().items() if calls > before.get(k, (None, 0))[1]]
     graph = {"forward": [asdict(n) for n in report.forward], "backward": [asdict(n) for n in report.backward],
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
-             "leaks": [leak.target for leak in report.leaks]}
+             "leaks": [leak.target for leak in report.leaks], "graph_runs": report.graph_runs,
+             "outside_calls": report.outside_calls, "eager_equal": report.eager_equal}
     return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans),
             "strict": strict_mode()}
 

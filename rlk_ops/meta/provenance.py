@@ -1,7 +1,7 @@
 """Provenance: which backend actually ran each rlk op, and on what.
 
 The dispatch point (``kernels/dispatch.py``) records one entry per distinct
-(op, requested backend, actual backend, fallback, device, kernel) with a call count, when the
+(op, requested backend, actual backend, fallback, device, kernel, nested) with a call count, when the
 kernel returns (a call the kernel refused ran nothing). Records are cheap (a dict update
 per call) and always on; ``capture()`` scopes them.
 
@@ -37,6 +37,7 @@ class CallRecord:
     device: str
     kernel: str | None = None   # the log fills it: the backend's name unless its code noted another
     calls: int = 0
+    nested: bool = False        # called inside another dispatched call's kernel (the merge inside decode)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,13 +49,14 @@ class ProvenanceLog:
         self._lock = threading.Lock()
 
     def record(self, op: str, requested: str, actual: str, fallback: bool,
-               reason: str | None, device: str, kernel: str | None = None) -> None:
+               reason: str | None, device: str, kernel: str | None = None, nested: bool = False) -> None:
         kernel = kernel or actual
-        key = (op, requested, actual, fallback, device, kernel)
+        key = (op, requested, actual, fallback, device, kernel, nested)
         with self._lock:  # the count too: ``+=`` on an attribute is a read and a write
             rec = self._records.get(key)
             if rec is None:
-                rec = self._records[key] = CallRecord(op, requested, actual, fallback, reason, device, kernel)
+                rec = self._records[key] = CallRecord(op, requested, actual, fallback, reason, device, kernel,
+                                                      nested=nested)
             rec.calls += 1
 
     def records(self) -> list[CallRecord]:
@@ -78,12 +80,12 @@ def current() -> ProvenanceLog:
 
 
 def record(op: str, requested: str, actual: str, fallback: bool, reason: str | None, device: str,
-           kernel: str | None = None) -> None:
+           kernel: str | None = None, nested: bool = False) -> None:
     """Into every open log: the process-wide one and each enclosing ``capture()``. (Into the
     innermost only, a capture opened inside another, e.g. the binding probe's, hid its calls and
     fallbacks from the outer one and from ``current()`` afterwards.)"""
     for log in tuple(_stack):
-        log.record(op, requested, actual, fallback, reason, device, kernel)
+        log.record(op, requested, actual, fallback, reason, device, kernel, nested)
 
 
 # The kernels noted by each dispatched call running on this thread, innermost call last (None: none
