@@ -533,3 +533,28 @@ def test_compiled_block_equals_eager_under_canonical():
         out.float().square().sum().backward()
         results.append([out.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
     assert all(bitwise_equal(a, b) for a, b in zip(*results))
+
+
+def test_default_chunk_at_qwen3_head_dim_and_gqa_8():
+    """The other tests run canonical:C at head_dim 16 and C <= 384; here the default C (768) over a
+    1700-token sequence at head_dim 128 with 8 query heads per KV head: training rows equal decode at
+    positions on and off the chunk boundaries (767, 768, 1535, 1536) and a chunked prefill whose
+    pieces cross one, with pages of 16 and 128, in float16 (session 32 audit: not covered before)."""
+    from conftest import fill_paged_cache
+
+    n, hq, hkv, d, dtype = 1700, 16, 2, 128, torch.float16
+    gen = torch.Generator().manual_seed(32)
+    q = torch.randn(1, n, hq, d, generator=gen).to(dtype)
+    k = torch.randn(1, n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(1, n, hkv, d, generator=gen).to(dtype)
+    out, lse = rlk_ops.attention(q, k, v, split_kv="canonical")
+    for page_size in (16, 128):
+        kc, vc, table = fill_paged_cache(k, v, page_size, gen)
+        for p in (0, 767, 768, 1535, 1536, n - 1):
+            lens = torch.tensor([p + 1], dtype=torch.int32)
+            o, l = rlk_ops.paged_attention(q[:, p:p + 1], kc, vc, table, lens, split_kv="canonical")
+            assert torch.equal(o[:, 0], out[:, p]) and torch.equal(l[:, :, 0], lse[:, :, p]), (page_size, p)
+        for start, stop in ((700, 900), (1500, 1700)):
+            lens = torch.tensor([stop], dtype=torch.int32)
+            o, l = rlk_ops.paged_attention(q[:, start:stop], kc, vc, table, lens, split_kv="canonical")
+            assert torch.equal(o, out[:, start:stop]) and torch.equal(l, lse[:, :, start:stop]), (start, stop)

@@ -179,6 +179,26 @@ def test_batch_invariance_when_sequences_share_a_chunk():
         assert bitwise_equal(oi[0], out[i]) and bitwise_equal(li[0], lse[i]) and bitwise_equal(dqi[0], dq[i])
 
 
+def test_dq_of_a_row_ignores_keys_it_does_not_see():
+    """A row's dq must not depend on keys it cannot see, even huge finite ones: the backward walks a chunk
+    of rows over the key blocks its last row sees, so row 10 of a 300-token sequence also walked key 200.
+    With V there at 1e20, dp = rowsum(dout * V) overflowed to inf and 0 * inf made row 10's dq NaN, where
+    the 11-token prefix gave finite values (session 32 audit); a context-parallel query split or padding
+    changes those chunks."""
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 300, 4, 64, generator=g).to(DT) for _ in range(2))
+    k, v = (torch.randn(1, 300, 2, 64, generator=g).to(DT) for _ in range(2))
+    v[0, 200] = 1e20
+    do[0, 10] = 1e20
+
+    def dq(n):
+        a = q[:, :n].clone().requires_grad_()
+        out, _ = rlk_ops.attention(a, k[:, :n], v[:, :n])
+        return torch.autograd.grad(out, a, do[:, :n])[0]
+    full, prefix = dq(300)[0, 10], dq(11)[0, 10]
+    assert torch.isfinite(prefix).all() and bitwise_equal(full, prefix)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_backward_batch_invariant_and_accurate(dtype):
     """rlk::rope_bwd (the inverse rotation) on the CPU: a token alone equals it in the batch,

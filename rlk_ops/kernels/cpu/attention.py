@@ -200,7 +200,9 @@ def _backward(dout, q, k, v, out, lse, dlse, q_pos, k_len, causal, scale):
                 s = _scores(rows, k_all[b0:b1, :, blk], pos, kl, j0, causal, scale)
                 p = nx.exp(s - lse_safe[..., None])
                 dp = nx.rowsum(do[:, :, :, None, :] * v_all[b0:b1, :, None, blk, :])
-                ds = p * (dp - delta[..., None])
+                # a key the row does not see contributes 0, whatever dp is: unmasked, a huge finite V there
+                # made dp inf and 0 * inf NaN, so a row's dq depended on which key blocks its chunk walked
+                ds = torch.where(s == -math.inf, 0.0, p * (dp - delta[..., None]))
                 ds_mm = _mm_round(ds, q.dtype)
                 dq_acc = dq_acc + nx.rowsum(ds_mm[:, :, :, None, :] * k_all_t[b0:b1, :, None, :, blk])
                 ds_t = ds_mm.transpose(-1, -2).contiguous()        # [b, Hkv, BLOCK, R]
