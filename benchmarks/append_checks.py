@@ -10,7 +10,9 @@ synchronize (the checks sync anyway), the variants interleaved round by round:
 * ``kernel``: the backend's append kernel alone (no op, no checks);
 * ``op_unchecked``: the op with every argument, under ``rlk_ops.value_checks(False)``;
 * ``op_slots``: the op without page_table / seq_lens, checks on (range and duplicates only);
-* ``op_placement``: the op with page_table, seq_lens and positions, checks on (the rollout path).
+* ``op_placement``: the op with page_table, seq_lens and positions, checks on (the rollout path);
+* ``op_slots_host`` / ``op_placement_host``: the same with the checks on their host path (the index
+  tensors copied to the CPU, checked there: what CPU tensors take), to compare the two paths.
 
 Every variant's caches are checked torch.equal to the kernel's after the same append, and one bad
 call (a slot in a page another sequence has filled) must raise and leave the caches unchanged.
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rlk_ops  # noqa: E402
 from rlk_ops import RlkInputError  # noqa: E402
 from rlk_ops.kernels.dispatch import kernel_for  # noqa: E402
+from rlk_ops.ops import _validate as V  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import source_digest  # noqa: E402
@@ -78,10 +81,22 @@ def run_case(batch: int, ps: int, dev: str, rounds: int, calls: int) -> dict:
         with rlk_ops.value_checks(False):
             op(kc, vc, k, v, slots, table, lens, pos)
 
+    def on_host(fn):  # the checks' host path (V.on_device False): copies to the host, the checks there
+        def run():
+            saved = V.on_device
+            V.on_device = lambda t: False
+            try:
+                fn()
+            finally:
+                V.on_device = saved
+        return run
+
     fns = {"kernel": lambda: kernel(kc, vc, k, v, slots),
            "op_unchecked": unchecked,
            "op_slots": lambda: op(kc, vc, k, v, slots, None, None, None),
-           "op_placement": lambda: op(kc, vc, k, v, slots, table, lens, pos)}
+           "op_placement": lambda: op(kc, vc, k, v, slots, table, lens, pos),
+           "op_slots_host": on_host(lambda: op(kc, vc, k, v, slots, None, None, None)),
+           "op_placement_host": on_host(lambda: op(kc, vc, k, v, slots, table, lens, pos))}
     # bits: each variant's append on fresh copies equals the kernel's
     ref = kc.clone(), vc.clone()
     kernel(*ref, k, v, slots)
@@ -132,14 +147,15 @@ def main():
     with open(os.path.join(a.out, "append_checks.json"), "w") as f:
         json.dump(res, f, indent=1)
     print("| batch | page | kernel | op, checks off | op, slot checks | op, placement checks | "
-          "placement checks cost | bits | bad call |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "placement checks cost | slot checks, host path | placement checks, host path | bits | bad call |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         u = c["us"]
         ok = all(c["equal_to_kernel"].values())
         bad = c["bad_call_refused"].startswith("rlk::paged_kv_append") and c["bad_call_left_cache_unchanged"]
         print(f"| {c['batch']} | {c['page_size']} | {u['kernel']} | {u['op_unchecked']} | {u['op_slots']} | "
-              f"{u['op_placement']} | +{c['placement_checks_us']} | {'equal' if ok else 'DIFFER'} | "
+              f"{u['op_placement']} | +{c['placement_checks_us']} | {u['op_slots_host']} | {u['op_placement_host']} | "
+              f"{'equal' if ok else 'DIFFER'} | "
               f"{'refused, cache unchanged' if bad else 'NOT REFUSED'} |")
 
 
