@@ -314,6 +314,9 @@ def test_weight_sources_are_the_model_parameters_they_are():
             (lambda t: t.reshape(4, 4).t().reshape(16), name + ".reshape(4, 4).permute(1, 0).reshape(16)"),
             (lambda t: t.reshape(4, 4).transpose(-1, 0).reshape(16), name + ".reshape(4, 4).permute(1, 0).reshape(16)"),
             (lambda t: t.float().to(torch.bfloat16), name),
+            (lambda t: t.double().float().to(torch.bfloat16), name),       # widening steps: exact
+            (lambda t: t.double().to(torch.float16).to(torch.bfloat16),    # bf16 -> fp16 rounds first
+             name + ".to(float64).to(float16).to(bfloat16)"),
             (lambda t: t.reshape(2, 8).contiguous().view(16).clone(), name),
             (lambda t: t.reshape(4, 4).t().t().reshape(16), name + ".reshape(4, 4).permute(1, 0).permute(1, 0)"
                                                                   ".reshape(16)")):
@@ -979,3 +982,84 @@ def test_a_path_cut_by_a_graph_break_is_unobservable_not_absent(train, monkeypat
     for name in ("layer[0].q_norm.eps", "layer[0].k_rope.theta", "layer[0].q.stages"):
         f = result.failure(name)
         assert f is not None and f.status == "unobservable" and "graph break" in f.detail, (name, result.summary())
+
+
+def test_eager_comparison_follows_output_trees_state_and_gradients():
+    """The eager run behind graph.eager_equal (session 32 review): outputs in a dict or nested tuple were
+    not compared at all (equal by default); a non-leaf tensor argument crashed the copy; a buffer the
+    forward updates was left updated and the RNG advanced, so a correct entry compared unequal; and a
+    backward that differs when compiled went unseen."""
+    from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
+
+    w = torch.nn.Parameter(torch.ones(8))
+
+    def branchy(x):
+        eps = 1e-6 if torch.compiler.is_compiling() else 0.5
+        return {"y": rlk_ops.qk_rmsnorm(x, w.detach(), eps)}, (x.sum(),)
+
+    x = torch.randn(3, 2, 8)
+    report = inspect_boundary(branchy, x, backward=False, eager=eager_outputs(branchy, (x,)))
+    assert report.eager_equal is False
+    same = inspect_boundary(lambda t: {"y": rlk_ops.qk_rmsnorm(t, w.detach(), 1e-6)}, x, backward=False,
+                            eager=eager_outputs(lambda t: {"y": rlk_ops.qk_rmsnorm(t, w.detach(), 1e-6)}, (x,)))
+    assert same.eager_equal is True and same.eager_note == "outputs"
+
+    class Stepper(torch.nn.Module):   # a buffer updated in forward, and a draw from the global RNG
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+            self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, t):
+            self.step += 1
+            return rlk_ops.qk_rmsnorm(t + torch.rand(t.shape), self.w, 1e-6) * self.step
+
+    m = Stepper()
+    nonleaf = torch.randn(3, 2, 8, requires_grad=True) * 2       # deepcopy refuses non-leaf tensors
+    report = inspect_boundary(m, nonleaf, backward=True, eager=eager_outputs(m, (nonleaf,), backward=True))
+    assert report.eager_equal is True and report.eager_note == "outputs and parameter gradients"
+    assert int(m.step) == 1                                      # the eager run's update was undone
+
+    class Grad(torch.autograd.Function):   # the backward differs when compiled
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * (2 if torch.compiler.is_compiling() else 3)
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, t):
+            return Grad.apply(rlk_ops.qk_rmsnorm(t, self.w, 1e-6))
+
+    m = Twice()
+    report = inspect_boundary(m, x, backward=True, eager=eager_outputs(m, (x,), backward=True))
+    assert report.eager_equal is False and report.eager_note == "outputs and parameter gradients"
+    import threading
+
+    class Engine:   # an argument deepcopy refuses: not compared, and binding says why
+        lock = threading.Lock()
+
+        def __init__(self):
+            self.lock = threading.Lock()
+    run = eager_outputs(lambda t, e: rlk_ops.qk_rmsnorm(t, w.detach(), 1e-6), (x, Engine()))
+    assert run.skipped and "could not be copied" in run.skipped
+
+
+def test_graph_runs_of_zero_and_mandate_policy_spelling(train, rollout):
+    """A reported graph that never ran is not the call's evidence either; a mandate's split_kv has one
+    spelling, checked when the mandate is made (session 32 review)."""
+    side = json.loads(json.dumps(rollout))
+    side["entries"][0]["graph"]["graph_runs"]["forward"] = [0]
+    f = bind(train, side).failure("graph.reruns")
+    assert f is not None and "or not at all" in f.detail
+    assert Mandate(split_kv="canonical").split_kv == "canonical:768"
+    with pytest.raises(ValueError, match=r"Mandate.split_kv: split_kv must be 'disabled', .* got 'disabled '"):
+        Mandate(split_kv="disabled ")
+    with pytest.raises(ValueError, match=r"Mandate.split_kv: split_kv must be written 'canonical:768'"):
+        Mandate(split_kv="canonical:0768")

@@ -276,7 +276,9 @@ def test_inspect_cli_lists_forward_and_backward_ops():
     ("rope_theta", 0.0, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.0"),
     ("rope_theta", 0.5, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 0.5"),
     ("rope_theta", True, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got True"),
-    ("rms_norm_eps", -1.0, "rms_norm_eps must be a finite number > 0, got -1.0"),
+    ("rms_norm_eps", -1.0, r"rms_norm_eps must be a finite number >= 1.17549.*e-38 \(the smallest normal float32\), "
+                           r"got -1.0"),
+    ("rms_norm_eps", 1e-40, r"rms_norm_eps must be a finite number >= 1.17549.*e-38"),  # the op refused it at run time
     ("attention_bias", "no", "attention_bias must be a bool, got 'no'"),  # once made biases
     ("rotary_dim", 7, r"rotary_dim must be None or even and in \(0, head_dim=128\], got 7"),
     ("split_kv", "bogus", "split_kv must be 'disabled', 'auto'"),

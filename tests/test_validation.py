@@ -106,6 +106,13 @@ CASES = [
     ("attention batch mismatch", attn(ks=(3, 7, 2, 8)), r"k must have q's batch size 2, got 3"),
     ("attention wrong ndim", attn(qs=(5, 4, 8)), r"q must be 4-D \[B, S, H, D\], got shape \[5, 4, 8\]"),
     ("softmax_scale nan", attn(softmax_scale=float("nan")), r"softmax_scale must be finite, got nan"),
+    # finite as a double, inf or 0 as the float32 the kernels scale by: every score inf, the output NaN
+    # (session 32 review)
+    ("softmax_scale past float32", attn(softmax_scale=1e39),
+     r"softmax_scale = 1e\+39 is inf in float32, the dtype the kernels scale torch.float32 inputs in"),
+    ("softmax_scale under float32", attn(softmax_scale=1e-50), r"softmax_scale = 1e-50 is 0 in float32"),
+    ("paged softmax_scale past float32", lambda: rlk_ops.paged_attention(*_paged(), softmax_scale=-1e39),
+     r"paged_attention: softmax_scale = -1e\+39 is inf in float32"),
     ("attention int dtype", lambda: rlk_ops.attention(torch.ones(1, 2, 2, 4, dtype=torch.int32),
                                                       torch.ones(1, 2, 2, 4, dtype=torch.int32),
                                                       torch.ones(1, 2, 2, 4, dtype=torch.int32)),
@@ -664,9 +671,11 @@ _X = torch.randn(2, 3, 2, 8)
     (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), 10 ** 400),
      r"rope: theta must be a float, got int 1000.*, too large for a float"),
     (lambda: rlk_ops.rope(_X, torch.zeros(2, 3, dtype=torch.int64), 1e4, torch.tensor(4, device="meta")),
-     r"rope: rotary_dim must be an int, got Tensor"),
+     r"rope: rotary_dim must be an int, got a meta Tensor \(it has no value\)"),
     (lambda: rlk_ops.qk_rmsnorm(_X, torch.ones(8), torch.tensor(1e-6, device="meta")),
-     r"qk_rmsnorm: eps must be a float, got Tensor"),
+     r"qk_rmsnorm: eps must be a float, got a meta Tensor \(it has no value\)"),
+    (lambda: rlk_ops.attention(_X, _X, _X, softmax_scale=torch.tensor(0.1, device="meta")),
+     r"attention_fwd: softmax_scale must be a float or None, got a meta Tensor"),
     # a sparse tensor reached the dispatcher: "Could not run 'rlk::linear' ... 'SparseCPU' backend"
     (lambda: rlk_ops.linear(torch.randn(3, 8).to_sparse(), torch.randn(4, 8)),
      r"linear: x must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
@@ -726,3 +735,12 @@ def test_caches_that_share_memory_through_two_storages_are_refused():
     rows = torch.from_numpy(buf[:8].reshape(-1, 2, 8)[:1])  # k read from k_cache's memory
     with pytest.raises(RlkInputError, match="k must not overlap k_cache in memory"):
         rlk_ops.paged_kv_append(k_cache, torch.zeros(8, 4, 2, 8), rows, torch.ones(1, 2, 8), torch.tensor([5]))
+
+
+def test_float64_inputs_keep_the_double_scale():
+    """The float32 rule is for the dtypes the kernels scale in float32; float64 inputs scale in float64."""
+    q = torch.randn(1, 2, 2, 4, dtype=torch.float64)
+    out, lse = rlk_ops.attention(q, q, q, softmax_scale=1e-50)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    out, _ = rlk_ops.attention(q.float(), q.float(), q.float(), softmax_scale=0.0)   # 0 stays allowed
+    assert torch.isfinite(out).all()

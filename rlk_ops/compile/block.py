@@ -52,8 +52,10 @@ class Qwen3AttentionConfig:
             raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
                              f"{self.rope_theta!r}")
         if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
-            raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number > 0, got "
+                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= torch.finfo(torch.float32).tiny):
+            # the op's rule for float32 accumulation (bf16/fp16/fp32 models): a normal float32
+            raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= "
+                             f"{torch.finfo(torch.float32).tiny} (the smallest normal float32), got "
                              f"{self.rms_norm_eps!r}")
         if not isinstance(self.attention_bias, bool):
             raise ValueError(f"Qwen3AttentionConfig attention_bias must be a bool, got {self.attention_bias!r}")

@@ -22,6 +22,7 @@ import operator
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -88,6 +89,7 @@ class BoundaryReport:
     graph_runs: dict[str, list[int]] = field(default_factory=lambda: {"forward": [], "backward": []})
     outside_calls: dict[str, int] = field(default_factory=dict)
     eager_equal: bool | None = None
+    eager_note: str = ""   # what was compared (outputs, gradients), or why nothing was
 
     @property
     def forward_ops(self) -> list[str]:
@@ -229,15 +231,15 @@ def _holds(a: torch.dtype, b: torch.dtype) -> bool:
     return fa.eps <= fb.eps and fa.max >= fb.max and fa.smallest_normal <= fb.smallest_normal
 
 
-def _step(node: torch.fx.Node, final: torch.dtype | None) -> tuple[str, bool]:
-    """How one followed op transforms the tensor: (text, whether it changes which value sits where)."""
+def _step(node: torch.fx.Node) -> tuple[str, bool, torch.dtype | None]:
+    """How one followed op transforms the tensor: (text, whether it changes which value sits where, the
+    dtype a cast makes: judged once the parameter's dtype is known, in ``_source``)."""
     name = node.target._opname
     val = node.meta.get("val")
     shape = list(val.shape) if isinstance(val, torch.Tensor) else None
     if name in _CAST:
         dtype = val.dtype if isinstance(val, torch.Tensor) else None
-        lossless = dtype is not None and final is not None and _holds(dtype, final)
-        return f".to({str(dtype).replace('torch.', '')})", not lossless
+        return f".to({str(dtype).replace('torch.', '')})", dtype is None, dtype
     if name in _REORDER:
         src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         rank = src.dim() if isinstance(src, torch.Tensor) else None
@@ -250,11 +252,11 @@ def _step(node: torch.fx.Node, final: torch.dtype | None) -> tuple[str, bool]:
                 else (0, 0)
             dims = list(range(rank))
             dims[a], dims[b] = dims[b], dims[a]
-        return f".permute({', '.join(map(str, dims))})", dims != sorted(dims)
+        return f".permute({', '.join(map(str, dims))})", dims != sorted(dims), None
     if name in ("clone", "contiguous", "detach", "alias", "lift_fresh_copy"):
-        return "", False
+        return "", False, None
     return (f".{'expand' if name == 'expand' else 'reshape'}({', '.join(map(str, shape))})" if shape is not None
-            else f".{name}"), False
+            else f".{name}"), False, None
 
 
 # Wrapper modules whose attribute adds a path segment without changing the model (DDP, torch.compile,
@@ -262,16 +264,22 @@ def _step(node: torch.fx.Node, final: torch.dtype | None) -> tuple[str, bool]:
 _WRAPPER_SEGMENTS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 
 
-def parameter_names(fn) -> dict[int, str]:
-    """id -> dotted path of every parameter and buffer of the module ``fn`` runs on (``fn`` itself,
-    a bound method's ``__self__``, or a ``functools.partial``'s first argument), wrapper segments
-    dropped; {} when there is none."""
+def _root_module(fn) -> torch.nn.Module | None:
+    """The module ``fn`` runs on: ``fn`` itself, a bound method's ``__self__``, or a
+    ``functools.partial``'s first argument; None when there is none."""
     root = fn
     if isinstance(fn, functools.partial):
         root = fn.args[0] if fn.args else None
     elif not isinstance(fn, torch.nn.Module):
         root = getattr(fn, "__self__", None)
-    if not isinstance(root, torch.nn.Module):
+    return root if isinstance(root, torch.nn.Module) else None
+
+
+def parameter_names(fn) -> dict[int, str]:
+    """id -> dotted path of every parameter and buffer of the module ``fn`` runs on (``_root_module``),
+    wrapper segments dropped; {} when there is none."""
+    root = _root_module(fn)
+    if root is None:
         return {}
     named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
     names: dict[int, str] = {}
@@ -294,21 +302,33 @@ def _source(val, inputs: dict) -> str | None:
     """The graph input (a module parameter's path, or ``input:...``) that ``val`` is, followed back through
     _SAME_ELEMENTS; when the way there reorders elements or casts through a narrower dtype, the steps are
     appended (``k_norm.weight.to(float8_e4m3fn).to(bfloat16)``), None when it is not such an input."""
-    final = val.meta.get("val").dtype if isinstance(val, torch.fx.Node) and \
-        isinstance(val.meta.get("val"), torch.Tensor) else None
-    steps, changed = [], False
+    final = _dtype(val)
+    steps, changed, casts = [], False, []
     while isinstance(val, torch.fx.Node):
         if val in inputs:
+            # a cast keeps the weight when it makes the consumer's dtype, or one that holds the parameter's
+            # exactly (bf16 -> fp32 -> bf16); through a narrower one (bf16 -> float8, fp64 -> fp32 -> bf16:
+            # rounded twice) the values may differ
+            start = _dtype(val)
+            changed |= any(d is None or start is None or final is None or not (d == final or _holds(d, start))
+                           for d in casts)
             return inputs[val] + ("".join(reversed(steps)) if changed else "")
         name = getattr(val.target, "_opname", None)
         if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload)
                 and name in _SAME_ELEMENTS):
             return None
-        text, moved = _step(val, final)
+        text, moved, cast = _step(val)
         steps.append(text)
         changed |= moved
+        if name in _CAST:
+            casts.append(cast)
         val = val.args[0]
     return None
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict,
@@ -381,17 +401,79 @@ def _converting_copy(name: str, node: torch.fx.Node) -> bool:
     return not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.dtype == src.dtype)
 
 
-def eager_outputs(fn, args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
-    """The tensors ``fn`` returns run eagerly, without grad, on deep copies of its arguments (a KV
-    cache it appends to is a copy): what ``inspect_boundary(..., eager=...)`` compares its compiled
-    call with. Call it outside any ``provenance.capture()`` that should hold only the compiled run."""
-    a, kw = copy.deepcopy((args, kwargs or {}))
-    with torch.no_grad():
-        return _tensors(fn(*a, **kw))
+@dataclass
+class EagerRun:
+    """What ``eager_outputs`` saw: the output tree's leaves and structure, the gradients of the root
+    module's parameters (None: not taken), or why it could not run (``skipped``)."""
+    leaves: list = field(default_factory=list)
+    spec: object = None
+    grads: list | None = None
+    skipped: str | None = None
+
+
+def eager_outputs(fn, args: tuple, kwargs: dict | None = None, backward: bool = False) -> EagerRun:
+    """``fn`` run eagerly on deep copies of its arguments (a KV cache it appends to is a copy; describe_rollout's
+    cache is small, a production one would be copied whole), the global RNG forked and the root module's
+    buffers restored afterwards, so the compiled run that follows starts from the same state: what
+    ``inspect_boundary(..., eager=...)`` compares its first call with. With ``backward``, also the gradients
+    of the sum of the outputs that require grad w.r.t. the root module's parameters (as inspect_boundary's
+    backward takes them). Call it outside any ``provenance.capture()`` that should hold only the compiled run."""
+    root = _root_module(fn)
+    try:   # a non-leaf tensor cannot be deep-copied: its values, detached, are what the call reads
+        a, kw = copy.deepcopy(pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t, (args, kwargs or {})))
+    except Exception as e:  # noqa: BLE001 - any object deepcopy refuses (a lock in an engine object)
+        return EagerRun(skipped=f"the arguments could not be copied for an eager run ({type(e).__name__}: {e})")
+    buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
+    params = [p for p in root.parameters() if p.requires_grad] if root is not None and backward else []
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(bool(params)):
+            leaves, spec = pytree.tree_flatten(fn(*a, **kw))
+            grads = None
+            wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            if params and wanted:
+                grads = list(torch.autograd.grad(sum(t.float().sum() for t in wanted), params, allow_unused=True))
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return EagerRun([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec, grads)
+
+
+def _same_bits(a, b) -> bool:
+    """Bitwise equality of two output leaves: tensors of one dtype and shape whose bytes are equal (NaNs
+    with one payload are equal, -0 and +0 are not), anything else by ==."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    return torch.equal(a.detach().reshape(-1).contiguous().view(torch.uint8),
+                       b.detach().reshape(-1).contiguous().view(torch.uint8))
 
 
 def _tensors(out) -> list[torch.Tensor]:
-    return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _compare_eager(eager: EagerRun, out, params: list, fresh: bool) -> tuple[bool | None, str]:
+    """(bitwise equal, what was compared) of the compiled first call against the eager run."""
+    if eager.skipped:
+        return None, eager.skipped
+    leaves, spec = pytree.tree_flatten(out)
+    if not any(isinstance(t, torch.Tensor) for t in leaves):
+        return None, "the entry returned no tensor to compare"
+    if spec != eager.spec or len(leaves) != len(eager.leaves):
+        return False, "the compiled call returned another structure than the eager run"
+    if not all(_same_bits(a, b) for a, b in zip(leaves, eager.leaves)):
+        return False, "outputs"
+    if eager.grads is None:
+        return True, "outputs"
+    if not fresh:
+        return True, "outputs (the parameters held gradients before the call: gradients not compared)"
+    same = all((g is None and p.grad is None) or (g is not None and p.grad is not None and _same_bits(p.grad, g))
+               for p, g in zip(params, eager.grads))
+    return same, "outputs and parameter gradients"
 
 
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
@@ -402,7 +484,8 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     ``more_calls`` are further argument tuples (e.g. other sequence lengths): the
     graphs compiled for them beyond the first call's are counted as ``recompiles``;
     the reported rlk nodes are those of the first call's graphs. ``eager``: ``eager_outputs``
-    of the same call, compared bitwise with the first call's (``eager_equal``)."""
+    of the same call (``backward`` alike), compared bitwise with the first call's outputs and, where
+    the root module's parameters held no gradient before, its gradients (``eager_equal``, ``eager_note``)."""
     from rlk_ops.meta import provenance
 
     if not callable(fn):
@@ -452,13 +535,16 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     breaks_before = sum(counters["graph_break"].values())
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
+    root = _root_module(fn)
+    trained = [p for p in root.parameters() if p.requires_grad] if root is not None else []
+    fresh = all(p.grad is None for p in trained)   # then .grad after the backward is this call's gradient
     with provenance.capture() as first_call:
-        outs = _tensors(compiled(*args, **kwargs))
-        if eager is not None:
-            report.eager_equal = len(outs) == len(eager) and all(
-                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(outs, eager))
+        out = compiled(*args, **kwargs)
+        outs = _tensors(out)
         if backward and any(o.requires_grad for o in outs):
             sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    if eager is not None:
+        report.eager_equal, report.eager_note = _compare_eager(eager, out, trained, fresh)
     first_fw, first_bw = list(fw_graphs), list(bw_graphs)
     report.graph_runs = {k: list(v) for k, v in runs.items()}
     report.graphs = len(dynamo_graphs)

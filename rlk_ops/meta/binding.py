@@ -92,6 +92,14 @@ class Mandate:
     rope_theta: float | None = None
     rotary_dim: int | None = None
 
+    def __post_init__(self):
+        if self.split_kv is not None:   # one spelling (the sides' values are compared as parsed policies)
+            try:
+                policy = SplitKVPolicy.parse(self.split_kv)
+            except ValueError as e:
+                raise ValueError(f"Mandate.split_kv: {e}") from None
+            object.__setattr__(self, "split_kv", str(policy))
+
     @classmethod
     def from_contract(cls, contract: AttentionContract, **qk_definition) -> "Mandate":
         return cls(dtype=contract.dtype, causal=contract.causal, softmax_scale=contract.softmax_scale,
@@ -214,7 +222,7 @@ RULES: dict[str, Rule] = {
                              "graphs compiled for later warm-up calls were not analysed"),
     "graph.reruns": Rule(SEMANTIC, lambda v, m, ctx: None if v == 0 else
                          "a compiled graph ran more than once in one call (Dynamo reused it for another frame "
-                         "after a graph break): its nodes name the first run's tensors only"),
+                         "after a graph break: its nodes name the first run's tensors only) or not at all"),
     "graph.outside_calls": Rule(SEMANTIC, lambda v, m, ctx: None if v == {} else
                                 "rlk calls ran outside the analysed graphs (torch.compiler.disable, or a frame "
                                 "compiled before): their arguments were never seen"),
@@ -308,13 +316,14 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     older = "a side file written before session 32 (no {} in its graph)"
     runs = graph.get("graph_runs")
     put("graph.reruns", "graph.reruns", Unobservable(older.format("graph_runs")) if runs is None else
-        sum(max(0, r - 1) for k in ("forward", "backward") for r in runs[k]), "BoundaryReport.graph_runs")
+        sum(abs(r - 1) for k in ("forward", "backward") for r in runs[k]), "BoundaryReport.graph_runs")
     put("graph.outside_calls", "graph.outside_calls", Unobservable(older.format("outside_calls"))
         if graph.get("outside_calls") is None else graph["outside_calls"], "BoundaryReport.outside_calls")
     eager = graph.get("eager_equal")
     put("graph.eager_equal", "graph.eager_equal", eager if eager is not None else Unobservable(
         older.format("eager_equal") if "eager_equal" not in graph else "the compiled call was not compared with "
-        "an eager run (inspect_boundary without eager=)"), "BoundaryReport.eager_equal")
+        f"an eager run: {graph.get('eager_note') or 'inspect_boundary without eager='}"),
+        "BoundaryReport.eager_equal" + (f" ({graph['eager_note']})" if graph.get("eager_note") else ""))
     put("runtime.devices", "runtime.devices", sorted({r["device"] for r in records}), "provenance")
     by_op: dict[str, list[dict]] = {}
     for r in records:
@@ -768,15 +777,18 @@ def check_side(side, where: str) -> None:
                 bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))
         runs = graph.get("graph_runs")   # these three: written since session 32 (absent: unobservable)
         if runs is not None and not (isinstance(runs, dict) and all(
-                isinstance(runs.get(k), list) and all(isinstance(r, int) and r >= 0 for r in runs[k])
+                isinstance(runs.get(k), list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                      for r in runs[k])
                 for k in ("forward", "backward"))):
             bad(f"entries[{i}].graph.graph_runs", "an object of forward and backward run counts (ints >= 0)", runs)
         outside = graph.get("outside_calls")
         if outside is not None and not (isinstance(outside, dict) and all(
-                isinstance(k, str) and isinstance(v, int) and v > 0 for k, v in outside.items())):
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+                for k, v in outside.items())):
             bad(f"entries[{i}].graph.outside_calls", "an object of op name -> call count (> 0)", outside)
         if not isinstance(graph.get("eager_equal"), (bool, type(None))):
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
+        string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
         for key in ("forward", "backward"):
             for j, n in enumerate(graph[key]):
                 _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)

@@ -195,12 +195,13 @@ def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
     """Compile ``fn`` with the capturing backend, run it on ``args`` (and one backward
     when asked), and return the entry's evidence: graph, provenance, plan records, and
     the strict mode it ran under. The same call also runs eagerly first, on copies of the
-    arguments: the graph counts as the entry's computation only if its outputs are bitwise that
-    run's (``graph.eager_equal``: an engine that runs the entry eagerly runs what was bound)."""
+    arguments: the graph counts as the entry's computation only if its outputs (and, with backward,
+    the parameters' gradients) are bitwise that run's (``graph.eager_equal``: an engine that runs the
+    entry eagerly runs what was bound)."""
     from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
     from rlk_ops.kernels.dispatch import strict_mode
 
-    eager = eager_outputs(fn, args, kwargs)   # before the capture: its calls are not the entry's evidence
+    eager = eager_outputs(fn, args, kwargs, backward=backward)   # before the capture: not the entry's evidence
     before = _plan_logs()
     with provenance.capture() as log:
         report = inspect_boundary(fn, *args, backward=backward, eager=eager, **kwargs)
@@ -208,7 +209,8 @@ def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
     graph = {"forward": [asdict(n) for n in report.forward], "backward": [asdict(n) for n in report.backward],
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
              "leaks": [leak.target for leak in report.leaks], "graph_runs": report.graph_runs,
-             "outside_calls": report.outside_calls, "eager_equal": report.eager_equal}
+             "outside_calls": report.outside_calls, "eager_equal": report.eager_equal,
+             "eager_note": report.eager_note}
     return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans),
             "strict": strict_mode()}
 

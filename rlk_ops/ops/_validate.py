@@ -18,6 +18,7 @@ import contextlib
 import math
 import operator
 import os
+import struct
 from typing import Iterator
 
 import torch
@@ -90,8 +91,12 @@ def float_arg(op: str, name: str, value) -> float:
         return float(value)
     except OverflowError:  # an int past float's range
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}, too large for a float")
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value
+    except (TypeError, ValueError):
         fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
+    except RuntimeError:
+        if not _meta(value):   # a CUDA error reading a tensor is its own problem
+            raise
+        fail(op, f"{name} must be a float, got a meta Tensor (it has no value)")
 
 
 def int_arg(op: str, name: str, value) -> int:
@@ -102,11 +107,19 @@ def int_arg(op: str, name: str, value) -> int:
         if isinstance(value, bool):
             raise TypeError
         i = operator.index(value)
-    except (TypeError, RuntimeError):  # RuntimeError: a meta tensor has no value
+    except TypeError:
         fail(op, f"{name} must be an int, got {type(value).__name__} {_short(value)}")
+    except RuntimeError:
+        if not _meta(value):
+            raise
+        fail(op, f"{name} must be an int, got a meta Tensor (it has no value)")
     if not _INT64[0] <= i < _INT64[1]:
         fail(op, f"{name} must fit in int64, got {i}")
     return i
+
+
+def _meta(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "meta"
 
 
 def bool_arg(op: str, name: str, value) -> bool:
@@ -242,8 +255,32 @@ def softmax_scale(op: str, q: torch.Tensor, value) -> float:
     except OverflowError:
         fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}, too large "
                  f"for a float")
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError):
         fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}")
+    except RuntimeError:
+        if not _meta(value):
+            raise
+        fail(op, "softmax_scale must be a float or None, got a meta Tensor (it has no value)")
+
+
+def as_float32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, as the kernels' float32 arguments take it); +-inf past its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def scale_value(op: str, scale, dtype: torch.dtype) -> None:
+    """softmax_scale as the kernels use it: finite, and but for float64 inputs finite in float32 and
+    not flushed to 0 there (1e39 made every score inf and the output NaN, without an error)."""
+    if not math.isfinite(scale):
+        fail(op, f"softmax_scale must be finite, got {scale}")
+    if dtype != torch.float64 and isinstance(scale, float):
+        f32 = as_float32(scale)
+        if not math.isfinite(f32) or (f32 == 0) != (scale == 0):
+            fail(op, f"softmax_scale = {scale} is {'inf' if f32 else '0'} in float32, the dtype the kernels scale "
+                     f"{dtype} inputs in; it must be a finite float32 (0 only if it is 0)")
 
 
 def rms_eps(op: str, eps, dtype: torch.dtype) -> None:
@@ -251,7 +288,8 @@ def rms_eps(op: str, eps, dtype: torch.dtype) -> None:
     inputs, else float32): 0 makes an all-zero row 0 / 0 = NaN, and so does an eps that rounds to 0
     (1e-300 in float32)."""
     if not (eps > 0 and math.isfinite(eps)):
-        fail(op, f"eps must be a finite number > 0, got {eps} (with 0 an all-zero row normalises to NaN)")
+        fail(op, f"eps must be a finite number > 0, got {eps}" + (" (with 0 an all-zero row normalises to NaN)"
+                                                                  if eps == 0 else ""))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     if isinstance(eps, float) and eps < torch.finfo(acc).tiny:
         fail(op, f"eps must be at least {torch.finfo(acc).tiny}, the smallest normal {acc} (the accumulation "

@@ -159,8 +159,7 @@ def check_attention(op, q, k, v, causal, softmax_scale, cu_q, cu_k, split_kv="di
             V.ndim(op, name, cu, 1, "[batch + 1]")
         if cu_q.shape != cu_k.shape:
             V.fail(op, f"cu_seqlens_k must have cu_seqlens_q's shape {V.shape_str(cu_q)}, got {V.shape_str(cu_k)}")
-    if not math.isfinite(softmax_scale):
-        V.fail(op, f"softmax_scale must be finite, got {softmax_scale}")
+    V.scale_value(op, softmax_scale, q.dtype)
     if causal not in (0, 1):
         V.fail(op, f"causal must be 0 or 1, got {causal}")
     V.same_device(op, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})

@@ -72,6 +72,5 @@ def check_paged_inputs(op, q, k_cache, v_cache, page_table, seq_lens, softmax_sc
     check_page_table(op, k_cache, page_table, seq_lens)
     if page_table.shape[0] != q.shape[0]:
         V.fail(op, f"page_table must have one row per sequence of q ({q.shape[0]}), got {page_table.shape[0]}")
-    if not math.isfinite(softmax_scale):
-        V.fail(op, f"softmax_scale must be finite, got {softmax_scale}")
+    V.scale_value(op, softmax_scale, q.dtype)
     V.same_device(op, {"q": q, "k_cache": k_cache})
