@@ -645,6 +645,34 @@ def test_cuda_paged_equals_prefill(seq, prefill, page_size, monkeypatch):
 
 @cuda
 @pytest.mark.cuda
+def test_cuda_strided_lengths_and_a_misaligned_q(seq, prefill):
+    """seq_lens and cu_seqlens taken as a column of a bigger table (stride 2): FA4 asserted a unit stride
+    (an AssertionError, not an input error); a q starting 2 bytes into its buffer under canonical:C: FA4
+    copied it and the prepared replay raised PreparedCallError (session 32 audit). Both now compute the
+    rows of the contiguous, aligned inputs."""
+    q, k, v = seq
+    positions = [0, 383, 699]
+    caches = _page(k, v, [p + 1 for p in positions], 128, torch.Generator(device=DEV).manual_seed(12))
+    wide = torch.stack([caches[3], caches[3]], 1)           # [B, 2]: column 0 has stride 2
+    out, lse = rlk_ops.paged_attention(q[0, positions][:, None], *caches[:3], wide[:, 0])
+    for i, p in enumerate(positions):
+        assert bitwise_equal(out[i, 0], prefill[0][0, p]) and bitwise_equal(lse[i, :, 0], prefill[1][0, :, p])
+    cu = torch.tensor([[0, 0], [700, 700]], dtype=torch.int32, device=DEV)[:, 0]
+    assert cu.stride(0) == 2
+    out, lse = rlk_ops.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=700,
+                                 max_seqlen_k=700)
+    assert bitwise_equal(out, prefill[0][0]) and bitwise_equal(lse, prefill[1][0])
+    buf = torch.empty(q.numel() + 1, dtype=BF16, device=DEV)
+    q_off = buf[1:].view(q.shape)
+    q_off.copy_(q)
+    assert q_off.data_ptr() % 16
+    ref = rlk_ops.attention(q, k, v, split_kv="canonical:256")
+    got = rlk_ops.attention(q_off, k, v, split_kv="canonical:256")
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+@cuda
+@pytest.mark.cuda
 def test_cuda_backward_deterministic_accurate_with_dlse():
     g = torch.Generator(device=DEV).manual_seed(11)
     q, k, v = (torch.randn(2, 640, h, D, device=DEV, generator=g).to(BF16) for h in (HQ, HKV, HKV))

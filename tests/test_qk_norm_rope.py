@@ -125,3 +125,15 @@ def test_triton_fused_batch_invariant_and_run_to_run():
     for t in (0, 15, 16, 17, 299):
         oq, ok = rlk_ops.qk_norm_rope(q[t:t + 1], k[t:t + 1], qw, kw, pos[t:t + 1])
         assert bitwise_equal(oq[0], fq[t]) and bitwise_equal(ok[0], fk[t])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_triton_fused_with_no_q_heads_still_writes_k():
+    """q with 0 heads: the launcher took the token count from q's numel (0), launched nothing and
+    returned k's output uninitialised (session 32 audit). k's rows equal the unfused chain's."""
+    q, k, qw, kw, pos = _inputs((37,), hq=16, hkv=4, d=128, dtype=torch.bfloat16, device="cuda")
+    q0 = q[:, :0]
+    fq, fk = rlk_ops.qk_norm_rope(q0, k, qw, kw, pos)
+    _, uk = _unfused(q, k, qw, kw, pos, 1e-6, 1e6, 128)
+    assert fq.shape == q0.shape and bitwise_equal(fk, uk)

@@ -219,6 +219,24 @@ def test_linear_backward_accuracy_and_run_to_run():
 
 
 @cuda_test
+def test_linear_weight_gradient_past_int32_offsets():
+    """dW = dy^T @ x reads dy^T with its K (the tokens) strided by N: at 16384 tokens of a 151936-word
+    lm_head, (tokens - 1) * N passes 2^31, and the kernel's int32 K offsets wrapped (session 32 audit:
+    a wrong dW). ~15 GB of GPU memory."""
+    m, n, k = 16384, 151936, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    _, dw = torch.ops.rlk.linear_bwd(dy, x, w)
+    ref = dy.float().t() @ x.float()
+    assert (m - 1) * n >= 2 ** 31
+    for rows in (slice(0, 1024), slice(n - 1024, n)):   # the first rows and the last (the largest offsets)
+        assert rel_err(dw[rows].float(), ref[rows]) < TOL[torch.bfloat16], rows
+    del dy, ref
+
+
+@cuda_test
 def test_linear_rejects_float64_with_a_clear_error():
     x, w = torch.randn(4, 8, dtype=torch.float64).cuda(), torch.randn(6, 8, dtype=torch.float64).cuda()
     with pytest.raises(ValueError, match="triton linear kernel supports bfloat16, float16 and float32, got "

@@ -212,12 +212,21 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
     key = ("recorded", *record, mutated)
     run = _cache.get(key)  # one wrapper per record (building it per call cost ~1.5 us)
     if run is None:
+        # Triton and FA4 launch on the current device's current stream: with several GPUs, inputs on
+        # cuda:1 while cuda:0 is current ran on the wrong device (or raced with cuda:1's stream). One GPU:
+        # nothing to guard, no cost. (Not exercised here: the project's GPU machines have one GPU.)
+        guard = device.type == "cuda" and torch.cuda.device_count() > 1
+
         @functools.wraps(fn)  # (its attributes too, e.g. the merge's accepts_state_lens)
         def run(*args, **kwargs):
             slots = provenance.call_slots()
             slots.append(None)   # this call's kernel notes (provenance.note_kernel)
             try:
-                out = fn(*args, **kwargs)
+                if guard:
+                    with torch.cuda.device(device):
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
             finally:
                 kernel = slots.pop()
             # once it has run: a call the kernel refused ran nothing; slots left: inside another call

@@ -244,7 +244,15 @@ def walk_routed(q, k_cache, chunk_size) -> bool:
     return walk.supported(q, k_cache, chunk_size, arch) and q.shape[0] * k_cache.shape[2] >= WALK_MIN_PROGRAMS
 
 
+def _in_place(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned base: FA4 copies any other q/k/v before its kernel, and a prepared
+    call (PREPARED_CALLS) refuses to replay an input FA4 copied (PreparedCallError, session 32 audit)."""
+    t = t.contiguous()
+    return t.clone() if t.data_ptr() % 16 else t
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size):
+    q, k, v = _in_place(q), _in_place(k), _in_place(v)
     return canonical.attention_fwd(q, k, v, bool(causal), softmax_scale, cu_seqlens_q, cu_seqlens_k, chunk_size,
                                    attend_into=attend_into, streams=STREAMS)
 
@@ -254,6 +262,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     merge = kernel_for("merge_attn_states", q.device)
     fused = q.shape[1] == 1 and chunk_size % page_size == 0 and getattr(merge, "accepts_state_lens", False)
     if not fused:
+        q = _in_place(q)
+
         def paged_nonempty(q, k_cache, v_cache, pair_table, pair_lens, scale):
             # empty pairs get one key; canonical.paged_attention masks their lse to -inf
             return attend_paged(q, k_cache, v_cache, pair_table, pair_lens.clamp_min(1), scale)

@@ -65,9 +65,16 @@ def _max_len(cu: torch.Tensor, given: int) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
+def _lengths(t):
+    """FA4 asserts a unit stride on cu_seqlens / seq_lens (an AssertionError, not an input error, for a
+    column of a bigger table: session 32 audit); the values are what matter."""
+    return None if t is None else t.contiguous()
+
+
 def attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   split_kv="disabled"):
     fa4, policy = _fa4("attention_fwd", q, split_kv)
+    cu_seqlens_q, cu_seqlens_k = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
     if policy.kind == "canonical":  # partials: FA4's single pass, written in place (canonical.attend_into)
         return canonical.attention_fwd(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, policy.size)
     with torch.no_grad():
@@ -89,6 +96,7 @@ def attention_bwd(dout, q, k, v, out, lse, dlse, causal, softmax_scale, cu_seqle
     # canonical:C needs nothing else: the single-pass backward at the merged (out, lse) is its
     # exact gradient (kernels/fa4/canonical.py)
     fa4, _ = _fa4("attention_bwd", q, split_kv)
+    cu_seqlens_q, cu_seqlens_k = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
     varlen = cu_seqlens_q is not None
     with torch.no_grad():
         grads = fa4.module._flash_attn_bwd(
@@ -145,6 +153,7 @@ def pair_overlap(q: torch.Tensor, k_cache: torch.Tensor, tile: tuple[int, int] |
 
 def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, split_kv="disabled"):
     fa4, policy = _fa4("paged_attention", q, split_kv)
+    seq_lens = _lengths(seq_lens)
     if policy.kind == "canonical":
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy.size,
                                          attend_paged=pair_attention)

@@ -88,7 +88,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, k_steps):
-            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            # int64: the weight gradient reads dy^T, whose K runs over tokens with stride N, and
+            # (tokens - 1) * N passes 2^31 at 14k tokens of a 152k vocabulary (int32 wrapped: wrong dW)
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
             k_mask = offs_k < K
             a = tl.load(a_ptr + offs_m[:, None] * s_am + offs_k[None, :] * s_ak,
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)

@@ -296,8 +296,11 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions, eps, theta, rotary_dim):
     """Both heads of one token in one program: cos/sin computed once for q and k."""
     q, k = C.aligned(q), C.aligned(k)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    t, hq, d = _layout(q, rope=True)
+    _, hq, d = _layout(q, rope=True)
     _, hk, _ = _layout(k, rope=True)
+    # tokens from the leading shape (q and k share it): from q's numel, q with 0 heads gave 0 tokens, no
+    # launch, and k's output uninitialised (session 32 audit)
+    t = math.prod(q.shape[:-2])
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
     eps_t, pos, tab, inv = _consts(q, eps, positions, theta, rotary_dim, True, True)
