@@ -68,7 +68,7 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                  s_am, s_ak, s_bk, s_bn, s_cm, s_cn, n_progs,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, OFFS64: tl.constexpr):
     """C[M, N] = A[M, K] @ B[K, N] (+ bias[N]), arbitrary strides, fp32 accumulation."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -88,9 +88,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         n_mask = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, k_steps):
-            # int64: the weight gradient reads dy^T, whose K runs over tokens with stride N, and
-            # (tokens - 1) * N passes 2^31 at 14k tokens of a 152k vocabulary (int32 wrapped: wrong dW)
-            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            if OFFS64:   # (the same arithmetic: only the addresses differ; see matmul)
+                offs_k = offs_k.to(tl.int64)
             k_mask = offs_k < K
             a = tl.load(a_ptr + offs_m[:, None] * s_am + offs_k[None, :] * s_ak,
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -110,8 +110,12 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
-           config: GemmConfig | None = None) -> torch.Tensor:
-    """out[M, N] = a[M, K] @ b[K, N] (+ bias), any strides, with a fixed tile config."""
+           config: GemmConfig | None = None, offs64: bool | None = None) -> torch.Tensor:
+    """out[M, N] = a[M, K] @ b[K, N] (+ bias), any strides, with a fixed tile config. ``offs64``: K offsets
+    in int64 (None: where int32 would wrap). The weight gradient reads dy^T, whose K runs over the tokens
+    with stride N: (tokens - 1) * N passes 2^31 at 14k tokens of a 152k-word lm_head, where int32 offsets
+    gave a wrong dW (session 32 audit). int64 everywhere cost the weight gradient 10-13% at 4096 tokens
+    on an H100 (results/h100/session32/gemm_offsets.json), so it is used only there; the bits are the same."""
     cfg = config or CONFIG
     m, k = a.shape
     n = b.shape[1]
@@ -122,6 +126,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tens
         if bias is not None:
             out += bias
         return out
+    if offs64 is None:
+        offs64 = (triton.cdiv(k, cfg.block_k) * cfg.block_k) * max(abs(a.stride(1)), abs(b.stride(0)), 1) >= 2 ** 31
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dev = a.device.index if a.device.type == "cuda" else 0
     n_progs = min(tiles, C.num_sms(dev))
@@ -129,7 +135,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tens
         a, b, out, bias if bias is not None else out, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), n_progs,
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        GROUP_M=cfg.group_m, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", OFFS64=bool(offs64),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
