@@ -4,9 +4,10 @@ Session 32's audit found the K offsets of ``kernels/triton/gemm.py`` in int32: t
 dy^T with its K (the tokens) strided by N, and (tokens - 1) * N passes 2^31 at 14k tokens of a 152k-word
 lm_head, so dW was wrong there. This probe times both offset widths in one run, interleaved
 (``_report.graph_times_us``), at Qwen3-8B projection shapes, forward and weight gradient, and checks that
-the two give the same bits wherever int32 does not wrap. (Its first run, with int64 written into the
-kernel and the int32 kernel rebuilt from the old source: forward 0.97-0.99x, dW 1.10-1.13x at 4096
-tokens; so matmul takes int64 only where int32 would wrap.)
+the two give the same bits wherever int32 does not wrap. Its first run (gemm_offsets_run1.json) timed
+another int64 form, the arange cast before the add, against the int32 kernel rebuilt from the old source:
+forward 0.97-0.99x, dW 1.10-1.13x at 4096 tokens; the form in gemm.py measured 0.98-1.01x
+(gemm_offsets.json), and matmul takes it only where int32 would wrap.
 Usage (GPU): python3 benchmarks/probe_gemm_offsets.py --out DIR
 """
 from __future__ import annotations

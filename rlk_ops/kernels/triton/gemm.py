@@ -114,8 +114,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tens
     """out[M, N] = a[M, K] @ b[K, N] (+ bias), any strides, with a fixed tile config. ``offs64``: K offsets
     in int64 (None: where int32 would wrap). The weight gradient reads dy^T, whose K runs over the tokens
     with stride N: (tokens - 1) * N passes 2^31 at 14k tokens of a 152k-word lm_head, where int32 offsets
-    gave a wrong dW (session 32 audit). int64 everywhere cost the weight gradient 10-13% at 4096 tokens
-    on an H100 (results/h100/session32/gemm_offsets.json), so it is used only there; the bits are the same."""
+    gave a wrong dW (session 32 audit). The bits are the same either way. On an H100 the first int64 form
+    (the arange cast before the add) cost dW 10-13% at 4096 tokens (results/h100/session32/
+    gemm_offsets_run1.json); this one 0.98-1.01x of int32, forward and dW (gemm_offsets.json). It is
+    still taken only where int32 would wrap."""
     cfg = config or CONFIG
     m, k = a.shape
     n = b.shape[1]
