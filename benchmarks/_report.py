@@ -16,7 +16,6 @@ commit against it with ``python3 benchmarks/_report.py digest`` in a checkout of
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -33,14 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def source_digest(root: str = ROOT) -> str:
     """sha256 of rlk_ops/**/*.py and benchmarks/*.py (relative paths and contents, sorted)."""
-    files = [os.path.join(d, f) for top in ("rlk_ops", "benchmarks") for d, _, fs in os.walk(os.path.join(root, top))
-             if "__pycache__" not in d for f in fs if f.endswith(".py")]
-    h = hashlib.sha256()
-    for path in sorted(files):
-        h.update(os.path.relpath(path, root).encode() + b"\0")
-        with open(path, "rb") as f:
-            h.update(f.read() + b"\0")
-    return h.hexdigest()[:16]
+    if root not in sys.path:   # the checkout's rlk_ops, also where the package is not installed
+        sys.path.insert(0, root)
+    from rlk_ops.meta.probe import tree_digest
+    return tree_digest(root, ("rlk_ops", "benchmarks"))
 
 
 def _calls_for(fn, target_ms: float, max_calls: int) -> int:

@@ -487,6 +487,13 @@ def test_environment_differences(train, rollout):
     assert f.tier == SEMANTIC and f.rollout == "2.11.0+cu130" and "blocking" in f.detail
     del other["environment"]["cpu_capability"]
     assert bind(train, other).failure("env.cpu_capability").status == "unobservable"
+    # another rlk_ops source under one package version (an editable install keeps its version over commits;
+    # session 32 audit: two trees of one version bound)
+    assert train["environment"]["source.rlk_ops"] == probe.source_digest() and len(probe.source_digest()) == 16
+    other = json.loads(json.dumps(rollout))
+    other["environment"]["source.rlk_ops"] = "0" * 16
+    f = bind(train, other).failure("env.source.rlk_ops")
+    assert f is not None and f.tier == SEMANTIC and "blocking: every path" in f.detail
 
 
 def test_flashinfer_plan_records_are_normalised():

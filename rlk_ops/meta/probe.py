@@ -19,8 +19,10 @@ device types and backends that actually ran, and the tp/cp degrees.
 
 Why each rule (the conservative choice where we cannot see inside a library):
 
-* torch and rlk_ops versions: always. The CPU reference is built on ATen reductions
-  (kernels/cpu/numerics.py), the graphs on Dynamo/AOT, the kernels on rlk_ops itself.
+* torch and rlk_ops versions, and the rlk_ops source digest: always. The CPU reference is built
+  on ATen reductions (kernels/cpu/numerics.py), the graphs on Dynamo/AOT, the kernels on rlk_ops
+  itself. The package version does not name the code (an editable install keeps one version over
+  every commit), so ``source.rlk_ops`` hashes the package's Python sources as imported.
 * cpu_capability: when the cpu backend ran. ATen's vectorised reductions use the
   vector width of the dispatched kernel (AVX2 / AVX512 / ...), which fixes the order
   of the partial sums the reference relies on.
@@ -60,6 +62,26 @@ def _read(fn):
         return f"unreadable: {type(e).__name__}"
 
 
+def tree_digest(root: str, tops: tuple[str, ...]) -> str:
+    """sha256 (16 hex digits) over the Python files under ``root``/``top`` for each top: relative paths
+    and contents, sorted (benchmarks/_report.py names its results' code with it too)."""
+    files = sorted(os.path.join(d, f) for top in tops for d, _, fs in os.walk(os.path.join(root, top))
+                   if "__pycache__" not in d for f in fs if f.endswith(".py"))
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """``tree_digest`` of the rlk_ops package this process imported."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tree_digest(os.path.dirname(package), (os.path.basename(package),))
+
+
 def probe() -> dict:
     """The settings and versions of this process, as a flat JSON-able dict."""
     env = provenance.environment()
@@ -86,6 +108,7 @@ def probe() -> dict:
         "cpu_capability": env["cpu_capability"],
         "version.torch": env["torch"],
         "version.rlk_ops": env["rlk_ops"],
+        "source.rlk_ops": source_digest(),
         "version.flash_attn_4": env["flash_attn_4"],
         "version.nvidia_cutlass_dsl": env["nvidia_cutlass_dsl"],
         "version.flashinfer": env["flashinfer"],
@@ -119,7 +142,7 @@ def path_of(records: list[dict], tp: int = 1, cp: int = 1) -> dict:
 def blocking(setting: str, path: dict) -> str | None:
     """Why ``setting`` changes arithmetic on ``path`` (None: it does not; recorded only)."""
     cuda = "cuda" in path["devices"]
-    if setting in ("version.torch", "version.rlk_ops"):
+    if setting in ("version.torch", "version.rlk_ops", "source.rlk_ops"):
         return "every path: ATen reductions, graph capture and the rlk kernels themselves"
     if setting == "cpu_capability":
         return "the cpu backend ran: ATen's vector width fixes its reduction order" \
