@@ -1070,3 +1070,43 @@ def test_graph_runs_of_zero_and_mandate_policy_spelling(train, rollout):
         Mandate(split_kv="disabled ")
     with pytest.raises(ValueError, match=r"Mandate.split_kv: split_kv must be written 'canonical:768'"):
         Mandate(split_kv="canonical:0768")
+
+
+def test_eager_comparison_keeps_the_callers_state():
+    """Second review of session 32: a forward that rebinds a buffer kept the eager run's tensor; an argument
+    that is a parameter of the model was deep-copied, so its gradient went to the copy; grad mode was
+    forced rather than the caller's; gradients held before the call left them unchecked; and with dynamic
+    shapes a backward graph compiled with the forward but never run counted as a rerun."""
+    from functools import partial
+
+    from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+            self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, t, extra=None):
+            self.step = self.step + 1                      # rebinds the buffer
+            y = rlk_ops.qk_rmsnorm(t, self.w, 1e-6) * self.step
+            return y if extra is None else y * extra
+
+    m = Counter()
+    x = torch.randn(3, 2, 8)
+    m.w.grad = torch.full((8,), 0.5)                       # a gradient held from before
+    held = m.w.grad
+    report = inspect_boundary(m, x, m.w, backward=True, eager=eager_outputs(m, (x, m.w), backward=True))
+    assert report.eager_equal is True and report.eager_note == "outputs and parameter gradients"
+    assert int(m.step) == 1 and m.w.grad is held            # the eager run's step undone; accumulated in place
+    fresh = Counter()
+    fresh.forward(x, fresh.w).float().sum().backward()
+    assert torch.equal(m.w.grad, torch.full((8,), 0.5) + fresh.w.grad)
+    with torch.no_grad():                                  # the caller's grad mode, both runs
+        report = inspect_boundary(partial(Counter.forward, Counter()), x, backward=True,
+                                  eager=eager_outputs(partial(Counter.forward, Counter()), (x,), backward=True))
+    assert report.eager_equal is True and report.eager_note == "outputs"
+    y = torch.randn(5, 2, 8)
+    torch._dynamo.mark_dynamic(y, 0)
+    entry = probe.run_entry("dyn", Counter(), y, backward=False)
+    assert entry["graph"]["graph_runs"]["backward"] == [] and entry["graph"]["backward"] == []

@@ -738,9 +738,11 @@ def test_caches_that_share_memory_through_two_storages_are_refused():
 
 
 def test_float64_inputs_keep_the_double_scale():
-    """The float32 rule is for the dtypes the kernels scale in float32; float64 inputs scale in float64."""
-    q = torch.randn(1, 2, 2, 4, dtype=torch.float64)
+    """The float32 rule is for the dtypes the kernels scale in float32; float64 inputs scale in float64:
+    with q . k ~ 1e50, a scale of 1e-50 (0 in float32) gives scores of order 1, not a uniform softmax."""
+    q = torch.randn(1, 3, 2, 4, dtype=torch.float64) * 1e25
     out, lse = rlk_ops.attention(q, q, q, softmax_scale=1e-50)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    out, _ = rlk_ops.attention(q.float(), q.float(), q.float(), softmax_scale=0.0)   # 0 stays allowed
-    assert torch.isfinite(out).all()
+    uniform, _ = rlk_ops.attention(q, q, q, softmax_scale=0.0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all() and not torch.equal(out, uniform)
+    out, _ = rlk_ops.attention(q.float() / 1e25, q.float() / 1e25, q.float() / 1e25, softmax_scale=0.0)
+    assert torch.isfinite(out).all()   # 0 stays allowed

@@ -413,22 +413,31 @@ class EagerRun:
 
 def eager_outputs(fn, args: tuple, kwargs: dict | None = None, backward: bool = False) -> EagerRun:
     """``fn`` run eagerly on deep copies of its arguments (a KV cache it appends to is a copy; describe_rollout's
-    cache is small, a production one would be copied whole), the global RNG forked and the root module's
-    buffers restored afterwards, so the compiled run that follows starts from the same state: what
-    ``inspect_boundary(..., eager=...)`` compares its first call with. With ``backward``, also the gradients
-    of the sum of the outputs that require grad w.r.t. the root module's parameters (as inspect_boundary's
-    backward takes them). Call it outside any ``provenance.capture()`` that should hold only the compiled run."""
+    cache is small, a production one would be copied whole; the root module's parameters and buffers are
+    never copied), in the caller's grad mode, with the RNG of the CPU and every CUDA device forked and the
+    root module's buffers put back afterwards (each buffer is cloned for that), so the compiled run that
+    follows starts from the same state: what ``inspect_boundary(..., eager=...)`` compares its first call
+    with. With ``backward`` (and grad mode on), also the gradients of the sum of the outputs that require
+    grad w.r.t. the root module's parameters, as inspect_boundary's backward takes them. Call it outside
+    any ``provenance.capture()`` that should hold only the compiled run."""
     root = _root_module(fn)
+    own = [*root.parameters(), *root.buffers()] if root is not None else []
     try:   # a non-leaf tensor cannot be deep-copied: its values, detached, are what the call reads
         a, kw = copy.deepcopy(pytree.tree_map(
-            lambda t: t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t, (args, kwargs or {})))
+            lambda t: t.detach().requires_grad_(t.requires_grad)
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None else t, (args, kwargs or {})),
+            {id(t): t for t in own})   # the model's own tensors stay themselves (and take the gradients)
     except Exception as e:  # noqa: BLE001 - any object deepcopy refuses (a lock in an engine object)
         return EagerRun(skipped=f"the arguments could not be copied for an eager run ({type(e).__name__}: {e})")
-    buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
-    params = [p for p in root.parameters() if p.requires_grad] if root is not None and backward else []
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    # by module and name, so a forward that rebinds a buffer (self.step = self.step + 1) is put back too
+    buffers = [(m, name, b, b.detach().clone()) for m in (root.modules() if root is not None else ())
+               for name, b in m._buffers.items() if b is not None]
+    params = [p for p in root.parameters() if p.requires_grad] \
+        if root is not None and backward and torch.is_grad_enabled() else []
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() \
+        else []
     try:
-        with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(bool(params)):
+        with torch.random.fork_rng(devices=cuda):
             leaves, spec = pytree.tree_flatten(fn(*a, **kw))
             grads = None
             wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -436,16 +445,23 @@ def eager_outputs(fn, args: tuple, kwargs: dict | None = None, backward: bool = 
                 grads = list(torch.autograd.grad(sum(t.float().sum() for t in wanted), params, allow_unused=True))
     finally:
         with torch.no_grad():
-            for b, saved in buffers:
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b
                 b.copy_(saved)
     return EagerRun([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec, grads)
 
 
 def _same_bits(a, b) -> bool:
     """Bitwise equality of two output leaves: tensors of one dtype and shape whose bytes are equal (NaNs
-    with one payload are equal, -0 and +0 are not), anything else by ==."""
+    with one payload are equal, -0 and +0 are not), anything else by == (NaN floats equal; a value that
+    cannot say: unequal)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return False
+        try:
+            return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+        except Exception:  # noqa: BLE001 - an object whose == is not a bool
+            return False
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
         return False
     return torch.equal(a.detach().reshape(-1).contiguous().view(torch.uint8),
@@ -456,7 +472,7 @@ def _tensors(out) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _compare_eager(eager: EagerRun, out, params: list, fresh: bool) -> tuple[bool | None, str]:
+def _compare_eager(eager: EagerRun, out, params: list) -> tuple[bool | None, str]:
     """(bitwise equal, what was compared) of the compiled first call against the eager run."""
     if eager.skipped:
         return None, eager.skipped
@@ -469,23 +485,22 @@ def _compare_eager(eager: EagerRun, out, params: list, fresh: bool) -> tuple[boo
         return False, "outputs"
     if eager.grads is None:
         return True, "outputs"
-    if not fresh:
-        return True, "outputs (the parameters held gradients before the call: gradients not compared)"
     same = all((g is None and p.grad is None) or (g is not None and p.grad is not None and _same_bits(p.grad, g))
                for p, g in zip(params, eager.grads))
     return same, "outputs and parameter gradients"
 
 
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
-                     more_calls: tuple[tuple, ...] = (), eager: list | None = None, **kwargs) -> BoundaryReport:
+                     more_calls: tuple[tuple, ...] = (), eager: EagerRun | None = None, **kwargs) -> BoundaryReport:
     """Compile ``fn`` (no fullgraph requirement, so breaks are counted rather than
     raised), run it on ``args`` and, if ``backward`` and an output requires grad,
     run one backward of the sum of its outputs (this accumulates ``.grad`` on leaves).
     ``more_calls`` are further argument tuples (e.g. other sequence lengths): the
     graphs compiled for them beyond the first call's are counted as ``recompiles``;
     the reported rlk nodes are those of the first call's graphs. ``eager``: ``eager_outputs``
-    of the same call (``backward`` alike), compared bitwise with the first call's outputs and, where
-    the root module's parameters held no gradient before, its gradients (``eager_equal``, ``eager_note``)."""
+    of the same call (``backward`` alike), compared bitwise with the first call's outputs and its
+    parameters' gradients (``eager_equal``, ``eager_note``; gradients held before the call are set aside
+    during it and the new ones added to them after, as autograd accumulates)."""
     from rlk_ops.meta import provenance
 
     if not callable(fn):
@@ -537,16 +552,26 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
     root = _root_module(fn)
     trained = [p for p in root.parameters() if p.requires_grad] if root is not None else []
-    fresh = all(p.grad is None for p in trained)   # then .grad after the backward is this call's gradient
-    with provenance.capture() as first_call:
-        out = compiled(*args, **kwargs)
-        outs = _tensors(out)
-        if backward and any(o.requires_grad for o in outs):
-            sum(o.float().sum() for o in outs if o.requires_grad).backward()
-    if eager is not None:
-        report.eager_equal, report.eager_note = _compare_eager(eager, out, trained, fresh)
-    first_fw, first_bw = list(fw_graphs), list(bw_graphs)
-    report.graph_runs = {k: list(v) for k, v in runs.items()}
+    held = [p.grad for p in trained]   # set aside: .grad after the backward is then this call's gradient
+    for p in trained:
+        p.grad = None
+    try:
+        with provenance.capture() as first_call:
+            out = compiled(*args, **kwargs)
+            outs = _tensors(out)
+            ran_backward = backward and any(o.requires_grad for o in outs)
+            if ran_backward:
+                sum(o.float().sum() for o in outs if o.requires_grad).backward()
+        if eager is not None:
+            report.eager_equal, report.eager_note = _compare_eager(eager, out, trained)
+    finally:   # what the backward accumulates onto a held gradient: held += new, as autograd adds
+        for p, g in zip(trained, held):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+    # backward graphs only where a backward ran (with dynamic shapes AOT compiles the backward with the
+    # forward: a graph of nodes that never executed is not the call's evidence)
+    first_fw, first_bw = list(fw_graphs), list(bw_graphs) if ran_backward else []
+    report.graph_runs = {"forward": list(runs["forward"]), "backward": list(runs["backward"][:len(first_bw)])}
     report.graphs = len(dynamo_graphs)
     report.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
     for more in more_calls:

@@ -273,7 +273,9 @@ def as_float32(x: float) -> float:
 
 def scale_value(op: str, scale, dtype: torch.dtype) -> None:
     """softmax_scale as the kernels use it: finite, and but for float64 inputs finite in float32 and
-    not flushed to 0 there (1e39 made every score inf and the output NaN, without an error)."""
+    not flushed to 0 there (1e39 made every score inf and the output NaN, without an error). A scale
+    finite in float32 can still overflow a score (|q . k| * scale past 3.4e38: 5e37 with |q . k| ~ 12):
+    then, as in SDPA, the row is NaN; the op cannot see it without the scores."""
     if not math.isfinite(scale):
         fail(op, f"softmax_scale must be finite, got {scale}")
     if dtype != torch.float64 and isinstance(scale, float):

@@ -245,8 +245,13 @@ def walk_routed(q, k_cache, chunk_size) -> bool:
 
 
 def _in_place(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned base: FA4 copies any other q/k/v before its kernel, and a prepared
-    call (PREPARED_CALLS) refuses to replay an input FA4 copied (PreparedCallError, session 32 audit)."""
+    """``t`` as FA4 reads it in place (a unit last stride, a 16-byte aligned base, 16-byte multiples for the
+    other strides: a split of a fused qkv qualifies), else a contiguous aligned copy: FA4 copies any other
+    q/k/v before its kernel, and a prepared call (PREPARED_CALLS) refuses to replay an input FA4 copied
+    (PreparedCallError, session 32 audit)."""
+    size = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1]):
+        return t
     t = t.contiguous()
     return t.clone() if t.data_ptr() % 16 else t
 
