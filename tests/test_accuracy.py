@@ -62,9 +62,15 @@ def test_numerics_bits_do_not_depend_on_position():
 
 
 def test_rowsum_single_row_large_does_not_split():
-    x = torch.randn(1, 50000)
-    rows = torch.cat([x, torch.randn(3, 50000)])
-    assert torch.equal(nx.rowsum(x), nx.rowsum(rows)[:1])
+    """With 2 threads (set here: with one the split cannot happen and the test cannot fail)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(1, 50000)
+        rows = torch.cat([x, torch.randn(3, 50000)])
+        assert torch.equal(nx.rowsum(x), nx.rowsum(rows)[:1])
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------ ops vs float64

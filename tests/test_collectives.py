@@ -31,14 +31,21 @@ def _worker(rank, world_size, dtype):
     out = rlk_ops.reduce_scatter(x, 0)
     assert out.dtype == dtype and torch.equal(out, expect)
     assert torch.equal(rlk_ops.reduce_scatter(x, 0), out)  # run to run
-    # autograd: d/dx sum(w * all_gather(x)) = reduce_scatter(w); d/dx sum(w * reduce_scatter(x)) = all_gather(w)
+    # autograd: d/dx_rank sum_r(w_r * all_gather(x)) = block `rank` of sum_r w_r (a reduce_scatter), and
+    # d/dx_rank sum_r(w2_r * reduce_scatter(x)) = all_gather(w2): each rank's w differs, and the expected
+    # values are written out from every rank's w (with one w on every rank, a backward that exchanged
+    # nothing, rank-local block x world size, passed: session 32 audit)
     xr = x.clone().requires_grad_()
-    w = torch.arange(4 * world_size * world_size * 6, dtype=torch.float32).reshape(-1, 6).to(dtype)
-    (gx,) = torch.autograd.grad((rlk_ops.all_gather(xr, 0) * w).sum(), xr)
-    assert torch.equal(gx, rlk_ops.reduce_scatter(w, 0))
-    w2 = w[: 4].clone()
-    (gx2,) = torch.autograd.grad((rlk_ops.reduce_scatter(xr, 0) * w2).sum(), xr)
-    assert torch.equal(gx2, rlk_ops.all_gather(w2, 0))
+
+    def w_of(r):
+        return (torch.arange(4 * world_size * world_size * 6, dtype=torch.float32).reshape(-1, 6) + 1000 * r).to(dtype)
+    (gx,) = torch.autograd.grad((rlk_ops.all_gather(xr, 0) * w_of(rank)).sum(), xr)
+    want = w_of(0).to(acc)
+    for r in range(1, world_size):
+        want = want + w_of(r).to(acc)
+    assert torch.equal(gx, want.to(dtype).chunk(world_size, 0)[rank])
+    (gx2,) = torch.autograd.grad((rlk_ops.reduce_scatter(xr, 0) * w_of(rank)[:4]).sum(), xr)
+    assert torch.equal(gx2, torch.cat([w_of(r)[:4] for r in range(world_size)], 0))
     # bad input fails on every rank before any communication (no hang)
     try:
         rlk_ops.reduce_scatter(torch.zeros(world_size + 1, 2, dtype=dtype), 0)
