@@ -30,8 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of
 from rlk_ops.meta.specs import REGISTRY
@@ -124,7 +122,8 @@ def _as_run(scale, dtype: str):
     float32): ``1 / math.sqrt(128)`` and ``128 ** -0.5`` differ in the last bit of a double only."""
     if not isinstance(scale, float) or dtype == "float64":
         return scale
-    return torch.tensor(scale, dtype=torch.float32).item()
+    from rlk_ops.ops._validate import as_float32
+    return as_float32(scale)
 
 
 def _m_scale(v, m, ctx):
