@@ -79,24 +79,25 @@ def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
             fail(op, f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def float_arg(op: str, name: str, value) -> float:
+def float_arg(op: str, name: str, value, what: str = "a float") -> float:
     """A number as a float (int, float, numpy scalar, 0-d tensor or array; not a bool, a string or
     None); its range is the op's check. Under torch.compile a numpy scalar arrives as an array,
-    hence ``float()`` rather than an isinstance test on numbers.Real."""
+    hence ``float()`` rather than an isinstance test on numbers.Real. ``what``: the expectation the
+    error names."""
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return value
-    if value is None or isinstance(value, (bool, str, bytes)):
-        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
+    if value is None or isinstance(value, (bool, str, bytes)):  # float(True) and float("0.5") would convert
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}")
     try:
         return float(value)
     except OverflowError:  # an int past float's range
-        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}, too large for a float")
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}, too large for a float")
     except (TypeError, ValueError):
-        fail(op, f"{name} must be a float, got {type(value).__name__} {_short(value)}")
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}")
     except RuntimeError:
         if not _meta(value):   # a CUDA error reading a tensor is its own problem
             raise
-        fail(op, f"{name} must be a float, got a meta Tensor (it has no value)")
+        fail(op, f"{name} must be {what}, got a meta Tensor (it has no value)")
 
 
 def int_arg(op: str, name: str, value) -> int:
@@ -248,19 +249,7 @@ def softmax_scale(op: str, q: torch.Tensor, value) -> float:
             fail(op, "q must have a head_dim (its last dim), got a 0-d tensor")
         head_dim(op, "q", q)
         return q.shape[-1] ** -0.5
-    if isinstance(value, (bool, str, bytes)):  # float(True) and float("0.5") would convert
-        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}")
-    try:
-        return float(value)
-    except OverflowError:
-        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}, too large "
-                 f"for a float")
-    except (TypeError, ValueError):
-        fail(op, f"softmax_scale must be a float or None, got {type(value).__name__} {_short(value)}")
-    except RuntimeError:
-        if not _meta(value):
-            raise
-        fail(op, "softmax_scale must be a float or None, got a meta Tensor (it has no value)")
+    return float_arg(op, "softmax_scale", value, "a float or None")
 
 
 def as_float32(x: float) -> float:
