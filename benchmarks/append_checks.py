@@ -12,7 +12,11 @@ synchronize (the checks sync anyway), the variants interleaved round by round:
 * ``op_slots``: the op without page_table / seq_lens, checks on (range and duplicates only);
 * ``op_placement``: the op with page_table, seq_lens and positions, checks on (the rollout path);
 * ``op_slots_host`` / ``op_placement_host``: the same with the checks on their host path (the index
-  tensors copied to the CPU, checked there: what CPU tensors take), to compare the two paths.
+  tensors copied to the CPU, checked there: what CPU tensors take), to compare the two paths;
+* ``op_slots_masks`` / ``op_placement_masks``: the device decision as torch masks (the route before
+  kernels/triton/index_checks.py, and the route past its scratch budget);
+* ``page_values`` / ``page_values_masks``: check_page_values alone, as paged_attention and gather
+  run it each call (seq_lens and page ids), by the Triton kernel and by the masks.
 
 Every variant's caches are checked torch.equal to the kernel's after the same append, and one bad
 call (a slot in a page another sequence has filled) must raise and leave the caches unchanged.
@@ -35,6 +39,7 @@ import rlk_ops  # noqa: E402
 from rlk_ops import RlkInputError  # noqa: E402
 from rlk_ops.kernels.dispatch import kernel_for  # noqa: E402
 from rlk_ops.ops import _validate as V  # noqa: E402
+from rlk_ops.ops import paged_kv as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _report import source_digest  # noqa: E402
@@ -91,17 +96,35 @@ def run_case(batch: int, ps: int, dev: str, rounds: int, calls: int) -> dict:
                 V.on_device = saved
         return run
 
+    def masks(fn):  # the device decision by the torch masks (paged_kv._fused declines)
+        def run():
+            saved = P._fused
+            P._fused = lambda *a: None
+            try:
+                fn()
+            finally:
+                P._fused = saved
+        return run
+
+    def page_values():
+        P.check_page_values("paged_attention", kc, table, lens, min_len=1)
+
     fns = {"kernel": lambda: kernel(kc, vc, k, v, slots),
            "op_unchecked": unchecked,
            "op_slots": lambda: op(kc, vc, k, v, slots, None, None, None),
            "op_placement": lambda: op(kc, vc, k, v, slots, table, lens, pos),
            "op_slots_host": on_host(lambda: op(kc, vc, k, v, slots, None, None, None)),
-           "op_placement_host": on_host(lambda: op(kc, vc, k, v, slots, table, lens, pos))}
+           "op_placement_host": on_host(lambda: op(kc, vc, k, v, slots, table, lens, pos)),
+           "op_slots_masks": masks(lambda: op(kc, vc, k, v, slots, None, None, None)),
+           "op_placement_masks": masks(lambda: op(kc, vc, k, v, slots, table, lens, pos)),
+           "page_values": page_values, "page_values_masks": masks(page_values)}
     # bits: each variant's append on fresh copies equals the kernel's
     ref = kc.clone(), vc.clone()
     kernel(*ref, k, v, slots)
     equal = {}
     for name, fn in fns.items():
+        if name.startswith("page_values"):  # a check alone: nothing appended
+            continue
         saved = kc.clone(), vc.clone()
         fn()
         equal[name] = torch.equal(kc, ref[0]) and torch.equal(vc, ref[1])
@@ -123,7 +146,8 @@ def run_case(batch: int, ps: int, dev: str, rounds: int, calls: int) -> dict:
         for name, fn in fns.items():
             samples[name].append(eager_us(fn, calls))
     us = {name: round(statistics.median(t), 2) for name, t in samples.items()}
-    return {"batch": batch, "page_size": ps, "context": CONTEXT, "hkv": HKV, "head_dim": D, "us": us,
+    return {"batch": batch, "page_size": ps, "context": CONTEXT, "hkv": HKV, "head_dim": D,
+            "route": P.device_check_route(kc.device), "us": us,
             "spread_us": {n: round(max(t) - min(t), 2) for n, t in samples.items()},
             "placement_checks_us": round(us["op_placement"] - us["op_unchecked"], 2),
             "equal_to_kernel": equal, "bad_call_refused": refused, "bad_call_left_cache_unchanged": refused_unchanged}
@@ -146,16 +170,19 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "append_checks.json"), "w") as f:
         json.dump(res, f, indent=1)
+    print(f"value-check route: {res['cases'][0]['route']}")
     print("| batch | page | kernel | op, checks off | op, slot checks | op, placement checks | "
-          "placement checks cost | slot checks, host path | placement checks, host path | bits | bad call |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "placement checks cost | slot checks, masks | placement checks, masks | slot checks, host path | "
+          "placement checks, host path | page values | page values, masks | bits | bad call |")
+    print("|" + "---|" * 15)
     for c in res["cases"]:
         u = c["us"]
         ok = all(c["equal_to_kernel"].values())
         bad = c["bad_call_refused"].startswith("rlk::paged_kv_append") and c["bad_call_left_cache_unchanged"]
         print(f"| {c['batch']} | {c['page_size']} | {u['kernel']} | {u['op_unchecked']} | {u['op_slots']} | "
-              f"{u['op_placement']} | +{c['placement_checks_us']} | {u['op_slots_host']} | {u['op_placement_host']} | "
-              f"{'equal' if ok else 'DIFFER'} | "
+              f"{u['op_placement']} | +{c['placement_checks_us']} | {u['op_slots_masks']} | "
+              f"{u['op_placement_masks']} | {u['op_slots_host']} | {u['op_placement_host']} | "
+              f"{u['page_values']} | {u['page_values_masks']} | {'equal' if ok else 'DIFFER'} | "
               f"{'refused, cache unchanged' if bad else 'NOT REFUSED'} |")
 
 

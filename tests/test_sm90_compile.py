@@ -75,3 +75,30 @@ def test_walk_builds_for_sm90(argv, arithmetic):
     assert ("mma.sync" in ptx) == arithmetic         # probes 1 and 3: the ring without arithmetic
     assert ("setmaxnreg" in ptx) == ("--ws" in argv)  # the producer warp's partition: its own register budget
     assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
+@pytest.mark.parametrize("kernel_name,consts", [
+    ("_table_kernel", {"PS": 16, "FILL": True, "BLOCK": 256}),
+    ("_table_kernel", {"PS": 128, "FILL": False, "BLOCK": 256}),
+    ("_rows_kernel", {"PS": 16, "PLACE": True, "POS": True, "BLOCK": 256}),
+    ("_rows_kernel", {"PS": 1, "PLACE": False, "POS": False, "BLOCK": 256}),
+], ids=lambda v: v if isinstance(v, str) else "_".join(f"{k}{int(x)}" for k, x in v.items()))
+def test_index_checks_build_for_sm90(kernel_name, consts):
+    """The paged-KV value checks' kernels (rlk_ops/kernels/triton/index_checks.py): their int64
+    atomics and the int32 (row, page) bits assemble for sm90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rlk_ops.kernels.triton import index_checks
+
+    fn = getattr(index_checks, kernel_name)
+    types = {"table_ptr": "*i32", "lens_ptr": "*i32", "fill_ptr": "*i32", "bits_ptr": "*i32", "flag_ptr": "*i64",
+             "slot_ptr": "*i64", "mark_ptr": "*i64", "pos_ptr": "*i64", "n_slots": "i64"}
+    sig = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90" in ptx and "atom.global" in ptx
+    assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"

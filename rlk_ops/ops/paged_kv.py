@@ -20,6 +20,7 @@ validated; the rest of the row is padding and may hold anything.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -73,9 +74,7 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_
                 V.fail(op, f"{name} must not require grad: the append writes values into the cache and records "
                            f"no gradient; pass {name}.detach() or append under torch.no_grad()")
     if V.value_checks_enabled(slot_mapping, op):
-        _check_slots(op, slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-        if page_table is not None:
-            _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
+        _check_append_values(op, k_cache, slot_mapping, page_table, seq_lens, positions)
     with torch.no_grad():  # a data write: no autograd history on the cache, whatever the caller's mode
         kernel_for(op, k_cache.device, mutated=(0, 1))(k_cache, v_cache, k, v, slot_mapping)
 
@@ -169,36 +168,104 @@ def _check_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_len
         V.same_device(op, {"k_cache": k_cache, "positions": positions})
 
 
+def _check_append_values(op, k_cache, slot_mapping, page_table, seq_lens, positions):
+    """The slots in range and distinct; given page_table and seq_lens (and positions), the page
+    values and the placement (``_check_placement``). On a device the decision comes first, in one
+    sync (``_append_clear``); the host checks, which name the first offender, run only when some
+    check is not clear."""
+    if slot_mapping.shape[0] == 0:
+        return
+    num_pages, ps = k_cache.shape[0], k_cache.shape[1]
+    n_slots = num_pages * ps
+    if V.on_device(slot_mapping) and _append_clear(slot_mapping, n_slots, num_pages, ps, page_table, seq_lens,
+                                                   positions):
+        return
+    _check_slots(op, slot_mapping, n_slots)
+    if page_table is not None:
+        _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions)
+
+
+# ------------------------------------------------------------- the device decision
+@functools.lru_cache(maxsize=None)
+def _triton_checks():
+    """rlk_ops.kernels.triton.index_checks, or the reason it cannot run (a str)."""
+    try:
+        from rlk_ops.kernels.triton import _common, index_checks
+    except ImportError as e:
+        return f"triton cannot be imported: {e}"
+    if _common.INTERPRET:
+        return "TRITON_INTERPRET=1 (the interpreter takes CPU tensors only)"
+    return index_checks
+
+
+def device_check_route(device: torch.device) -> str:
+    """How a value check on ``device`` decides whether every check is clear: ``"triton"`` (the
+    kernels of kernels/triton/index_checks.py, CUDA) or ``"masks: <why>"`` (device-side torch ops,
+    the same decisions in more launches; also past index_checks.MAX_SCRATCH_BYTES). CPU tensors take
+    the host checks directly."""
+    if torch.device(device).type != "cuda":
+        return "masks: the Triton checks run on CUDA only"
+    mod = _triton_checks()
+    return "triton" if not isinstance(mod, str) else f"masks: {mod}"
+
+
+def _fused(name, t, *args):
+    """The Triton decision ``name`` of index_checks, or None where it does not run."""
+    if t.device.type != "cuda" or isinstance(_triton_checks(), str):
+        return None
+    return getattr(_triton_checks(), name)(*args)
+
+
+def _append_clear(slot_mapping, n_slots, num_pages, ps, page_table, seq_lens, positions) -> bool:
+    clear = _fused("append_clear", slot_mapping, slot_mapping, n_slots, num_pages, ps, page_table, seq_lens,
+                   positions)
+    if clear is None:
+        clear = V.all_clear(*_append_masks(slot_mapping, n_slots, num_pages, ps, page_table, seq_lens, positions))
+    return clear
+
+
+def _append_masks(slot_mapping, n_slots, num_pages, ps, page_table, seq_lens, positions) -> list:
+    """Every check of ``_check_append_values`` as a device-side mask (any element set: not clear)."""
+    s = slot_mapping
+    ids = torch.where(s >= 0, s, -1 - torch.arange(s.numel(), device=s.device)).sort().values
+    masks = [(s < -1) | (s >= n_slots), ids[1:] == ids[:-1]]
+    if page_table is None:
+        return masks
+    sq = s.shape[0] // page_table.shape[0]
+    p, slot = _token_slots(page_table, seq_lens, sq, ps)
+    live = s != -1
+    masks += _page_value_masks(page_table, seq_lens, num_pages, ps, sq)
+    masks.append(live & (s != slot))
+    if positions is not None:
+        masks.append(live & (positions.reshape(-1) != p))
+    fill = _cached_fill(page_table, seq_lens, num_pages, ps, sq)
+    masks.append(live & (s % ps < fill[(s // ps).clamp(0, num_pages)]))
+    masks.append(live & _held(slot, live, n_slots)[s.clamp(0, n_slots)])
+    return masks
+
+
+def _token_slots(table, lens, sq, ps):
+    """Per row b * Sq + j: its token p = lens[b] - Sq + j, and the slot the table puts p in (the
+    column clamped into the table: only the host path reads p // page_size unchecked)."""
+    p = lens.to(torch.int64)[:, None] - sq + torch.arange(sq, device=table.device)
+    col = (p // ps).clamp(0, table.shape[1] - 1)
+    return p.reshape(-1), (table.to(torch.int64).gather(1, col) * ps + p % ps).reshape(-1)
+
+
 def _check_placement(op, k_cache, slot_mapping, page_table, seq_lens, positions):
     """Row b * Sq + j is token p = seq_lens[b] - Sq + j of sequence b: its slot must be
     page_table[b, p // page_size] * page_size + p % page_size, and positions[b, j] == p; and it must
     not hold a token another row has cached (two rows whose tables share a page: ``_cached_fill``, and
-    the tokens rows skip with -1: ``_held``)."""
+    the tokens rows skip with -1: ``_held``). On the host; the device decision is ``_append_clear``."""
     b, t = page_table.shape[0], slot_mapping.shape[0]
     if b == 0 or t == 0:
         return
     sq = t // b
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
-
-    def where(table, lens):  # (index clamped: only the device path gathers before the page checks)
-        p = lens.to(torch.int64)[:, None] - sq + torch.arange(sq, device=table.device)
-        col = (p // ps).clamp(0, table.shape[1] - 1)
-        return p.reshape(-1), (table.to(torch.int64).gather(1, col) * ps + p % ps).reshape(-1)
-
-    if V.on_device(page_table):  # the page checks and these in one sync; a row with slot -1 (padding) is skipped
-        p, slot = where(page_table, seq_lens)
-        live = slot_mapping != -1
-        masks = [live & (slot_mapping != slot)] + ([live & (positions.reshape(-1) != p)]
-                                                   if positions is not None else [])
-        fill = _cached_fill(page_table, seq_lens, num_pages, ps, sq)
-        masks.append(live & (slot_mapping % ps < fill[(slot_mapping // ps).clamp(0, num_pages)]))
-        masks.append(live & _held(slot, live, num_pages * ps)[slot_mapping.clamp(0, num_pages * ps)])
-        if V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, sq), *masks):
-            return
     # seq_lens in [Sq, capacity] and pages in range (named first), then the placement
     check_page_values(op, k_cache, page_table, seq_lens, min_len=sq)
     table, lens = page_table.cpu(), seq_lens.cpu()
-    p, slot = where(table, lens)
+    p, slot = _token_slots(table, lens, sq, ps)
     got = slot_mapping.cpu()
     live = got != -1
     bad = live & (got != slot)
@@ -263,13 +330,9 @@ def _cached_fill(page_table, seq_lens, num_pages, ps, sq):
 
 
 def _check_slots(op, slot_mapping, n_slots):
+    """Slots in range and distinct, on the host (the device decision is ``_append_clear``)."""
     if slot_mapping.numel() == 0:
         return
-    if V.on_device(slot_mapping):
-        s = slot_mapping
-        ids = torch.where(s >= 0, s, -1 - torch.arange(s.numel(), device=s.device)).sort().values
-        if V.all_clear((s < -1) | (s >= n_slots), ids[1:] == ids[:-1]):
-            return
     slots = slot_mapping.cpu()
     bad = (slots < -1) | (slots >= n_slots)
     if bool(bad.any()):
@@ -342,8 +405,12 @@ def check_page_values(op, k_cache, page_table, seq_lens, min_len=None):
 
 
 def _page_values_clear(page_table, seq_lens, num_pages, ps, min_len) -> bool:
-    """The checks of check_page_values as device-side masks, one sync."""
-    return V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, min_len))
+    """Whether every check of check_page_values is clear, in one sync: the Triton kernels on CUDA
+    (``device_check_route``), else the device-side masks."""
+    clear = _fused("page_values_clear", page_table, page_table, seq_lens, num_pages, ps, min_len)
+    if clear is None:
+        clear = V.all_clear(*_page_value_masks(page_table, seq_lens, num_pages, ps, min_len))
+    return clear
 
 
 def _page_value_masks(page_table, seq_lens, num_pages, ps, min_len) -> list:
