@@ -10,7 +10,7 @@ import rlk_ops
 from rlk_ops.meta import provenance
 from rlk_ops.rollout import demo
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
-from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
+from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for, noise_seed
 from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
 
 
@@ -422,3 +422,58 @@ def test_engine_and_sampler_arguments_are_named():
         cache_for(model, _requests(), 0, 2)
     with pytest.raises(ValueError, match=r"RolloutEngine chunk must be a positive int, got 2.5"):
         RolloutEngine(model, cache_for(model, _requests(), 8, 2), chunk=2.5)
+
+
+def test_engine_arguments_are_checked_before_anything_runs():
+    """A session 33 audit: these failed after the first forward (an int sampler, a str on_token), with
+    an AttributeError (cache None, a torch.compile wrapper), or at the first append (the dtype)."""
+    model = _tiny()
+    reqs = _requests()
+    cache = cache_for(model, reqs, 8, 2)
+    for kw, pattern in (({"sampler": 5}, r"RolloutEngine: sampler must be callable or None, got int 5"),
+                        ({"on_token": "x"}, r"RolloutEngine: on_token must be callable or None, got str 'x'"),
+                        ({"forward": 1.5}, r"RolloutEngine: forward must be callable or None, got float 1.5"),
+                        ({"logprobs": []}, r"RolloutEngine: logprobs must be callable or None, got list \[\]")):
+        with pytest.raises(ValueError, match=pattern):
+            RolloutEngine(model, cache, **kw)
+    with pytest.raises(ValueError, match=r"RolloutEngine: cache must be a PagedKVCache, got NoneType"):
+        RolloutEngine(model, None)
+    with pytest.raises(ValueError, match=r"RolloutEngine: model must have a forward_rollout method .* got "
+                                         r"OptimizedModule: torch.compile\(model\) compiles model.forward only"):
+        RolloutEngine(torch.compile(model), cache)
+    wide = PagedKVCache(model.config.num_layers, 8, 8, model.config.num_kv_heads, model.config.head_dim,
+                        dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"the cache holds torch.float64 but the model's embeddings are "
+                                         r"torch.bfloat16; make the cache with dtype=torch.bfloat16"):
+        RolloutEngine(model, wide)
+    for spare, pattern in ((-10, r"spare_pages must be an int >= 0, got int -10"),
+                           (2.5, r"spare_pages must be an int >= 0, got float 2.5"),
+                           (True, r"spare_pages must be an int >= 0, got bool True")):
+        with pytest.raises(ValueError, match=pattern):
+            cache_for(model, reqs, 8, 2, spare_pages=spare)
+    with pytest.raises(ValueError, match=r"cache_for requests must be a list or tuple of Request objects, got "
+                                         r"tuple \(0, \[1\], 2\)"):
+        cache_for(model, [(0, [1], 2)], 8, 2)
+    assert cache.free_pages == cache.num_pages   # nothing ran
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300, 1e-12])
+def test_a_tiny_temperature_samples_the_greedy_token(temperature):
+    """logp / T overflowed to -inf in every entry below ~1e-306, and argmax then picked token 0 whatever
+    the logits (a session 33 audit); the noise scaled by T picks the greedy token there."""
+    logp = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0, -2.0], dtype=torch.float64), 0)
+    picks = {Sampler(seed=7, temperature=temperature)(0, pos, logp) for pos in range(40)}
+    assert picks == {1}
+
+
+def test_the_sampler_scaling_keeps_its_tokens():
+    """Below T = 1 the score is T * (logp / T + gumbel): the same argmax as the division (checked
+    on random rows, where no two scores are within rounding), so only the overflow changed."""
+    gen = torch.Generator().manual_seed(3)
+    for t in (0.3, 0.7, 0.99):
+        s = Sampler(seed=11, temperature=t)
+        for pos in range(50):
+            logp = torch.log_softmax(torch.randn(64, generator=gen, dtype=torch.float64), 0)
+            g = torch.Generator().manual_seed(noise_seed(11, 0, pos))
+            u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
+            assert s(0, pos, logp) == int((logp / t - torch.log(-torch.log(u))).argmax())

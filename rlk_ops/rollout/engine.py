@@ -68,7 +68,13 @@ class Sampler:
             return int(logp.argmax())
         g = torch.Generator().manual_seed(noise_seed(self.seed, seq_id, position))
         u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
-        return int((logp.double() / self.temperature - torch.log(-torch.log(u))).argmax())
+        gumbel = -torch.log(-torch.log(u))
+        # argmax(logp / T + gumbel), scaled by T below 1: the same token, but logp / T overflowed
+        # to -inf in every entry for a tiny T (1e-310 then always picked token 0), and T * gumbel
+        # cannot overflow there (|gumbel| < 40); at T >= 1 the division cannot overflow
+        if self.temperature >= 1:
+            return int((logp.double() / self.temperature + gumbel).argmax())
+        return int((logp.double() + self.temperature * gumbel).argmax())
 
 
 @dataclass
@@ -85,6 +91,23 @@ class RolloutEngine:
                  sampler: Sampler | None = None, forward: Callable | None = None,
                  logprobs: Callable | None = None, on_token: Callable[[int], None] | None = None):
         positive_ints("RolloutEngine", chunk=chunk, max_running=max_running)
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError(f"RolloutEngine: cache must be a PagedKVCache, got {type(cache).__name__}")
+        for name, fn in (("sampler", sampler), ("forward", forward), ("logprobs", logprobs), ("on_token", on_token)):
+            if fn is not None and not callable(fn):   # else it failed after the first forward, unnamed
+                raise ValueError(f"RolloutEngine: {name} must be callable or None, got {type(fn).__name__} {fn!r}")
+        if forward is None and not callable(getattr(type(model), "forward_rollout", None)):
+            wrapped = type(model).__name__ == "OptimizedModule"   # (no dynamo import for the check)
+            raise ValueError(
+                f"RolloutEngine: model must have a forward_rollout method (or pass forward=), got "
+                f"{type(model).__name__}" + (": torch.compile(model) compiles model.forward only; pass the module "
+                                             "itself (model._orig_mod) and compile its rollout as "
+                                             "forward=torch.compile(type(module).forward_rollout)" if wrapped else ""))
+        weight = getattr(getattr(model, "embed_tokens", None), "weight", None)   # what cache_for sizes by
+        if isinstance(weight, torch.Tensor) and weight.dtype != cache.k[0].dtype:
+            # else the first append refused it, after a forward had run
+            raise ValueError(f"RolloutEngine: the cache holds {cache.k[0].dtype} but the model's embeddings are "
+                             f"{weight.dtype}; make the cache with dtype={weight.dtype}")
         cfg = getattr(model, "config", None)
         for name in ("num_layers", "num_kv_heads", "head_dim"):  # the cache must be this model's
             want = getattr(cfg, name, None)
@@ -263,8 +286,15 @@ def _integer(value) -> bool:
 
 def cache_for(model, requests: list[Request], page_size: int, max_running: int, device="cpu", seed: int = 0,
               spare_pages: int = 4) -> PagedKVCache:
-    """A cache big enough for the ``max_running`` longest requests at once."""
+    """A cache big enough for the ``max_running`` longest requests at once, plus ``spare_pages``."""
     positive_ints("cache_for", page_size=page_size, max_running=max_running)
+    if not _integer(spare_pages) or spare_pages < 0:
+        raise ValueError(f"cache_for spare_pages must be an int >= 0, got {type(spare_pages).__name__} {spare_pages!r}")
+    if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
+        bad = requests if not isinstance(requests, (list, tuple)) else next(r for r in requests
+                                                                           if not isinstance(r, Request))
+        raise ValueError(f"cache_for requests must be a list or tuple of Request objects, got "
+                         f"{type(bad).__name__} {bad!r}"[:300])
     cfg = model.config
     need = sorted((math.ceil((len(r.prompt) + r.max_new_tokens) / page_size) for r in requests), reverse=True)
     num_pages = sum(need[:max_running]) + spare_pages
