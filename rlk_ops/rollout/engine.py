@@ -134,11 +134,13 @@ class RolloutEngine:
         trace = Trace()
         with torch.inference_mode():  # also skips the ops' Python autograd wrappers (~5 us per call)
             logits = self.forward(self.model, tok, pos, self.cache, [s.seq_id for s in seqs], slots, trace=trace)
+        # one copy to the host per traced tensor (a copy per row and layer was B x layers syncs on CUDA)
+        attn, lse = [a.cpu() for a in trace.attn], [x.cpu() for x in trace.lse]
         row = 0
         for s, st, t in zip(seqs, starts, tokens):
             for j in range(len(t)):
-                s.attn[st + j] = [a[row].cpu() for a in trace.attn]
-                s.lse[st + j] = [lse[row].cpu() for lse in trace.lse]
+                s.attn[st + j] = [a[row] for a in attn]
+                s.lse[st + j] = [x[row] for x in lse]
                 row += 1
         b, sq, v = logits.shape
         return self.logprobs(logits.reshape(b * sq, v)).reshape(b, sq, v)
