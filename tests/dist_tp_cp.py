@@ -194,6 +194,10 @@ def bad_input_checks(mesh, rank):
     # heads not divisible by tp: rejected by every rank at construction
     bad_block = init_block(Qwen3Attention(**{**SMALL, "num_kv_heads": 1}))
     expect_everywhere(lambda: ParallelQwen3Attention(bad_block, mesh), "num_kv_heads = 1", "tp = 2")
+    # one rank froze a weight: it would train another set of parameters than the others
+    frozen = init_block(Qwen3Attention(**SMALL))
+    frozen.k_norm.weight.requires_grad_(rank != 3)
+    expect_everywhere(lambda: ParallelQwen3Attention(frozen, mesh), "ranks disagree on requires_grad")
     # the caller's block is left as it was: rank 0's replicated weights are copied into the module, not into it
     other = init_block(Qwen3Attention(**SMALL))
     with torch.no_grad():
@@ -251,7 +255,7 @@ def bad_input_checks(mesh, rank):
                       "ranks disagree on softmax_scale: 0.5 on rank", "but 1.5 on rank")
     expect_everywhere(lambda: context_parallel_attention(q4, kv, kv, lay, group,
                                                          softmax_scale="a" if cp_rank else None),
-                      "rejected its input", "softmax_scale must be a float or None, got 'a'")
+                      "rejected its input", "softmax_scale must be a finite float or None, got str 'a'")
     # a bad position (the same batch on every rank): rope once refused it on the rank holding that
     # token alone, after the others had entered the cp all_gather
     pos_bad = pos.clone()
@@ -296,17 +300,32 @@ def compare_bad_input_checks(mesh, rank, block, x, pos, cu):
                       "got a DTensor")
 
 
-def timeout_check(rank):
-    """A collective that one rank never joins raises after the group's timeout (no hang)."""
-    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+def timeout_check(rank, group=None):
+    """A collective that one rank never joins raises after the group's timeout (no hang). Without
+    ``group``, a new group of ranks 0 and 1 with a 3 s timeout."""
+    if group is None:
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
     if rank == 0:
+        t0 = time.time()
         try:
             rlk_ops.all_gather(torch.ones(4), 0, group=group)
         except RuntimeError as e:
             assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
         else:
             raise AssertionError("all_gather with a missing peer returned instead of timing out")
+        assert time.time() - t0 < 60, f"the collective raised after {time.time() - t0:.0f} s, not the group's 3 s"
     dist.barrier()
+
+
+def mesh_timeout_check(rank):
+    """init_mesh's timeout holds on the mesh's own groups: on a 2-D mesh DeviceMesh made them with
+    gloo's 30-minute default, so a collective missing a peer waited that long (a session 33 audit).
+    Rank 0's cp group is ranks 0 and 1; rank 1 never joins."""
+    mesh = init_mesh(2, 2, "cpu", timeout=datetime.timedelta(seconds=3))
+    cp = mesh.get_group("cp")
+    if rank in (0, 1):
+        assert dist.get_process_group_ranks(cp) == [0, 1], dist.get_process_group_ranks(cp)
+    timeout_check(rank, cp)
 
 
 # -------------------------------------------------------------------------- workers
@@ -338,6 +357,8 @@ def worker_2x2(rank, world_size, out_dir):
     clock("2x2 DTensor rules")
     bad_input_checks(mesh, rank)
     clock("2x2 bad input")
+    mesh_timeout_check(rank)
+    clock("2x2 mesh timeout")
 
 
 def worker_1x2_2x1(rank, world_size, out_dir):

@@ -303,8 +303,37 @@ def test_cp_attention_names_a_bad_group_or_scale():
     lay = build_layout([0, sum(LENS)], 1, 0)
     with pytest.raises(DistributedInputError, match=r"group must be the cp ProcessGroup .* got str"):
         context_parallel_attention(q, k, v, lay, group="cp")
-    with pytest.raises(DistributedInputError, match=r"softmax_scale must be a float or None, got 'a'"):
+    with pytest.raises(DistributedInputError, match=r"softmax_scale must be a finite float or None, got str 'a'"):
         context_parallel_attention(q, k, v, lay, softmax_scale="a")
+    # an int past float's range raised OverflowError while the preflight row was built, outside the
+    # checks that reach every rank (a session 33 audit); NaN passed the check
+    for scale, check in ((10 ** 400, True), (10 ** 400, False), (float("nan"), True)):
+        with pytest.raises(DistributedInputError, match=r"softmax_scale must be a finite float or None, got "):
+            context_parallel_attention(q, k, v, lay, softmax_scale=scale, check=check)
+
+
+def test_parallel_block_names_a_mesh_that_is_not_a_device_mesh():
+    block = init_block(Qwen3Attention(**SMALL))
+    for mesh, got in (("cpu", "str 'cpu'"), (2, "int 2")):
+        with pytest.raises(DistributedInputError, match=rf"mesh must be a DeviceMesh from "
+                                                        rf"rlk_ops.distributed.init_mesh, or None, got {got}"):
+            ParallelQwen3Attention(block, mesh)
+
+
+def test_a_frozen_parameter_stays_frozen():
+    """nn.Parameter's default requires_grad=True made the block's frozen weights trainable in the
+    parallel module, and an optimizer over it updated them (a session 33 audit)."""
+    block = init_block(Qwen3Attention(**SMALL))
+    block.q_norm.weight.requires_grad_(False)
+    block.k_proj.weight.requires_grad_(False)
+    pb = ParallelQwen3Attention(block, None)
+    assert {n: p.requires_grad for n, p in pb.named_parameters()} == \
+        {n: p.requires_grad for n, p in block.named_parameters()}
+    x, pos, cu = packed_batch(LENS, SMALL["hidden_size"], requires_grad=False)
+    xl, pl, lay = pb.prepare(x, pos, cu)
+    pb(xl, pl, lay).float().sum().backward()
+    assert pb.q_norm.weight.grad is None and pb.k_proj.weight.grad is None
+    assert pb.q_proj.weight.grad is not None and pb.k_norm.weight.grad is not None
 
 
 def test_parallel_block_runs_an_empty_batch_on_one_process():

@@ -26,6 +26,8 @@ partials. Two ways to turn those into dK/dV of the local keys:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -53,12 +55,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             raise DistributedInputError(f"context_parallel_attention: group must be the cp ProcessGroup (e.g. "
                                         f"mesh.get_group('cp')) or None, got {type(group).__name__}")
     scale_ok = softmax_scale is None or (isinstance(softmax_scale, (int, float))
-                                         and not isinstance(softmax_scale, bool))
+                                         and not isinstance(softmax_scale, bool) and _finite(softmax_scale))
 
     def check_scale():
         if not scale_ok:
-            raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a float or None, got "
-                                        f"{softmax_scale!r}")
+            raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a finite float or None, "
+                                        f"got {type(softmax_scale).__name__} {softmax_scale!r}"[:300])
 
     if not check and not torch.compiler.is_compiling():
         check_scale()
@@ -76,6 +78,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             meta.update(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"), lay_meta))
             preflight(group, "context_parallel_attention", problem, meta)
     return cp_attention(q, k, v, layout, None if group is None else group.group_name, softmax_scale)
+
+
+def _finite(x) -> bool:
+    """A number whose float is finite (an int past float's range raised OverflowError at float(),
+    outside the checks that travel to every rank: a session 33 audit)."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 def _dim(t, i):

@@ -64,12 +64,16 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     Initialises the default process group when it is not (under torchrun: the
     environment names rank and world size), with ``timeout`` so a collective that
     cannot complete raises instead of hanging; NCCL for CUDA (plus gloo for the small
-    CPU metadata checks), gloo for CPU. Checks on every rank, before the mesh's
-    sub-groups are created, that all ranks ask for the same (tp, cp)."""
+    CPU metadata checks), gloo for CPU. The mesh's tp and cp groups get ``timeout`` too:
+    DeviceMesh makes them with the backend's default (30 minutes for gloo), so until
+    session 33 a collective on a 2-D mesh's group waited that long. Checks on every rank,
+    before the mesh's sub-groups are created, that all ranks ask for the same (tp, cp)."""
     device_type = device_type or default_device_type()
     if device_type not in ("cpu", "cuda"):  # the same on every rank: raised before any collective
         raise DistributedInputError(f"init_mesh: device_type must be 'cpu' or 'cuda' (None: this machine's), got "
                                     f"{device_type!r}")
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise DistributedInputError(f"init_mesh: timeout must be a positive datetime.timedelta, got {timeout!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise DistributedInputError("init_mesh: device_type 'cuda' but no CUDA device is available here")
     if not dist.is_available():
@@ -86,13 +90,17 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     world = dist.get_world_size()
     problem = None
     for name, val in (("tp", tp), ("cp", cp)):
-        if not isinstance(val, int) or val < 1:
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             problem = f"init_mesh: {name} must be a positive int, got {val!r}"
     if problem is None and tp * cp != world:
         problem = f"init_mesh: tp * cp = {tp} * {cp} = {tp * cp} must equal the world size {world}"
     preflight(None, "init_mesh", problem, {"tp": tp if isinstance(tp, int) else -1,
-                                           "cp": cp if isinstance(cp, int) else -1})
-    return init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
+                                           "cp": cp if isinstance(cp, int) else -1,
+                                           "timeout_s": timeout.total_seconds()})
+    mesh = init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
+    for name in DIM_NAMES:   # a size-1 dim's group too: harmless, and the same on every rank
+        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))
+    return mesh
 
 
 def mesh_sizes(mesh: DeviceMesh | None) -> tuple[int, int]:
@@ -104,6 +112,9 @@ def mesh_sizes(mesh: DeviceMesh | None) -> tuple[int, int]:
 
 
 def check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):   # before: AttributeError on mesh_dim_names
+        raise DistributedInputError(f"mesh must be a DeviceMesh from rlk_ops.distributed.init_mesh, or None, got "
+                                    f"{type(mesh).__name__} {mesh!r}"[:300])
     names = tuple(mesh.mesh_dim_names or ())
     if names != DIM_NAMES:
         raise DistributedInputError(f"mesh must be 2-D with mesh_dim_names {DIM_NAMES} (rlk_ops.distributed."

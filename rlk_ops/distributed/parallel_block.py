@@ -43,9 +43,10 @@ _PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "
 class _Holder(nn.Module):
     """Keeps HF parameter names (``q_proj.weight``) for the sharded parameters."""
 
-    def __init__(self, weight):
+    def __init__(self, weight, requires_grad: bool):
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        # the block's own flag: nn.Parameter's default True made a frozen weight trainable here
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
 
 
 class _TapBox:
@@ -105,7 +106,10 @@ class ParallelQwen3Attention(nn.Module):
                     for f in fields}
             meta.update({"rotary_dim": (cfg.rotary_dim or 0) if is_block else -1, "dtype": dtype_code(dtype),
                          "tp": tp, "cp": cp, "sharding": MODES.index(sharding) if sharding in MODES else -1,
-                         "chunks": chunks if isinstance(chunks, int) else -1})
+                         "chunks": chunks if isinstance(chunks, int) else -1,
+                         # which parameters train: a rank that froze another set would update its own
+                         "requires_grad": sum(1 << i for i, n in enumerate(_PARAMS)
+                                              if is_block and dict(block.named_parameters())[n].requires_grad)})
             preflight(None, "ParallelQwen3Attention", problem, meta)
         tp_group, cp_group, tp_rank, cp_rank = groups(mesh)
         self.topology = Topology(
@@ -120,7 +124,7 @@ class ParallelQwen3Attention(nn.Module):
             # a copy either way: distribute_tensor broadcasts rank 0's replicated weights into the tensor it is
             # given, which would overwrite the caller's block on the other ranks
             w = w.clone() if mesh is None else distribute_tensor(w.clone(), mesh, PLACEMENTS[name])
-            setattr(self, name.split(".")[0], _Holder(w))
+            setattr(self, name.split(".")[0], _Holder(w, params[name].requires_grad))
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, hidden_states: torch.Tensor, positions: torch.Tensor, cu_seqlens, local: bool = False):
