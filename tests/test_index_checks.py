@@ -70,22 +70,24 @@ def _perturb(rng, ps, sq, num_pages, slots, table, lens, pos):
     i, r = rng.randrange(t), rng.randrange(b)
     c = rng.randrange(len(table[0]))
     if kind == 0:
-        slots[i] = rng.randint(-3, num_pages * ps + 2)
+        slots[i] = rng.randint(-3, num_pages * ps + 2) if rng.random() < 0.8 else rng.choice((2 ** 63 - 1, -2 ** 63))
     elif kind == 1:
         slots[i] = slots[rng.randrange(t)]
     elif kind == 2:
         pos[i] += rng.choice((-1, 1))
     elif kind == 3:
         lens[r] = max(0, lens[r] + rng.choice((-ps - 1, -1, 1, ps, len(table[0]) * ps)))
+        if rng.random() < 0.2:   # garbage: negative, and int32's ends
+            lens[r] = rng.choice((-1, -sq - 5, 2 ** 31 - 1, -2 ** 31))
     elif kind == 4:
-        table[r][c] = rng.randint(-2, num_pages + 1)
+        table[r][c] = rng.randint(-2, num_pages + 1) if rng.random() < 0.8 else rng.choice((2 ** 31 - 1, -2 ** 31))
     else:   # another entry's page, in this row or another
         table[r][c] = table[rng.randrange(b)][rng.randrange(len(table[0]))]
     if rng.random() < 0.5:   # the live slots follow the table again: only the page and fill checks see it
         for k in range(t):
             rr, p = k // sq, lens[k // sq] - sq + k % sq
             if slots[k] != -1 and 0 <= p // ps < len(table[0]) and p >= 0:
-                slots[k] = table[rr][p // ps] * ps + p % ps
+                slots[k] = max(-2 ** 63, min(table[rr][p // ps] * ps + p % ps, 2 ** 63 - 1))
 
 
 def _cases(seed: int, n: int):
@@ -101,9 +103,12 @@ def _cases(seed: int, n: int):
         for _ in range(rng.choice((0, 1, 1, 2))):
             _perturb(rng, ps, sq, num_pages, slots, table, lens, pos)
         with_pos = rng.random() < 0.8
-        out.append((ps, num_pages, torch.tensor(slots, dtype=torch.int64), torch.tensor(table, dtype=torch.int32),
-                    torch.tensor(lens, dtype=torch.int32),
-                    torch.tensor(pos, dtype=torch.int64).view(b, sq) if with_pos else None))
+        tab = torch.tensor(table, dtype=torch.int32)
+        if rng.random() < 0.3:   # a strided view: the kernels take a contiguous copy
+            tab = tab.t().contiguous().t()
+        p = torch.tensor(pos, dtype=torch.int64)
+        out.append((ps, num_pages, torch.tensor(slots, dtype=torch.int64), tab, torch.tensor(lens, dtype=torch.int32),
+                    (p.view(b, sq) if rng.random() < 0.7 else p) if with_pos else None))
     return out
 
 
@@ -126,9 +131,22 @@ def _selected(seed=0, n=6000, per_signature=12):
     return picked
 
 
-@needs_kernels
-def test_append_decision_equals_the_masks():
+@pytest.fixture(params=["blocks 256", "blocks 2"])
+def blocks(request, monkeypatch):
+    """The kernels' blocks as shipped (one program per kernel for these small cases), and 2 rows /
+    2 columns per program, so that every case runs many programs: the per-slot counters, the (row,
+    page) bits, the fills and the flag are then shared between programs (a review of session 33: a
+    kernel that looked at its first block only passed with one program)."""
     ic = _kernels()
+    if request.param == "blocks 2":
+        monkeypatch.setattr(ic, "ROWS_BLOCK", 2)
+        monkeypatch.setattr(ic, "COLS_BLOCK", 2)
+    return ic
+
+
+@needs_kernels
+def test_append_decision_equals_the_masks(blocks):
+    ic = blocks
     picked = _selected()
     alone = set()
     for (ps, num_pages, slots, table, lens, pos), sig in picked:
@@ -148,8 +166,8 @@ def test_append_decision_equals_the_masks():
 
 
 @needs_kernels
-def test_slots_only_decision_equals_the_masks():
-    ic = _kernels()
+def test_slots_only_decision_equals_the_masks(blocks):
+    ic = blocks
     rng = random.Random(1)
     seen = set()
     for _ in range(150):
@@ -164,8 +182,8 @@ def test_slots_only_decision_equals_the_masks():
 
 
 @needs_kernels
-def test_page_values_decision_equals_the_masks():
-    ic = _kernels()
+def test_page_values_decision_equals_the_masks(blocks):
+    ic = blocks
     picked = _selected(seed=2, n=1500, per_signature=30)
     seen = set()
     for (ps, num_pages, _, table, lens, _), _ in picked:
@@ -213,6 +231,16 @@ def test_past_the_scratch_budget_the_caller_keeps_the_masks(monkeypatch):
                                 torch.ones(2, dtype=torch.int32, device=DEVICE), 1 << 20, 16, None) is None
 
 
+@needs_kernels
+def test_a_program_that_did_not_run_is_not_clear():
+    """The decision is read with the count of programs that ran; short of the launch, it raises."""
+    ic = _kernels()
+    assert ic._decided(torch.tensor([0, 4]), 4) is True
+    assert ic._decided(torch.tensor([1, 4]), 4) is False
+    with pytest.raises(RuntimeError, match=r"3 of the 4 check programs ran"):
+        ic._decided(torch.tensor([0, 3]), 4)
+
+
 def test_the_route_each_device_takes():
     assert P.device_check_route(torch.device("cpu")).startswith("masks: ")
     route = P.device_check_route(torch.device("cuda"))
@@ -253,3 +281,42 @@ def test_the_op_on_cuda_takes_the_kernels_and_refuses_as_on_cpu(monkeypatch):
         torch.ops.rlk.paged_kv_append(kcd, vcd, k.to(dev), v.to(dev), good.to(dev), table.to(dev), lens.to(dev), None)
     assert messages["cpu"] == messages["cuda"]
     assert len(calls) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
+def test_a_table_wider_than_grid_y_allows():
+    """65,535 x 256 + 1 columns: on a 2-D grid the table kernel's launch failed ('invalid argument')
+    on a valid call (a review of session 33); the grid is 1-D now."""
+    ic = _kernels()
+    width = 65535 * ic.COLS_BLOCK + 1
+    table = torch.zeros(1, width, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    assert ic.page_values_clear(table, lens, 4, 16, 1) is True
+    assert ic.append_clear(torch.zeros(1, dtype=torch.int64, device="cuda"), 64, 4, 16, table, lens) is True
+    table[0, 0] = 9   # out of range
+    assert ic.page_values_clear(table, lens, 4, 16, 1) is False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
+def test_past_the_budget_the_op_refuses_through_the_masks(monkeypatch):
+    """Past the kernels' scratch budget the op decides by the torch masks: a bad append is still
+    refused with the CPU's message and the cache left as it was; a good one writes."""
+    from rlk_ops import RlkInputError
+    ic = _kernels()
+    monkeypatch.setattr(ic, "MAX_SCRATCH_BYTES", 8)
+    kc = torch.randn(8, 4, 2, 8, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(8, 4, 2, 8, device="cuda").to(torch.bfloat16)
+    k = torch.randn(2, 2, 8, device="cuda").to(torch.bfloat16)
+    table = torch.tensor([[3, 5], [6, 3]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([6, 5], dtype=torch.int32, device="cuda")
+    bad = torch.tensor([5 * 4 + 1, 3 * 4 + 0], dtype=torch.int64, device="cuda")
+    before = kc.clone()
+    with pytest.raises(RlkInputError, match=r"holds token 0 of sequence 0, already cached"):
+        torch.ops.rlk.paged_kv_append(kc, vc, k, k, bad, table, lens, None)
+    assert torch.equal(kc, before)
+    good_table = torch.tensor([[3, 5], [3, 6]], dtype=torch.int32, device="cuda")
+    good = torch.tensor([5 * 4 + 1, 6 * 4 + 0], dtype=torch.int64, device="cuda")
+    torch.ops.rlk.paged_kv_append(kc, vc, k, k, good, good_table, lens, None)
+    assert torch.equal(kc[5, 1], k[0]) and torch.equal(kc[6, 0], k[1])

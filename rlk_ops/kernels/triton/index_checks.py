@@ -29,8 +29,10 @@ it corrupt the cache.
     match, and the slot's offset is not below its page's cached fill.
 
 Every decision is an integer comparison or an atomic whose result does not depend on the order the
-programs run in. The scratch is 8 bytes per cache slot, 4 per page and one bit per (row, page);
-past ``MAX_SCRATCH_BYTES`` the caller keeps the masks (the same decisions, more launches).
+programs run in. Each program also counts itself: the decision is read with the count, and a count
+short of the programs launched raises instead of reading as clear. The scratch is 8 bytes per cache
+slot, 4 per page and one bit per (row, page); past ``MAX_SCRATCH_BYTES``, or past 2**31 - 1
+programs, the caller keeps the masks (the same decisions, more launches).
 """
 from __future__ import annotations
 
@@ -47,16 +49,19 @@ ROWS_BLOCK = 256
 COLS_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["width", "num_pages", "words", "min_len", "sq"])
-def _table_kernel(table_ptr, lens_ptr, fill_ptr, bits_ptr, flag_ptr, width, num_pages, words, min_len, sq,
-                  PS: tl.constexpr, FILL: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["width", "col_blocks", "num_pages", "words", "min_len", "sq"])
+def _table_kernel(table_ptr, lens_ptr, fill_ptr, bits_ptr, flag_ptr, width, col_blocks, num_pages, words, min_len,
+                  sq, PS: tl.constexpr, FILL: tl.constexpr, BLOCK: tl.constexpr):
+    # a 1-D grid (row, column block): grid y stops at 65535 blocks, which a 16.7M-column table passed
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(lens_ptr + b).to(tl.int64)
     bad_len = (n < min_len) | (n > width.to(tl.int64) * PS)
     used = (cols < width) & (cols < (n + PS - 1) // PS)
     ids = tl.load(table_ptr + b * width + cols, mask=used, other=0).to(tl.int64)
     valid = used & (ids >= 0) & (ids < num_pages)
+    ids = tl.where(valid, ids, 0)   # the shift and the addresses below from in-range ids only
     bit = (tl.full([BLOCK], 1, tl.int64) << (ids % 32)).to(tl.int32)  # bit 31: the sign bit, as a pattern
     old = tl.atomic_or(bits_ptr + b * words + ids // 32, bit, mask=valid)
     bad = (used & ~valid) | (valid & ((old & bit) != 0))
@@ -65,6 +70,7 @@ def _table_kernel(table_ptr, lens_ptr, fill_ptr, bits_ptr, flag_ptr, width, num_
         count = tl.minimum(tl.maximum(cached - cols * PS, 0), PS)
         tl.atomic_max(fill_ptr + ids, count.to(tl.int32), mask=valid & (count > 0))
     tl.atomic_or(flag_ptr, (bad_len | (tl.max(bad.to(tl.int32), 0) > 0)).to(tl.int64))
+    tl.atomic_add(flag_ptr + 1, 1)   # programs that ran: the decision is clear only if every one did
 
 
 @triton.jit(do_not_specialize=["n_tok", "n_slots", "width", "sq"])
@@ -100,6 +106,7 @@ def _rows_kernel(slot_ptr, mark_ptr, flag_ptr, n_tok, n_slots, table_ptr, lens_p
     if PLACE:
         bad |= skips & ((old & 0xFFFFFFFF) != 0)
     tl.atomic_or(flag_ptr, tl.max(bad.to(tl.int64), 0))
+    tl.atomic_add(flag_ptr + 1, 1)
 
 
 def _guard(t: torch.Tensor):
@@ -107,35 +114,54 @@ def _guard(t: torch.Tensor):
 
 
 def _scratch(n_slots: int, num_pages: int, bits_words: int, device) -> tuple | None:
-    """One zeroed buffer (a single memset): the flag, the per-slot counters (int64), the per-page
-    fills and the (row, page) bits (int32); None past MAX_SCRATCH_BYTES."""
+    """One zeroed buffer (a single memset): the flag and the count of programs that ran, the per-slot
+    counters (int64), the per-page fills and the (row, page) bits (int32); None past MAX_SCRATCH_BYTES."""
     n32 = num_pages + bits_words
-    n64 = 1 + n_slots + (n32 + 1) // 2
+    n64 = 2 + n_slots + (n32 + 1) // 2
     if n64 * 8 > MAX_SCRATCH_BYTES:
         return None
     buf = torch.zeros(n64, dtype=torch.int64, device=device)
-    tail = buf[1 + n_slots:].view(torch.int32)
-    return buf[:1], buf[1:1 + n_slots], tail[:num_pages], tail[num_pages:num_pages + bits_words]
+    tail = buf[2 + n_slots:].view(torch.int32)
+    return buf[:2], buf[2:2 + n_slots], tail[:num_pages], tail[num_pages:num_pages + bits_words]
 
 
-def _table(table, lens, flag, fill, bits, num_pages, ps, min_len, sq, fill_on):
+def _grids(b: int, width: int, t: int) -> tuple[int, int] | None:
+    """Programs of the table kernel (b x column blocks, 1-D) and of the rows kernel; None past a
+    grid's 2**31 - 1 blocks (the caller keeps the masks)."""
+    table = b * triton.cdiv(width, COLS_BLOCK)
+    rows = triton.cdiv(t, ROWS_BLOCK)
+    return None if max(table, rows) >= 2 ** 31 else (table, rows)
+
+
+def _table(table, lens, flag, fill, bits, num_pages, ps, min_len, sq, fill_on, programs):
     b, width = table.shape
-    _table_kernel[(b, triton.cdiv(width, COLS_BLOCK))](
-        table, lens, fill, bits, flag, width, num_pages, triton.cdiv(num_pages, 32), min_len, sq,
-        PS=ps, FILL=fill_on, BLOCK=COLS_BLOCK, **C.LAUNCH)
+    _table_kernel[(programs,)](
+        table, lens, fill, bits, flag, width, triton.cdiv(width, COLS_BLOCK), num_pages, triton.cdiv(num_pages, 32),
+        min_len, sq, PS=ps, FILL=fill_on, BLOCK=COLS_BLOCK, **C.LAUNCH)
+
+
+def _decided(flag, programs: int) -> bool:
+    """Clear: no program flagged, and every program launched ran (fail closed: a launch that ran
+    nothing would otherwise read as clear)."""
+    bad, ran = flag.tolist()
+    if ran != programs:
+        raise RuntimeError(f"rlk_ops index checks: {ran} of the {programs} check programs ran")
+    return bad == 0
 
 
 def page_values_clear(page_table, seq_lens, num_pages: int, ps: int, min_len: int | None) -> bool | None:
     """check_page_values' decision (paged_kv.py ``_page_value_masks``): True when every check is
     clear; None when the scratch would pass MAX_SCRATCH_BYTES (the caller keeps the masks)."""
-    b = page_table.shape[0]
-    scratch = _scratch(0, 0, b * triton.cdiv(num_pages, 32), page_table.device)
+    b, width = page_table.shape
+    grids = _grids(b, width, 0)
+    scratch = _scratch(0, 0, b * triton.cdiv(num_pages, 32), page_table.device) if grids else None
     if scratch is None:
         return None
     flag, _, fill, bits = scratch
     with _guard(page_table):
-        _table(C.aligned(page_table), C.aligned(seq_lens), flag, fill, bits, num_pages, ps, min_len or 0, 0, False)
-    return int(flag.item()) == 0
+        _table(C.aligned(page_table), C.aligned(seq_lens), flag, fill, bits, num_pages, ps, min_len or 0, 0, False,
+               grids[0])
+    return _decided(flag, grids[0])
 
 
 def append_clear(slot_mapping, n_slots: int, num_pages: int, ps: int, page_table=None, seq_lens=None,
@@ -145,8 +171,10 @@ def append_clear(slot_mapping, n_slots: int, num_pages: int, ps: int, page_table
     True when every check is clear; None past MAX_SCRATCH_BYTES."""
     t = slot_mapping.shape[0]
     place = page_table is not None
-    b = page_table.shape[0] if place else 0
-    scratch = _scratch(n_slots, num_pages if place else 0, b * triton.cdiv(num_pages, 32), slot_mapping.device)
+    b, width = page_table.shape if place else (0, 0)
+    grids = _grids(b, width, t)
+    scratch = _scratch(n_slots, num_pages if place else 0, b * triton.cdiv(num_pages, 32),
+                       slot_mapping.device) if grids else None
     if scratch is None:
         return None
     flag, mark, fill, bits = scratch
@@ -156,11 +184,10 @@ def append_clear(slot_mapping, n_slots: int, num_pages: int, ps: int, page_table
             sq = t // b
             table, lens = C.aligned(page_table), C.aligned(seq_lens)
             pos = C.aligned(positions.reshape(-1)) if positions is not None else slots
-            _table(table, lens, flag, fill, bits, num_pages, ps, sq, sq, True)
-            width = table.shape[1]
+            _table(table, lens, flag, fill, bits, num_pages, ps, sq, sq, True, grids[0])
         else:
             sq, table, lens, pos, width = 1, slots, slots, slots, 1
-        _rows_kernel[(triton.cdiv(t, ROWS_BLOCK),)](
+        _rows_kernel[(grids[1],)](
             slots, mark, flag, t, n_slots, table, lens, pos, fill if place else mark, width, sq,
             PS=ps, PLACE=place, POS=positions is not None, BLOCK=ROWS_BLOCK, **C.LAUNCH)
-    return int(flag.item()) == 0
+    return _decided(flag, grids[1] + (grids[0] if place else 0))
