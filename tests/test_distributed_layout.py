@@ -509,3 +509,17 @@ def test_metadata_tells_apart_batches_of_one_size_and_total():
             old[j] = (old[j] * 1000003 + n * (i + 1)) % (1 << 61)
     assert old[0] == old[1]   # the collision the old hash had
     assert meta(a) != meta(b) and meta(a) == meta(list(a))
+
+
+def test_metadata_rows_take_the_groups_cpu_backend(monkeypatch):
+    """init_mesh's CUDA groups are "cpu:gloo,cuda:nccl": the preflight rows go over gloo on the CPU
+    (any "nccl" in the name sent them to CUDA before); an NCCL-only group gets CUDA tensors."""
+    from rlk_ops.distributed import checks
+
+    monkeypatch.setattr(checks.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert checks.metadata_device(None) == torch.device("cpu")
+    monkeypatch.setattr(checks.dist, "get_backend", lambda group=None: "gloo")
+    assert checks.metadata_device(None) == torch.device("cpu")
+    if torch.cuda.is_available():
+        monkeypatch.setattr(checks.dist, "get_backend", lambda group=None: "nccl")
+        assert checks.metadata_device(None).type == "cuda"

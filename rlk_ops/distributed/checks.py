@@ -33,8 +33,11 @@ def require_initialized(what: str) -> None:
 
 
 def metadata_device(group) -> torch.device:
+    """Where the preflight's small metadata rows go: the CPU (gloo) when the group has a CPU backend,
+    as init_mesh's "cpu:gloo,cuda:nccl" groups do (until session 33 any "nccl" in the name sent them
+    over NCCL, one device sync each); CUDA for an NCCL-only group."""
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
+    if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
