@@ -69,12 +69,13 @@ class Sampler:
         g = torch.Generator().manual_seed(noise_seed(self.seed, seq_id, position))
         u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
         gumbel = -torch.log(-torch.log(u))
-        # argmax(logp / T + gumbel), scaled by T below 1: the same token, but logp / T overflowed
-        # to -inf in every entry for a tiny T (1e-310 then always picked token 0), and T * gumbel
-        # cannot overflow there (|gumbel| < 40); at T >= 1 the division cannot overflow
-        if self.temperature >= 1:
-            return int((logp.double() / self.temperature + gumbel).argmax())
-        return int((logp.double() + self.temperature * gumbel).argmax())
+        score = logp.double() / self.temperature + gumbel
+        if score.max() == -math.inf and bool(torch.isfinite(logp).any()):
+            # a tiny T overflowed logp / T to -inf in every entry (1e-310 then always picked token 0):
+            # the same argmax scaled by T, where T * gumbel cannot overflow (|gumbel| < 40). Only
+            # here: elsewhere the scores keep their bits, so no sampled token changes
+            score = logp.double() + self.temperature * gumbel
+        return int(score.argmax())
 
 
 @dataclass
