@@ -378,3 +378,15 @@ def worker_1x2_2x1(rank, world_size, out_dir):
         clock(f"{tp}x{cp} block checks")
     timeout_check(rank)
     clock("timeout check")
+    world_timeout_kept_check(rank)
+    clock("world timeout kept")
+
+
+def world_timeout_kept_check(rank):
+    """init_mesh leaves the default group's timeout as its maker set it (60 s here): a 1x2 mesh's cp
+    dim is the default group itself, and setting init_mesh's timeout on it cut every other collective
+    of the caller to that (a session 33 review)."""
+    init_mesh(1, 2, "cpu", timeout=datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(4)
+    dist.barrier()

@@ -3,6 +3,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -25,7 +26,11 @@ def _entry(rank, world_size, init_file, fn, args):
     # teardown has aborted a worker after every check passed ("terminate called without an active
     # exception", SIGABRT: mp.spawn then fails the test), a few runs in ten with compare_block bodies
     # in a session 33 audit; the subprocess of tests/test_distributed_layout.py ends the same way.
-    dist.barrier()
+    try:
+        dist.barrier()
+    except BaseException:   # another rank failed (its exception is the one mp.spawn should report)
+        time.sleep(5)
+        os._exit(3)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -443,9 +443,10 @@ def test_engine_arguments_are_checked_before_anything_runs():
         RolloutEngine(torch.compile(model), cache)
     wide = PagedKVCache(model.config.num_layers, 8, 8, model.config.num_kv_heads, model.config.head_dim,
                         dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"the cache holds torch.float64 but the model's embeddings are "
+    with pytest.raises(ValueError, match=r"the cache holds torch.float64 but the model's k_proj makes "
                                          r"torch.bfloat16; make the cache with dtype=torch.bfloat16"):
         RolloutEngine(model, wide)
+    RolloutEngine(model, wide, forward=type(model).forward_rollout)   # a custom forward: its own casts
     for spare, pattern in ((-10, r"spare_pages must be an int >= 0, got int -10"),
                            (2.5, r"spare_pages must be an int >= 0, got float 2.5"),
                            (True, r"spare_pages must be an int >= 0, got bool True")):
@@ -477,3 +478,23 @@ def test_the_sampler_keeps_its_tokens_where_the_division_does_not_overflow():
             g = torch.Generator().manual_seed(noise_seed(11, 0, pos))
             u = torch.rand(logp.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
             assert s(0, pos, logp) == int((logp / t - torch.log(-torch.log(u))).argmax())
+
+
+def test_a_float32_embedding_table_with_a_bfloat16_cache_runs():
+    """The cache's dtype is what k_proj makes: a bf16 model whose embedding table stays in float32
+    (its output cast to bf16) ran before the engine checked the dtype, and runs (a session 33 review:
+    the first form of the check compared the embeddings' dtype and refused it)."""
+    class Fp32Embedding(torch.nn.Embedding):
+        def forward(self, x):
+            return super().forward(x).to(torch.bfloat16)
+
+    model = _tiny()
+    emb = Fp32Embedding(model.config.vocab_size, model.config.hidden_size, dtype=torch.float32)
+    with torch.no_grad():
+        emb.weight.copy_(model.embed_tokens.weight.float())
+    model.embed_tokens = emb
+    reqs = [Request(0, [1, 2, 3, 4], 3)]
+    cache = cache_for(model, reqs, 8, 1)
+    assert cache.k[0].dtype == torch.bfloat16
+    out = RolloutEngine(model, cache, max_running=1).run(reqs)
+    assert len(out[0].generated) == 3

@@ -66,7 +66,8 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     cannot complete raises instead of hanging; NCCL for CUDA (plus gloo for the small
     CPU metadata checks), gloo for CPU. The mesh's tp and cp groups get ``timeout`` too:
     DeviceMesh makes them with the backend's default (30 minutes for gloo), so until
-    session 33 a collective on a 2-D mesh's group waited that long. Checks on every rank,
+    session 33 a collective on a 2-D mesh's group waited that long. A dim that spans
+    every rank is the default group itself, whose timeout is left as it was made. Checks on every rank,
     before the mesh's sub-groups are created, that all ranks ask for the same (tp, cp)."""
     device_type = device_type or default_device_type()
     if device_type not in ("cpu", "cuda"):  # the same on every rank: raised before any collective
@@ -98,8 +99,13 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
                                            "cp": cp if isinstance(cp, int) else -1,
                                            "timeout_s": timeout.total_seconds()})
     mesh = init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
-    for name in DIM_NAMES:   # a size-1 dim's group too: harmless, and the same on every rank
-        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))
+    world_group = dist.distributed_c10d._get_default_group()
+    for name in DIM_NAMES:
+        group = mesh.get_group(name)
+        # a dim that spans the world reuses the default group: its timeout is whoever made it's
+        # (this function's when it made it), not to be changed under the caller's other collectives
+        if group.group_name != world_group.group_name:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     return mesh
 
 

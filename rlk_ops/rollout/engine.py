@@ -104,11 +104,11 @@ class RolloutEngine:
                 f"{type(model).__name__}" + (": torch.compile(model) compiles model.forward only; pass the module "
                                              "itself (model._orig_mod) and compile its rollout as "
                                              "forward=torch.compile(type(module).forward_rollout)" if wrapped else ""))
-        weight = getattr(getattr(model, "embed_tokens", None), "weight", None)   # what cache_for sizes by
-        if isinstance(weight, torch.Tensor) and weight.dtype != cache.k[0].dtype:
+        k_dtype = _k_dtype(model) if forward is None else None   # a custom forward may cast as it likes
+        if k_dtype is not None and k_dtype != cache.k[0].dtype:
             # else the first append refused it, after a forward had run
-            raise ValueError(f"RolloutEngine: the cache holds {cache.k[0].dtype} but the model's embeddings are "
-                             f"{weight.dtype}; make the cache with dtype={weight.dtype}")
+            raise ValueError(f"RolloutEngine: the cache holds {cache.k[0].dtype} but the model's k_proj makes "
+                             f"{k_dtype}; make the cache with dtype={k_dtype}")
         cfg = getattr(model, "config", None)
         for name in ("num_layers", "num_kv_heads", "head_dim"):  # the cache must be this model's
             want = getattr(cfg, name, None)
@@ -282,6 +282,16 @@ def noise_seed(seed: int, seq_id: int, position: int) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2 ** 63
 
 
+def _k_dtype(model):
+    """The dtype of what the model appends to the cache: its first layer's k_proj weight (a model
+    may keep its embedding table in another dtype); None where the model has no such layer."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return None
+    weight = getattr(getattr(getattr(layers[0], "self_attn", None), "k_proj", None), "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
+
+
 def _integer(value) -> bool:
     """An int (numpy's too: numbers.Integral), not a bool or a float."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -301,6 +311,6 @@ def cache_for(model, requests: list[Request], page_size: int, max_running: int, 
     cfg = model.config
     need = sorted((math.ceil((len(r.prompt) + r.max_new_tokens) / page_size) for r in requests), reverse=True)
     num_pages = sum(need[:max_running]) + spare_pages
-    dtype = model.embed_tokens.weight.dtype
+    dtype = _k_dtype(model) or model.embed_tokens.weight.dtype
     return PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
                         device=device, seed=seed)
