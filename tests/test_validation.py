@@ -746,3 +746,24 @@ def test_float64_inputs_keep_the_double_scale():
     assert torch.isfinite(out).all() and torch.isfinite(lse).all() and not torch.equal(out, uniform)
     out, _ = rlk_ops.attention(q.float() / 1e25, q.float() / 1e25, q.float() / 1e25, softmax_scale=0.0)
     assert torch.isfinite(out).all()   # 0 stays allowed
+
+
+def test_an_int_past_4300_digits_is_named_not_printed():
+    """Python refuses to print an int of more than 4300 digits: the error for such an argument raised
+    that ValueError instead of the op's (a session 33 review); it is now written as a power of two."""
+    from rlk_ops.distributed import build_layout, context_parallel_attention
+    from rlk_ops.distributed.checks import DistributedInputError
+    from rlk_ops.rollout.engine import Sampler
+
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(RlkInputError, match=r"rlk::qk_rmsnorm: eps must be a float, got int ~2\*\*16609, too large"):
+        rlk_ops.qk_rmsnorm(x, torch.ones(8), 10 ** 5000)
+    with pytest.raises(RlkInputError, match=r"rlk::rope: rotary_dim must fit in int64, got -~2\*\*16609"):
+        rlk_ops.rope(x, torch.arange(4), 1e4, -10 ** 5000)
+    for t, got in ((10 ** 400, "~2**1328"), (10 ** 5000, "~2**16609")):
+        with pytest.raises(ValueError, match=r"Sampler temperature must be a finite number > 0, got " + re.escape(got)):
+            Sampler(temperature=t)
+    lay = build_layout([0, 24], 1, 0)
+    q, kv = torch.randn(24, 4, 16), torch.randn(24, 2, 16)
+    with pytest.raises(DistributedInputError, match=r"softmax_scale must be a finite float or None, got int ~2\*\*16609"):
+        context_parallel_attention(q, kv, kv, lay, softmax_scale=10 ** 5000)

@@ -115,7 +115,7 @@ def int_arg(op: str, name: str, value) -> int:
             raise
         fail(op, f"{name} must be an int, got a meta Tensor (it has no value)")
     if not _INT64[0] <= i < _INT64[1]:
-        fail(op, f"{name} must fit in int64, got {i}")
+        fail(op, f"{name} must fit in int64, got {_short(i)}")
     return i
 
 
@@ -140,6 +140,8 @@ def bool_arg(op: str, name: str, value) -> bool:
 
 
 def _short(value) -> str:
+    if isinstance(value, int) and value.bit_length() > 64:   # repr of an int past 4300 digits raises
+        return f"{'-' if value < 0 else ''}~2**{value.bit_length() - 1}"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
