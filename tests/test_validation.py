@@ -760,7 +760,7 @@ def test_an_int_past_4300_digits_is_named_not_printed():
         rlk_ops.qk_rmsnorm(x, torch.ones(8), 10 ** 5000)
     with pytest.raises(RlkInputError, match=r"rlk::rope: rotary_dim must fit in int64, got -~2\*\*16609"):
         rlk_ops.rope(x, torch.arange(4), 1e4, -10 ** 5000)
-    for t, got in ((10 ** 400, "~2**1328"), (10 ** 5000, "~2**16609")):
+    for t, got in ((10 ** 400, "1000000000"), (10 ** 5000, "~2**16609")):
         with pytest.raises(ValueError, match=r"Sampler temperature must be a finite number > 0, got " + re.escape(got)):
             Sampler(temperature=t)
     lay = build_layout([0, 24], 1, 0)

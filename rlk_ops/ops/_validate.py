@@ -140,9 +140,12 @@ def bool_arg(op: str, name: str, value) -> bool:
 
 
 def _short(value) -> str:
-    if isinstance(value, int) and value.bit_length() > 64:   # repr of an int past 4300 digits raises
-        return f"{'-' if value < 0 else ''}~2**{value.bit_length() - 1}"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:   # an int past 4300 digits, which Python refuses to print
+        if not isinstance(value, int):
+            raise
+        text = f"{'-' if value < 0 else ''}~2**{value.bit_length() - 1}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
