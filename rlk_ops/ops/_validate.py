@@ -225,8 +225,11 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def span(t: torch.Tensor) -> tuple[int, int]:
     """The addresses [first element, one past the last element's last byte] of ``t``."""
+    p = t.data_ptr()
+    if t.is_contiguous():   # the common case, without the Python sum over dims (the op layer's cost)
+        return p, p + t.numel() * t.element_size()
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return p, p + (last + 1) * t.element_size()
 
 
 def on_device(t: torch.Tensor) -> bool:
