@@ -26,15 +26,13 @@ partials. Two ways to turn those into dK/dV of the local keys:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
 from rlk_ops.distributed.layout import CPLayout
 from rlk_ops.distributed.reductions import ordered_sum
-from rlk_ops.ops._validate import _short
+from rlk_ops.ops._validate import _short, finite
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
@@ -56,7 +54,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             raise DistributedInputError(f"context_parallel_attention: group must be the cp ProcessGroup (e.g. "
                                         f"mesh.get_group('cp')) or None, got {type(group).__name__}")
     scale_ok = softmax_scale is None or (isinstance(softmax_scale, (int, float))
-                                         and not isinstance(softmax_scale, bool) and _finite(softmax_scale))
+                                         and not isinstance(softmax_scale, bool) and finite(softmax_scale))
 
     def check_scale():
         if not scale_ok:
@@ -79,15 +77,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             meta.update(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"), lay_meta))
             preflight(group, "context_parallel_attention", problem, meta)
     return cp_attention(q, k, v, layout, None if group is None else group.group_name, softmax_scale)
-
-
-def _finite(x) -> bool:
-    """A number whose float is finite (an int past float's range raised OverflowError at float(),
-    outside the checks that travel to every rank: a session 33 audit)."""
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
 
 
 def _dim(t, i):

@@ -139,6 +139,15 @@ def bool_arg(op: str, name: str, value) -> bool:
     fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
 
 
+def finite(x) -> bool:
+    """A number that is finite as a float (an int past float's range: False, where math.isfinite and
+    float() raise OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _short(value) -> str:
     try:
         text = repr(value)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlk_ops.ops._validate import _short, positive_ints
+from rlk_ops.ops._validate import _short, finite, positive_ints
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
 from rlk_ops.rollout.model import Trace, log_softmax
 
@@ -59,7 +59,7 @@ class Sampler:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32):
             raise ValueError(f"Sampler seed must be None (greedy) or an int in [0, 2**32), got {seed!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                temperature > 0 and _finite(temperature)):
+                temperature > 0 and finite(temperature)):
             raise ValueError(f"Sampler temperature must be a finite number > 0, got {_short(temperature)}")
         self.seed, self.temperature = seed, temperature
 
@@ -280,14 +280,6 @@ def noise_seed(seed: int, seq_id: int, position: int) -> int:
     (seq 0, position 10007) the noise of (seq 1, position 0))."""
     key = f"{int(seed)},{int(seq_id)},{int(position)}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2 ** 63
-
-
-def _finite(x) -> bool:
-    """Finite as a float (an int past float's range raised OverflowError in math.isfinite)."""
-    try:
-        return math.isfinite(x)
-    except OverflowError:
-        return False
 
 
 def _k_dtype(model):
