@@ -59,6 +59,25 @@ def _worker(rank, world_size, dtype):
         assert torch.equal(rlk_ops.all_gather(x, 0, group=sub), torch.cat(xs[:2], 0))
 
 
+def _rows_worker(rank, world_size):
+    """reduce_scatter is batch-invariant: a token's summed row does not depend on how many tokens were
+    reduced with it. With 4 ranks a size-dependent summation order changes bits (with 2 it cannot):
+    the test above has one shape per world size, and a kernel that reversed its order past 128
+    elements passed it (a session 33 audit)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    pool = torch.randn(1000, 6 * world_size, generator=g) * (10.0 ** torch.randint(-3, 4, (1000, 1), generator=g))
+    full = rlk_ops.reduce_scatter(pool, -1)
+    for t in (1, 2, 64, 999):
+        assert torch.equal(rlk_ops.reduce_scatter(pool[:t].contiguous(), -1), full[:t]), t
+    for t in (1, 37):   # rows later in the batch: their own call
+        assert torch.equal(rlk_ops.reduce_scatter(pool[500:500 + t].contiguous(), -1), full[500:500 + t]), t
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_rows_are_batch_invariant(world_size):
+    run_workers(_rows_worker, world_size)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_gloo(world_size):
     run_workers(_worker, world_size, torch.float32)

@@ -181,6 +181,27 @@ def test_strict_policies_accurate_batch_invariant_run_to_run(reference, sq, poli
 
 
 @cuda_test
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("policy", ["disabled", "fixed:256", "fixed:1024"])
+def test_strict_policies_ignore_which_pages_hold_the_keys(sq, policy):
+    """Batch invariance includes the physical pages (meta/specs.py): the same K/V moved to other pages
+    of a larger cache, the table following, gives the same bits. (The test above keeps the pages: a
+    session 33 audit.)"""
+    q, kc, vc, table, lens = _cuda(_batch(sq))
+    pages = kc.shape[0]
+    perm = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(9))[:pages].cuda()
+    kc2 = torch.full((2 * pages, *kc.shape[1:]), float("nan"), dtype=kc.dtype, device="cuda")
+    vc2 = torch.full_like(kc2, float("nan"))
+    kc2[perm], vc2[perm] = kc, vc
+    used = torch.arange(table.shape[1], device="cuda")[None] < ((lens + PS - 1) // PS)[:, None]
+    table2 = torch.where(used, perm[table.long().clamp(0, pages - 1)], table.long()).to(torch.int32)
+    with rlk_ops.use_backend(paged_attention="flashinfer"):
+        out, lse = rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv=policy)
+        out2, lse2 = rlk_ops.paged_attention(q, kc2, vc2, table2, lens, split_kv=policy)
+    assert bitwise_equal(out2, out) and bitwise_equal(lse2, lse)
+
+
+@cuda_test
 def test_auto_lane_accurate_and_recorded(reference):
     from rlk_ops.kernels import flashinfer as FI
 

@@ -85,6 +85,23 @@ def test_paged_decode_and_chunks_equal_prefill(qkv, prefill, page_size):
     assert bitwise_equal(lse, prefill[1][:, :, start:stop])
 
 
+def test_cpu_auto_lane_decode_and_chunks_equal_prefill(qkv, prefill):
+    """The CPU auto lane's prefill/decode claim (meta/specs.py): its decode rows and a chunk of new
+    tokens equal the training prefill rows. Only its decode rows were compared, with paged attention,
+    never with prefill: a CPU auto kernel that split chunks (Sq > 1) passed (a session 33 audit)."""
+    q, k, v = qkv
+    k_cache, v_cache, table = fill_paged_cache(k, v, 16, torch.Generator().manual_seed(7))
+    with rlk_ops.strict(False):   # the auto lane is never strict
+        for p in (0, 128, S - 1):
+            out, lse = rlk_ops.paged_attention_auto(q[:, p:p + 1], k_cache, v_cache, table,
+                                                    torch.full((B,), p + 1, dtype=torch.int32))
+            assert bitwise_equal(out[:, 0], prefill[0][:, p]) and bitwise_equal(lse[:, :, 0], prefill[1][:, :, p]), p
+        start, stop = 125, 133   # a chunk across the 128 grid
+        out, lse = rlk_ops.paged_attention_auto(q[:, start:stop], k_cache, v_cache, table,
+                                                torch.full((B,), stop, dtype=torch.int32))
+    assert bitwise_equal(out, prefill[0][:, start:stop]) and bitwise_equal(lse, prefill[1][:, :, start:stop])
+
+
 @pytest.mark.parametrize("split_kv", ["disabled", "canonical:128"])
 def test_stale_cache_slots_never_reach_the_result(qkv, prefill, split_kv):
     """Slots past seq_len in a sequence's last page hold whatever was there (a freed page): NaN keys and

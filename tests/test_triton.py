@@ -205,6 +205,28 @@ def test_linear_accuracy_and_row_invariance(dtype):
 
 
 @cuda_test
+def test_linear_rows_equal_across_batch_sizes_past_one_wave():
+    """At M = 4096, K = 4096, N = 3072 (a QKV projection) there are more output tiles than SMs, so the
+    persistent programs loop over several tiles each: a row's bits must not depend on which program,
+    or which of its tiles, computed it. (The test above stays within one wave: a kernel that walked K
+    backwards on a program's later tiles passed it; a session 33 audit.)"""
+    from rlk_ops.kernels.triton import _common as tc
+    from rlk_ops.kernels.triton import gemm
+
+    m, k, n = 4096, 4096, 3072
+    x, w = _rand(m, k), _rand(n, k, seed=1)
+    cfg = gemm.CONFIG
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    assert tiles > tc.num_sms(torch.cuda.current_device()), (tiles, "not past one wave")
+    y = rlk_ops.linear(x, w, None)
+    rows = torch.randperm(m, generator=_g(5))[:24].tolist() + [0, m - 1]
+    for r in rows:
+        assert bitwise_equal(rlk_ops.linear(x[r:r + 1], w, None)[0], y[r]), r
+    for size in (16, 256, 1000):
+        assert bitwise_equal(rlk_ops.linear(x[m - size:], w, None), y[m - size:]), size
+
+
+@cuda_test
 def test_linear_backward_accuracy_and_run_to_run():
     x, w, b = _rand(T, 256), _rand(192, 256, seed=1), _rand(192, seed=2)
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))

@@ -43,7 +43,8 @@ def _paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, softmax_sca
     _check(q, k_cache, v_cache, page_table, seq_lens, softmax_scale)
     if strict_mode():
         raise StrictModeError(
-            f"rlk::{OP}: the automatic split-KV depends on the batch (not batch-invariant), so strict mode "
+            f"rlk::{OP}: the automatic split-KV depends on the batch on the GPU (FlashInfer's plan: not "
+            f"batch-invariant), so strict mode "
             f"(the default) refuses it. Use rlk_ops.paged_attention(split_kv='disabled' or 'fixed:N'), or run "
             f"this diagnostic lane inside rlk_ops.strict(False).")
     check_page_values(OP, k_cache, page_table, seq_lens, min_len=q.shape[1])

@@ -1,4 +1,5 @@
-"""CPU reference backend: deterministic and batch-invariant by construction.
+"""CPU reference backend: deterministic by construction, and batch-invariant for the forward ops
+(meta/specs.py: the backward ops' weight and key gradients sum over the batch, so no such claim).
 
 Kernels are plain functions named like their ops (the dispatch point looks them up
 by name). ``numerics`` holds the fixed-order reductions and transcendental functions
