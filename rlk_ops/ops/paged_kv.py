@@ -201,8 +201,9 @@ def _triton_checks():
 def device_check_route(device: torch.device) -> str:
     """How a value check on ``device`` decides whether every check is clear: ``"triton"`` (the
     kernels of kernels/triton/index_checks.py, CUDA) or ``"masks: <why>"`` (device-side torch ops,
-    the same decisions in more launches; also past index_checks.MAX_SCRATCH_BYTES). CPU tensors take
-    the host checks directly."""
+    the same decisions in more launches). Under "triton" a single call past the kernels' scratch
+    budget or grid limit is still decided by the masks; this answer does not see the call. CPU tensors
+    take the host checks directly."""
     if torch.device(device).type != "cuda":
         return "masks: the Triton checks run on CUDA only"
     mod = _triton_checks()
