@@ -281,6 +281,9 @@ def test_inspect_cli_lists_forward_and_backward_ops():
     ("rms_norm_eps", 1e-40, r"rms_norm_eps must be a finite number >= 1.17549.*e-38"),  # the op refused it at run time
     ("attention_bias", "no", "attention_bias must be a bool, got 'no'"),  # once made biases
     ("rotary_dim", 7, r"rotary_dim must be None or even and in \(0, head_dim=128\], got 7"),
+    # session 33 audit: a bare OverflowError; an odd head_dim with rotary_dim None failed at the first forward
+    ("rope_theta", 2 ** 1024, r"rope_theta must be a finite number >= 1 \(the RoPE base\), got 1797693"),
+    ("head_dim", 15, r"head_dim must be even when rotary_dim is None \(RoPE rotates the whole head\), got 15"),
     ("split_kv", "bogus", "split_kv must be 'disabled', 'auto'"),
     ("split_kv", "fixed:256", "split_kv must be 'disabled' or 'canonical:C'"),
 ])

@@ -26,7 +26,7 @@ from torch import nn
 
 import rlk_ops
 from rlk_ops.meta.contract import SplitKVPolicy, spell
-from rlk_ops.ops._validate import positive_ints
+from rlk_ops.ops._validate import _short, finite, positive_ints
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,11 @@ class Qwen3AttentionConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         # the ops check these again, but a config is built before the first (maybe compiled) forward
         if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
-                and math.isfinite(self.rope_theta) and self.rope_theta >= 1):
+                and finite(self.rope_theta) and self.rope_theta >= 1):
             raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
-                             f"{self.rope_theta!r}")
+                             f"{_short(self.rope_theta)}")
         if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-                and math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= torch.finfo(torch.float32).tiny):
+                and finite(self.rms_norm_eps) and self.rms_norm_eps >= torch.finfo(torch.float32).tiny):
             # the op's rule for float32 accumulation (bf16/fp16/fp32 models): a normal float32
             raise ValueError(f"Qwen3AttentionConfig rms_norm_eps must be a finite number >= "
                              f"{torch.finfo(torch.float32).tiny} (the smallest normal float32), got "
@@ -64,6 +64,9 @@ class Qwen3AttentionConfig:
                                or rd > self.head_dim):
             raise ValueError(f"Qwen3AttentionConfig rotary_dim must be None or even and in (0, head_dim="
                              f"{self.head_dim}], got {rd!r}")
+        if rd is None and self.head_dim % 2:   # else the first forward's rope named a rotary_dim nobody set
+            raise ValueError(f"Qwen3AttentionConfig head_dim must be even when rotary_dim is None (RoPE rotates "
+                             f"the whole head), got {self.head_dim}; or set an even rotary_dim < head_dim")
         policy = SplitKVPolicy.parse(spell(self.split_kv))  # raises with the policy's own message
         if policy.kind not in ("disabled", "canonical"):
             raise ValueError(f"Qwen3AttentionConfig split_kv must be 'disabled' or 'canonical:C' (what both the "
