@@ -348,3 +348,30 @@ def test_rollout_forward_under_grad_mode_leaves_the_cache_a_plain_tensor():
         block.forward_rollout(x, torch.zeros(2, 2, dtype=torch.int64), caches[0], caches[1], *args[1:])
     with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got NoneType \[\]"):
         block.forward_rollout(x, None, caches[0], caches[1], *args[1:])
+
+
+def test_rollout_gradients_reach_o_proj_only_eager_and_compiled():
+    """rlk::paged_attention has no backward: under grad mode, eager ran PyTorch's no-autograd fallback and
+    the compiled block gave q_proj, q_norm and the input exactly 0 (a session 33 audit). q now goes in
+    detached: only o_proj gets a gradient, and eager and compiled agree."""
+    from rlk_ops.compile.examples import init_block
+
+    block = init_block(Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32))
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    args = (torch.arange(3).view(1, 3), table, torch.tensor([3], dtype=torch.int32), torch.tensor([0, 1, 2]))
+
+    def grads(fn):
+        block.zero_grad(set_to_none=True)
+        x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        caches = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+        out = fn(x, args[0], *caches, *args[1:])
+        out.square().sum().backward()
+        return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+    eager = grads(block.forward_rollout)
+    compiled = grads(torch.compile(block.forward_rollout, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(eager[0], compiled[0])
+    for out, xg, g in (eager, compiled):
+        assert xg is None
+        assert {n for n, v in g.items() if v is not None} == {"o_proj.weight"}
+    assert torch.equal(eager[2]["o_proj.weight"], compiled[2]["o_proj.weight"])

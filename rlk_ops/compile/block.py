@@ -158,7 +158,9 @@ class Qwen3Attention(nn.Module):
         positions [B, Sq] int64, slot_mapping [B*Sq] int64 (where their K/V go),
         page_table int32 [B, max_pages], seq_lens int32 [B] (cached tokens including
         these). Appends the new K/V, then attends. Returns [B, Sq, hidden] (and the
-        attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``)."""
+        attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``).
+        Not differentiable through attention (under grad mode only o_proj gets a gradient):
+        train with ``forward``."""
         self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]")
         b, sq, hidden = hidden_states.shape
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, sq):
@@ -172,7 +174,11 @@ class Qwen3Attention(nn.Module):
         # new tokens, so a slot in another sequence's page is refused before the write)
         rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens,
                                 positions)
-        attn, lse = rlk_ops.paged_attention(q.reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+        # rlk::paged_attention has no backward (the rollout side): q goes in detached, so under grad mode
+        # the gradient reaches o_proj only, eager and compiled alike. Before, eager ran PyTorch's
+        # no-autograd fallback and compiled gave q_proj, q_norm and the input exactly 0 (a session 33
+        # audit). Train with forward().
+        attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
                                             seq_lens, split_kv=self.config.split_kv)
         out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight,
                              self.o_proj.bias).reshape(b, sq, hidden)
