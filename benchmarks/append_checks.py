@@ -86,25 +86,21 @@ def run_case(batch: int, ps: int, dev: str, rounds: int, calls: int) -> dict:
         with rlk_ops.value_checks(False):
             op(kc, vc, k, v, slots, table, lens, pos)
 
-    def on_host(fn):  # the checks' host path (V.on_device False): copies to the host, the checks there
+    def patched(module, name, value, fn):  # fn run with module.name replaced by value
         def run():
-            saved = V.on_device
-            V.on_device = lambda t: False
+            saved = getattr(module, name)
+            setattr(module, name, value)
             try:
                 fn()
             finally:
-                V.on_device = saved
+                setattr(module, name, saved)
         return run
 
+    def on_host(fn):  # the checks' host path (V.on_device False): copies to the host, the checks there
+        return patched(V, "on_device", lambda t: False, fn)
+
     def masks(fn):  # the device decision by the torch masks (paged_kv._fused declines)
-        def run():
-            saved = P._fused
-            P._fused = lambda *a: None
-            try:
-                fn()
-            finally:
-                P._fused = saved
-        return run
+        return patched(P, "_fused", lambda *a: None, fn)
 
     def page_values():
         P.check_page_values("paged_attention", kc, table, lens, min_len=1)
