@@ -82,6 +82,40 @@ def test_default_dynamic_recompiles_once_then_never():
     assert report.recompiles == 1
 
 
+def test_max_seqlen_is_symbolic_no_recompile_per_value():
+    """max_seqlen_q/k are SymInt in the attention schemas, so a max_seqlen that changes with every
+    batch is a symbol of the graph: with dynamic=True nothing recompiles. With an `int` schema (or
+    operator.index on the traced int in the op's argument checks) each value was a guard, one graph
+    per value (a session 33 audit)."""
+    block = _block()
+    calls = [packed_batch(lens, SMALL["hidden_size"], seed=i) + (max(lens),)
+             for i, lens in enumerate([[4, 5], [9, 3, 3], [30], [7, 7, 7, 8], [2, 50], [11, 12]])]
+    report = inspect_boundary(block, *calls[0], dynamic=True, more_calls=tuple(calls[1:]))
+    assert report.graph_breaks == 0 and report.recompiles == 0
+    attn = report.forward[report.forward_ops.index("rlk::attention_fwd")]
+    # a symbol in the graph (the report writes one as its str), not the first call's constant 5
+    assert isinstance(attn.args["max_seqlen_q"], str) and re.fullmatch(r"s\d+", attn.args["max_seqlen_q"])
+    assert attn.args["max_seqlen_k"] == attn.args["max_seqlen_q"]
+
+
+def test_compiled_fwd_bwd_with_a_new_max_seqlen_every_call():
+    """Past Dynamo's recompile limit (8) of distinct max_seqlen values under fullgraph and the
+    default automatic dynamic: every call's output and gradients equal eager's bitwise, and
+    the function compiled at most twice (the first static graph, then the dynamic one)."""
+    from torch._dynamo.utils import counters
+
+    block = _block()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, fullgraph=True, backend="inductor")
+    for i, lens in enumerate([[5, 7], [9, 3], [11, 2], [4, 13], [6, 6], [3, 20], [21, 1], [22, 2], [2, 23], [24, 1]]):
+        x, pos, cu = packed_batch(lens, SMALL["hidden_size"], seed=i)
+        eager_out, eager_grads = _fwd_bwd(lambda *a: block(*a, max(lens)), block, x, pos, cu)
+        out, grads = _fwd_bwd(lambda *a: compiled(*a, max(lens)), block, x, pos, cu)
+        assert bitwise_equal(out, eager_out) and all(bitwise_equal(a, b) for a, b in zip(grads, eager_grads))
+    assert counters["stats"]["unique_graphs"] <= 3
+
+
 def test_boundary_flags_a_leak():
     block = _block()
     x, pos, cu = packed_batch([10], SMALL["hidden_size"])

@@ -135,7 +135,7 @@ class Qwen3Attention(nn.Module):
 
         hidden_states [T, hidden], positions [T] int64, cu_seqlens int32 [B+1]
         (max_seqlen 0: derived inside the op; under torch.compile a max_seqlen that changes between
-        calls recompiles each time: see ops/attention.py). Returns [T, hidden]; with
+        calls is a symbol of the graph, not a recompile per value). Returns [T, hidden]; with
         ``return_attention`` also the attention output [T, Hq, D] and lse [Hq, T]."""
         self._check_hidden(hidden_states, 2, "[T, hidden_size]")
         q, k, v = self._qkv(hidden_states, positions)

@@ -137,7 +137,7 @@ _add(OpSpec("paged_kv_gather", "kv_cache",
             "(Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens) -> (Tensor, Tensor)",
             backends={"cpu": _CPU_COPY, "triton": _TRITON_COPY}))
 _ATTN_ARGS = ("int causal, float softmax_scale, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-              "int max_seqlen_q, int max_seqlen_k, str split_kv")
+              "SymInt max_seqlen_q, SymInt max_seqlen_k, str split_kv")
 # fa4 (flash_attn.cute, kernels/fa4/): verified on sm90 (H200) with flash-attn-4 4.0.0b36 by
 # benchmarks/attention.py (results/h200/attention.json); other architectures are recorded as unverified.
 _FA4_ATTN = DeterminismSpec(

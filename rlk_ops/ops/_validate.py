@@ -107,7 +107,9 @@ def int_arg(op: str, name: str, value) -> int:
     try:
         if isinstance(value, bool):
             raise TypeError
-        i = operator.index(value)
+        # a plain int as is: under Dynamo a symbolic int is an int, and operator.index on it
+        # would specialize the graph on its value (a recompile per value: max_seqlen)
+        i = value if type(value) is int else operator.index(value)
     except TypeError:
         fail(op, f"{name} must be an int, got {type(value).__name__} {_short(value)}")
     except RuntimeError:

@@ -9,11 +9,10 @@ Varlen:  q [T, Hq, D],     k/v [Tk, Hkv, D], cu_seqlens_q/k int32 [B+1]
   sits at absolute position Sk - Sq + i (so Sq <= Sk is required).
 * lse is the natural-log sum of exp of the scaled scores, fp32 (fp64 for fp64 inputs).
 * softmax_scale None means head_dim ** -0.5. max_seqlen None (0 in the op) means
-  "derive from cu_seqlens inside the op" (one host read of cu_seqlens per call). Under
-  torch.compile a max_seqlen is a constant of the graph (the op's schema takes an int): pass
-  one that stays the same between calls (a padded bucket), or None; one that changes with
-  every batch recompiles each time, and under fullgraph fails at Dynamo's recompile limit
-  (a session 33 audit).
+  "derive from cu_seqlens inside the op" (one host read of cu_seqlens per call). The schema
+  takes max_seqlen_q/k as SymInt: under torch.compile a max_seqlen that changes with every
+  batch is a symbol of the graph (with dynamic=True, or after automatic dynamic's one
+  recompile), not a guard per value. On CUDA a given max_seqlen saves the host read.
 * split_kv is the split-KV policy (meta/contract.py): "disabled" is single pass;
   "canonical:C" splits keys into C-token chunks merged in a fixed order.
 
