@@ -26,7 +26,7 @@ from torch import nn
 
 import rlk_ops
 from rlk_ops.meta.contract import SplitKVPolicy, spell
-from rlk_ops.ops._validate import _short, finite, positive_ints
+from rlk_ops.ops._validate import short_repr, finite, positive_ints
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Qwen3AttentionConfig:
         if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
                 and finite(self.rope_theta) and self.rope_theta >= 1):
             raise ValueError(f"Qwen3AttentionConfig rope_theta must be a finite number >= 1 (the RoPE base), got "
-                             f"{_short(self.rope_theta)}")
+                             f"{short_repr(self.rope_theta)}")
         if not (isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
                 and finite(self.rms_norm_eps) and self.rms_norm_eps >= torch.finfo(torch.float32).tiny):
             # the op's rule for float32 accumulation (bf16/fp16/fp32 models): a normal float32

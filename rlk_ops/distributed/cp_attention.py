@@ -32,7 +32,7 @@ import torch.distributed as dist
 from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
 from rlk_ops.distributed.layout import CPLayout
 from rlk_ops.distributed.reductions import ordered_sum
-from rlk_ops.ops._validate import _short, finite
+from rlk_ops.ops._validate import short_repr, finite
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
@@ -59,7 +59,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     def check_scale():
         if not scale_ok:
             raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a finite float or None, "
-                                        f"got {type(softmax_scale).__name__} {_short(softmax_scale)}")
+                                        f"got {type(softmax_scale).__name__} {short_repr(softmax_scale)}")
 
     if not check and not torch.compiler.is_compiling():
         check_scale()

@@ -74,7 +74,7 @@ def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
             continue
         if not isinstance(value, torch.Tensor):
             kind = "a torch.Tensor or None" if name in optional else "a torch.Tensor"
-            fail(op, f"{name} must be {kind}, got {type(value).__name__} {_short(value)}")
+            fail(op, f"{name} must be {kind}, got {type(value).__name__} {short_repr(value)}")
         if value.layout != torch.strided:  # else the dispatcher's "Could not run 'rlk::op' ... 'SparseCPU'"
             fail(op, f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
@@ -87,13 +87,13 @@ def float_arg(op: str, name: str, value, what: str = "a float") -> float:
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return value
     if value is None or isinstance(value, (bool, str, bytes)):  # float(True) and float("0.5") would convert
-        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}")
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {short_repr(value)}")
     try:
         return float(value)
     except OverflowError:  # an int past float's range
-        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}, too large for a float")
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {short_repr(value)}, too large for a float")
     except (TypeError, ValueError):
-        fail(op, f"{name} must be {what}, got {type(value).__name__} {_short(value)}")
+        fail(op, f"{name} must be {what}, got {type(value).__name__} {short_repr(value)}")
     except RuntimeError:
         if not _meta(value):   # a CUDA error reading a tensor is its own problem
             raise
@@ -111,13 +111,13 @@ def int_arg(op: str, name: str, value) -> int:
         # would specialize the graph on its value (a recompile per value: max_seqlen)
         i = value if type(value) is int else operator.index(value)
     except TypeError:
-        fail(op, f"{name} must be an int, got {type(value).__name__} {_short(value)}")
+        fail(op, f"{name} must be an int, got {type(value).__name__} {short_repr(value)}")
     except RuntimeError:
         if not _meta(value):
             raise
         fail(op, f"{name} must be an int, got a meta Tensor (it has no value)")
     if not _INT64[0] <= i < _INT64[1]:
-        fail(op, f"{name} must fit in int64, got {_short(i)}")
+        fail(op, f"{name} must fit in int64, got {short_repr(i)}")
     return i
 
 
@@ -131,14 +131,14 @@ def bool_arg(op: str, name: str, value) -> bool:
     if isinstance(value, bool):
         return value
     if value is None or isinstance(value, (str, bytes, list, tuple, dict)):
-        fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+        fail(op, f"{name} must be a bool, got {type(value).__name__} {short_repr(value)}")
     try:
         b = bool(value)
         if b == value:  # 2 (or tensor(2)) converts to True but is not a bool
             return b
     except (TypeError, ValueError, RuntimeError):
         pass
-    fail(op, f"{name} must be a bool, got {type(value).__name__} {_short(value)}")
+    fail(op, f"{name} must be a bool, got {type(value).__name__} {short_repr(value)}")
 
 
 def finite(x) -> bool:
@@ -150,7 +150,9 @@ def finite(x) -> bool:
         return False
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
+    """repr(value) for an error message: at most 60 characters; an int past Python's 4300-digit
+    print limit as a power of two (~2**N)."""
     try:
         text = repr(value)
     except ValueError:   # an int past 4300 digits, which Python refuses to print

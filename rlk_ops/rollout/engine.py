@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlk_ops.ops._validate import _short, finite, positive_ints
+from rlk_ops.ops._validate import short_repr, finite, positive_ints
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
 from rlk_ops.rollout.model import Trace, log_softmax
 
@@ -60,7 +60,7 @@ class Sampler:
             raise ValueError(f"Sampler seed must be None (greedy) or an int in [0, 2**32), got {seed!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
                 temperature > 0 and finite(temperature)):
-            raise ValueError(f"Sampler temperature must be a finite number > 0, got {_short(temperature)}")
+            raise ValueError(f"Sampler temperature must be a finite number > 0, got {short_repr(temperature)}")
         self.seed, self.temperature = seed, temperature
 
     def __call__(self, seq_id: int, position: int, logp: torch.Tensor) -> int:
