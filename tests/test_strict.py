@@ -114,6 +114,83 @@ def test_environment_record():
 
 
 
+def _paged_args():
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    return torch.randn(2, 1, 4, 8, generator=g), kc, vc, table, torch.tensor([9, 6], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_settings_inside_a_compiled_function_apply_to_its_ops(backend):
+    """strict(), use_backend() and set_strict_mode() inside a torch.compile'd function: traced,
+    Dynamo applied each global's set and restore together after the graph, so the ops inside ran
+    with the outer setting: a strict block served the non-strict lane, and a backend request
+    was ignored (a session 34 audit). They now run eagerly at a graph break; compiled behaves
+    as eager, and the state is restored after."""
+    args = _paged_args()
+
+    def strict_inside(*a):
+        with rlk_ops.strict(True):
+            return rlk_ops.paged_attention_auto(*a)
+
+    def relaxed_inside(*a):
+        with rlk_ops.strict(False):
+            return rlk_ops.paged_attention_auto(*a)
+
+    def backend_inside(q, k, v):
+        with rlk_ops.use_backend(attention_fwd="flashinfer"):   # flashinfer cannot run on CPU tensors
+            return rlk_ops.attention(q, k, v)
+
+    def set_inside(*a):
+        rlk_ops.set_strict_mode(False)
+        out = rlk_ops.paged_attention_auto(*a)
+        rlk_ops.set_strict_mode(True)
+        return out
+
+    for fn in (lambda f: f, lambda f: torch.compile(f, backend=backend)):
+        torch._dynamo.reset()
+        with rlk_ops.strict(False):
+            with pytest.raises(rlk_ops.StrictModeError, match="automatic split-KV depends on the batch"):
+                fn(strict_inside)(*args)
+            assert not rlk_ops.strict_mode()
+        with pytest.raises(rlk_ops.StrictModeError, match="backend 'flashinfer' unavailable"):
+            fn(backend_inside)(*_qkv())
+        assert rlk_ops.kernels.dispatch._overrides == {} and rlk_ops.strict_mode()
+        with provenance.capture() as log:
+            a, b = fn(relaxed_inside)(*args), fn(set_inside)(*args)
+        assert rlk_ops.strict_mode()
+        assert torch.equal(a[0], b[0]) and {r.op for r in log.records()} == {"paged_attention_auto"}
+
+
+def test_settings_inside_fullgraph_are_refused_by_name():
+    def fn(q, k, v):
+        with rlk_ops.strict(False):
+            return rlk_ops.attention(q, k, v)
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"rlk_ops.strict\(\) / rlk_ops.use_backend\(\) "
+                                                             r"changes process-wide state"):
+        torch.compile(fn, fullgraph=True, backend="eager")(*_qkv())
+    assert rlk_ops.strict_mode()
+
+
+def test_strict_as_a_decorator_and_nested():
+    @rlk_ops.strict(False)
+    def relaxed():
+        with rlk_ops.strict(True):
+            assert rlk_ops.strict_mode()
+        return rlk_ops.strict_mode()
+
+    assert relaxed() is False and relaxed() is False and rlk_ops.strict_mode()
+    scoped = rlk_ops.strict(False)
+    with scoped:
+        with scoped:   # the same object entered twice restores in order
+            assert not rlk_ops.strict_mode()
+        assert not rlk_ops.strict_mode()
+    assert rlk_ops.strict_mode()
+
+
 @pytest.mark.parametrize("value", [None, [], 0, "off"])
 def test_strict_mode_takes_a_bool_only(value):
     """bool(None) and bool([]) once turned strict mode off silently, while "off" left it on."""

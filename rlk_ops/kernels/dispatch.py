@@ -17,7 +17,7 @@ import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -77,23 +77,55 @@ def _mode(what: str, enabled) -> bool:
     return enabled
 
 
+_EAGER = ("{what} changes process-wide state that rlk ops read when they run. Inside a torch.compile'd "
+          "function it runs eagerly, at a graph break (traced, Dynamo would apply its set and its restore "
+          "together after the graph, so the ops inside would run with the outer setting); under "
+          "fullgraph=True, set it around the compiled call instead.")
+
+
+@torch.compiler.disable(reason=_EAGER.format(what="rlk_ops.set_strict_mode"))
 def set_strict_mode(enabled: bool) -> None:
-    """Process-wide (every thread), like ``use_backend`` and ``provenance.capture``."""
+    """Process-wide (every thread), like ``use_backend`` and ``provenance.capture``. Inside a
+    torch.compile'd function it runs eagerly at a graph break (an error under fullgraph)."""
     global _strict
     _strict = _mode("set_strict_mode", enabled)
 
 
-@contextlib.contextmanager
-def strict(enabled: bool = True) -> Iterator[None]:
+class _Scoped(contextlib.ContextDecorator):
+    """A process-wide setting for a block (or a decorated function). Entering and leaving run
+    eagerly even inside a torch.compile'd function, at a graph break (an error under
+    fullgraph): traced, Dynamo applied the globals' set and restore after the graph, and the ops
+    inside the block ran with the outer setting, silently (a session 34 audit)."""
+
+    def __init__(self, apply: Callable[[], Callable[[], None]]):
+        self._apply = apply            # sets the state; returns what restores it
+        self._restore: list[Callable[[], None]] = []
+
+    @torch.compiler.disable(reason=_EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()"))
+    def __enter__(self) -> None:
+        self._restore.append(self._apply())
+
+    @torch.compiler.disable(reason=_EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()"))
+    def __exit__(self, *exc) -> bool:
+        self._restore.pop()()
+        return False
+
+
+def strict(enabled: bool = True) -> _Scoped:
     """Strict mode ``enabled`` inside the block, process-wide: threads share it, so set it
     around work in one thread (two threads entering and leaving blocks interleaved restore
     each other's modes)."""
-    global _strict
-    old, _strict = _strict, _mode("strict", enabled)
-    try:
-        yield
-    finally:
-        _strict = old
+    value = _mode("strict", enabled)
+
+    def apply():
+        global _strict
+        old, _strict = _strict, value
+
+        def restore():
+            global _strict
+            _strict = old
+        return restore
+    return _Scoped(apply)
 
 
 # ------------------------------------------------------------ backend choice
@@ -105,8 +137,7 @@ def requested_backend(op: str, device_type: str) -> str:
     return _DEFAULTS.get(device_type, {}).get(op, _DEFAULT_CUDA)
 
 
-@contextlib.contextmanager
-def use_backend(**op_to_backend: str) -> Iterator[None]:
+def use_backend(**op_to_backend: str) -> _Scoped:
     """Request a backend per op for the block, e.g. ``use_backend(paged_attention="flashinfer")``.
     Process-wide (every thread), like strict mode."""
     from rlk_ops.meta.specs import REGISTRY  # the op list (meta/specs.py imports nothing from here)
@@ -119,13 +150,17 @@ def use_backend(**op_to_backend: str) -> Iterator[None]:
             raise ValueError(f"use_backend: unknown op {op!r}; known: {sorted(REGISTRY)}")
         if backend not in _BACKEND_MODULES:
             raise ValueError(f"use_backend: unknown backend {backend!r} for {op}; known: {sorted(_BACKEND_MODULES)}")
-    old = dict(_overrides)
-    _overrides.update(op_to_backend)
-    try:
-        yield
-    finally:
-        _overrides.clear()
-        _overrides.update(old)
+    requested = dict(op_to_backend)
+
+    def apply():
+        old = dict(_overrides)
+        _overrides.update(requested)
+
+        def restore():
+            _overrides.clear()
+            _overrides.update(old)
+        return restore
+    return _Scoped(apply)
 
 
 def _load(op: str, backend: str) -> Callable:
