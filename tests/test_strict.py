@@ -102,6 +102,34 @@ def test_a_fallback_inside_a_nested_capture_reaches_every_enclosing_log():
                                                                                   "cpu", 2)
 
 
+def test_two_fallback_reasons_are_two_records():
+    """Keyed without the reason, the second reason of one op's fallbacks was lost under the first's
+    count (a session 34 audit)."""
+    log = provenance.ProvenanceLog()
+    for reason in ("it runs on cuda tensors", "no kernel for rlk::attention_fwd", "it runs on cuda tensors"):
+        log.record("attention_fwd", "triton", "cpu", True, reason, "cpu")
+    assert sorted((r.fallback_reason, r.calls) for r in log.fallbacks()) == [
+        ("it runs on cuda tensors", 2), ("no kernel for rlk::attention_fwd", 1)]
+
+
+def test_log_readers_wait_for_the_lock():
+    """records(), snapshot(), fallbacks() and clear() take the lock record() takes: iterating the dict
+    while another thread's first call of an op grew it raised (a session 34 audit). Each reader is
+    started while the test holds the lock and must still be waiting when it is let go."""
+    import threading
+
+    log = provenance.ProvenanceLog()
+    log.record("linear", "cpu", "cpu", False, None, "cpu")
+    for read in (log.records, log.snapshot, log.fallbacks, log.clear):
+        done = threading.Event()
+        with log._lock:
+            t = threading.Thread(target=lambda: (read(), done.set()))
+            t.start()
+            assert not done.wait(0.2), f"{read.__name__} ran without the lock"
+        t.join(5)
+        assert done.is_set()
+
+
 def test_unknown_backend_name_is_rejected():
     with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         with rlk_ops.use_backend(attention_fwd="cudnn"):

@@ -1,7 +1,7 @@
 """Provenance: which backend actually ran each rlk op, and on what.
 
 The dispatch point (``kernels/dispatch.py``) records one entry per distinct
-(op, requested backend, actual backend, fallback, device, kernel, nested) with a call count, when the
+(op, requested backend, actual backend, fallback, its reason, device, kernel, nested) with a call count, when the
 kernel returns (a call the kernel refused ran nothing). Records are cheap (a dict update
 per call) and always on; ``capture()`` scopes them.
 
@@ -51,7 +51,9 @@ class ProvenanceLog:
     def record(self, op: str, requested: str, actual: str, fallback: bool,
                reason: str | None, device: str, kernel: str | None = None, nested: bool = False) -> None:
         kernel = kernel or actual
-        key = (op, requested, actual, fallback, device, kernel, nested)
+        # the reason is part of the key: two fallbacks of one op for two reasons are two records
+        # (keyed without it, the second reason was lost under the first's count; a session 34 audit)
+        key = (op, requested, actual, fallback, reason, device, kernel, nested)
         with self._lock:  # the count too: ``+=`` on an attribute is a read and a write
             rec = self._records.get(key)
             if rec is None:
@@ -59,17 +61,22 @@ class ProvenanceLog:
                                                       nested=nested)
             rec.calls += 1
 
+    # Readers take the lock too: a dict that another thread's first call of an op grows while it is
+    # iterated raises "dictionary changed size during iteration" (a session 34 audit).
     def records(self) -> list[CallRecord]:
-        return list(self._records.values())
+        with self._lock:
+            return list(self._records.values())
 
     def snapshot(self) -> list[dict]:
-        return [r.as_dict() for r in self._records.values()]
+        with self._lock:
+            return [r.as_dict() for r in self._records.values()]
 
     def fallbacks(self) -> list[CallRecord]:
-        return [r for r in self._records.values() if r.fallback]
+        return [r for r in self.records() if r.fallback]
 
     def clear(self) -> None:
-        self._records.clear()
+        with self._lock:
+            self._records.clear()
 
 
 _stack: list[ProvenanceLog] = [ProvenanceLog()]
