@@ -49,6 +49,76 @@ def test_policy_errors_name_the_problem():
         flashinfer_split_args("canonical:256", 16)
 
 
+def test_fixed_split_past_int32_pages_is_refused():
+    """FlashInfer takes fixed_split_size in pages as an int32: fixed:2**31 at page size 1 wrapped to a
+    value <= 0, which FlashInfer reads as its automatic split (a session 34 audit)."""
+    assert flashinfer_split_args(f"fixed:{2 ** 31 - 1}", 1)["fixed_split_size"] == 2 ** 31 - 1
+    for n in (2 ** 31, 2 ** 35):
+        with pytest.raises(ValueError, match=rf"fixed:N needs 0 < N <= 2147483647 \(MAX_FIXED_SPLIT\), got {n}"):
+            flashinfer_split_args(f"fixed:{n}", 1)
+
+
+def test_a_policy_built_directly_is_checked_like_its_text():
+    """SplitKVPolicy(...) reached FlashInfer's plan unchecked: fixed:0 became FlashInfer's automatic split,
+    canonical:100 and kinds nobody defined were accepted (a session 34 audit)."""
+    from rlk_ops.meta.contract import DEFAULT_CANONICAL_CHUNK, SplitKVPolicy
+
+    assert SplitKVPolicy("canonical").size == DEFAULT_CANONICAL_CHUNK
+    assert SplitKVPolicy("fixed", 64) == SplitKVPolicy.parse("fixed:64")
+    for args, pattern in ((("fixed", 0), r"fixed:N needs 0 < N"), (("fixed", None), r"fixed:N needs 0 < N"),
+                          (("canonical", 100), r"canonical:C needs C a positive multiple of 128, got 100"),
+                          (("auto", 7), r"split_kv auto takes no size, got 7"),
+                          (("bogus",), r"split_kv kind must be one of disabled, fixed, auto, canonical, got 'bogus'"),
+                          (("fixed", 64.0), r"split_kv fixed size must be an int or None, got float 64.0"),
+                          (("fixed", True), r"split_kv fixed size must be an int or None, got bool True")):
+        with pytest.raises(ValueError, match=pattern):
+            SplitKVPolicy(*args)
+
+
+def test_plan_and_run_hold_one_lock(monkeypatch):
+    """One FlashInfer wrapper per device holds one plan: two threads' plan() and run() interleaved, and
+    a thread ran with the other's lengths (a session 34 audit). A stand-in wrapper records what each
+    run saw: every run sees its own plan."""
+    import sys
+    import threading
+    import time
+    import types
+
+    from rlk_ops.kernels import flashinfer as FI
+
+    class Wrapper:
+        def __init__(self, *a, **k):
+            self.resolved_backend = "stand-in"
+
+        def plan(self, indptr, indices, last, *a, **k):
+            self.lens = ((indptr[1:] - indptr[:-1] - 1) * 4 + last).clone()
+            time.sleep(0.05)   # planning takes host time: another thread gets in here without the lock
+
+        def run(self, q, kv, return_lse=False):
+            out = torch.zeros_like(q) + self.lens.to(q.dtype).repeat_interleave(q.shape[0] // self.lens.shape[0])[:, None, None]
+            return out, torch.zeros(q.shape[0], q.shape[1])
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper))
+    monkeypatch.setattr(FI, "_wrappers", {})
+    kc = torch.zeros(16, 4, 1, 8, dtype=torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32)[None]
+    seen = {}
+
+    def call(n):
+        out, _ = FI._run(torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16), kc, kc, table,
+                         torch.tensor([n], dtype=torch.int32), 0.35, "disabled")
+        seen[n] = int(out.float()[0, 0, 0, 0])
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in (5, 30, 17, 9)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert seen == {5: 5, 30: 30, 17: 17, 9: 9}
+    assert len(FI._wrappers) == 1
+
+
 def _small_paged():
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)

@@ -107,7 +107,7 @@ def test_side_description_takes_the_mode_its_entries_ran_under():
 def test_split_kv_sizes_at_the_bounds():
     with pytest.raises(ValueError, match=r"canonical:C needs C a positive multiple of 128, got 0"):
         SplitKVPolicy.parse("canonical:0")
-    with pytest.raises(ValueError, match=r"fixed:N needs N > 0, got 0"):
+    with pytest.raises(ValueError, match=r"fixed:N needs 0 < N <= 2147483647 \(MAX_FIXED_SPLIT\), got 0"):
         SplitKVPolicy.parse("fixed:0")
     assert SplitKVPolicy.parse(f"canonical:{MAX_CANONICAL_CHUNK}").size == MAX_CANONICAL_CHUNK
     q, k, v = _qkv()

@@ -85,6 +85,24 @@ def test_non_strict_falls_back_and_records_why():
     assert rlk_ops.strict_mode()  # the context restored strictness
 
 
+def test_a_fallback_that_refuses_says_it_was_the_fallback():
+    """Non-strict, flashinfer requested on CPU tensors: the CPU reference refuses fixed:4, and its
+    error alone did not say that flashinfer was asked for and why it did not run (a session 34 audit)."""
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    args = (torch.randn(2, 1, 4, 8, generator=g), kc, vc, torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32),
+            torch.tensor([9, 6], dtype=torch.int32))
+    with rlk_ops.strict(False), rlk_ops.use_backend(paged_attention="flashinfer"):
+        with pytest.raises(ValueError, match="not implemented by the cpu backend") as info:
+            rlk_ops.paged_attention(*args, split_kv="fixed:4")
+    (note,) = info.value.__notes__
+    assert note.startswith("rlk::paged_attention ran on the fallback backend 'cpu' (non-strict): backend "
+                           "'flashinfer' unavailable: it runs on cuda tensors")
+    with pytest.raises(ValueError, match="not implemented by the cpu backend") as info:   # no fallback: no note
+        rlk_ops.paged_attention(*args, split_kv="fixed:4")
+    assert not getattr(info.value, "__notes__", None)
+
+
 def test_a_fallback_inside_a_nested_capture_reaches_every_enclosing_log():
     """The binding probe opens a capture of its own: its calls once went to that inner log only,
     so an outer capture (and the process-wide log) never saw their fallbacks (review)."""

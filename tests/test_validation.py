@@ -425,7 +425,7 @@ def test_split_kv_policy_errors():
     # a sign reaches the size message, not the generic one
     with pytest.raises(RlkInputError, match=r"canonical:C needs C a positive multiple of 128, got -128"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="canonical:-128")
-    with pytest.raises(RlkInputError, match=r"fixed:N needs N > 0, got -1"):
+    with pytest.raises(RlkInputError, match=r"fixed:N needs 0 < N <= 2147483647 \(MAX_FIXED_SPLIT\), got -1"):
         rlk_ops.paged_attention(q, kc, vc, table, lens, split_kv="fixed:-1")
     # C is bounded: the decode layout allocates C / page_size table columns per pair
     with pytest.raises(RlkInputError, match=r"canonical:C needs C <= 1048576 \(MAX_CANONICAL_CHUNK\), got 128000"):

@@ -262,6 +262,10 @@ def kernel_for(op: str, device: torch.device, mutated: tuple[int, ...] = ()) -> 
                         out = fn(*args, **kwargs)
                 else:
                     out = fn(*args, **kwargs)
+            except Exception as e:
+                if fallback:  # the fallback's refusal alone did not say that the request was not served
+                    e.add_note(f"rlk::{op} ran on the fallback backend {actual!r} (non-strict): {reason}")
+                raise
             finally:
                 kernel = slots.pop()
             # once it has run: a call the kernel refused ran nothing; slots left: inside another call

@@ -39,6 +39,7 @@ WORKSPACE_BYTES = 128 << 20
 LN2 = math.log(2.0)
 _wrappers: dict[str, object] = {}
 _lock = threading.Lock()
+_run_lock = threading.Lock()
 
 
 def check_available(op: str) -> None:
@@ -103,6 +104,9 @@ def _wrapper(device: torch.device):
     w = _wrappers.get(key)
     if w is None:
         with _lock:
+            w = _wrappers.get(key)
+            if w is not None:   # another thread made it while this one waited
+                return w
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa2")
             _wrappers[key] = w
@@ -151,11 +155,14 @@ def _run(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, policy: str):
         return q.new_empty(q.shape), torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     w = _wrapper(q.device)
     indptr, indices, last = _csr(page_table, seq_lens, ps)
-    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-           sm_scale=float(softmax_scale), q_len_per_req=sq, **args)
-    last_plan = _read_plan(w, policy, args, b, sq, ps)
-    _log.add(last_plan)
-    out, lse2 = w.run(q.reshape(b * sq, hq, d).contiguous(), (k_cache, v_cache), return_lse=True)
+    # one wrapper per device holds one plan: plan and run under one lock, or a thread could run with
+    # another thread's plan (its lengths and pages; a session 34 audit)
+    with _run_lock:
+        w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+               sm_scale=float(softmax_scale), q_len_per_req=sq, **args)
+        last_plan = _read_plan(w, policy, args, b, sq, ps)
+        _log.add(last_plan)
+        out, lse2 = w.run(q.reshape(b * sq, hq, d).contiguous(), (k_cache, v_cache), return_lse=True)
     lse = (lse2.view(b, sq, hq).permute(0, 2, 1) * LN2).contiguous()  # log2 -> natural log
     return out.view(b, sq, hq, d), lse
 

@@ -55,7 +55,7 @@ ATTENTION_NUMERICS = {
     "cpu": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
             "reduction_order": "cpu-reference: 128-key blocks from key 0, ascending, fp32 online softmax"},
     "fa4": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
-            "reduction_order": "fa4: 128-key tiles ascending, num_splits=1, pack_gqa fixed"},
+            "reduction_order": "fa4: 128-key tiles, last to first, num_splits=1, pack_gqa fixed"},
     "flashinfer": {"accumulation": "fp32", "lse_domain": "natural_log", "p_rounding": "input_dtype",
                    "reduction_order": "flashinfer-fa2 tensor-core decode"},
 }

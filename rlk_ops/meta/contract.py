@@ -2,8 +2,9 @@
 
 ``SplitKVPolicy`` names how a query row's keys may be split across workers:
 
-* ``disabled``     one pass over the keys in ascending 128-key blocks (the single-pass
-                   definition training uses). Strict.
+* ``disabled``     one pass over the keys in 128-key blocks (the single-pass definition
+                   training uses; the block order is the backend's: the CPU reference
+                   ascending, FA4 last to first). Strict.
 * ``fixed:N``      split into N-token pieces (FlashInfer ``fixed_split_size``): batch-
                    invariant, but its merge order differs from single pass, so it is not
                    train == rollout unless training uses the same split. Strict only on a
@@ -38,6 +39,10 @@ DEFAULT_CANONICAL_CHUNK = 768
 # the largest C accepted: 2^20 tokens, past any context this package serves; the decode layout
 # allocates C / page_size page-table columns per pair, so C is bounded, not free
 MAX_CANONICAL_CHUNK = 1 << 20
+# the largest N of fixed:N: FlashInfer takes the split in pages as an int32, and a value past it wrapped
+# to <= 0, which FlashInfer reads as "pick the split from the batch" (not batch-invariant)
+MAX_FIXED_SPLIT = (1 << 31) - 1
+KINDS = ("disabled", "fixed", "auto", "canonical")
 
 
 @dataclass(frozen=True)
@@ -60,19 +65,29 @@ class SplitKVPolicy:
                              f"got {shown}")
         kind = m.group(1).split(":")[0]
         size = m.group(2) or m.group(3)
-        size = int(size) if size else None
+        policy = cls(kind, int(size) if size else None)   # __post_init__ checks the size
+        if text not in (str(policy), "canonical"):  # e.g. canonical:0768: reports and binding compare the text
+            raise ValueError(f"split_kv must be written {str(policy)!r}, got {text!r}")
+        return policy
+
+    def __post_init__(self):
+        """The same rules as the text form, for a policy built directly (it reached FlashInfer's plan
+        unchecked: fixed:0 is FlashInfer's automatic split; a session 34 audit)."""
+        kind, size = self.kind, self.size
+        if kind not in KINDS:
+            raise ValueError(f"split_kv kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise ValueError(f"split_kv {kind} size must be an int or None, got {type(size).__name__} {size!r}")
+        if kind in ("disabled", "auto") and size is not None:
+            raise ValueError(f"split_kv {kind} takes no size, got {size}")
         if kind == "canonical" and size is None:
-            size = DEFAULT_CANONICAL_CHUNK
+            object.__setattr__(self, "size", size := DEFAULT_CANONICAL_CHUNK)
         if kind == "canonical" and (size <= 0 or size % 128):
             raise ValueError(f"split_kv canonical:C needs C a positive multiple of 128, got {size}")
         if kind == "canonical" and size > MAX_CANONICAL_CHUNK:
             raise ValueError(f"split_kv canonical:C needs C <= {MAX_CANONICAL_CHUNK} (MAX_CANONICAL_CHUNK), got {size}")
-        if kind == "fixed" and size <= 0:
-            raise ValueError(f"split_kv fixed:N needs N > 0, got {size}")
-        policy = cls(kind, size)
-        if text not in (str(policy), "canonical"):  # e.g. canonical:0768: reports and binding compare the text
-            raise ValueError(f"split_kv must be written {str(policy)!r}, got {text!r}")
-        return policy
+        if kind == "fixed" and (size is None or not 0 < size <= MAX_FIXED_SPLIT):
+            raise ValueError(f"split_kv fixed:N needs 0 < N <= {MAX_FIXED_SPLIT} (MAX_FIXED_SPLIT), got {size}")
 
     def __str__(self) -> str:
         return self.kind if self.size is None else f"{self.kind}:{self.size}"
