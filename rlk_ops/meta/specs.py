@@ -187,6 +187,8 @@ _add(OpSpec("merge_attn_states_bwd", "attention",
                                                                   "[16, D] tile; run to run and rows alone == rows "
                                                                   "in a batch (not the cpu summation order)")}))
 # The diagnostic lane whose split-KV the backend picks from the batch: tagged, refused in strict mode.
+# The tag marks the diagnostic lanes (DESIGN.md): a sequence's bits depend on the batch it ran in, so
+# a rerun in another batch differs; each backend's spec says what holds (run to run for a fixed batch).
 _add(OpSpec("paged_attention_auto", "attention",
             "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, float softmax_scale)"
             " -> (Tensor, Tensor)",
