@@ -223,6 +223,55 @@ def test_rows_without_keys_match_single_pass():
 
 
 # ------------------------------------------------------------------ run-to-run, backward
+@pytest.mark.parametrize("sq", [1, 4])
+def test_cpu_paged_work_follows_seq_lens_not_the_table_width(monkeypatch, sq):
+    """A table padded to a fixed width (columns past ceil(seq_lens / page_size) are never read): the CPU
+    ran every pair of every column, 100-170x disabled's time at 8192 columns for 200 tokens (a session 34
+    audit). The pairs (decode) and the gather (chunked prefill) now cover the used columns only, and the
+    rows are bitwise those of the narrow table."""
+    g = torch.Generator().manual_seed(3)
+    ps, lens = 16, torch.tensor([200, 37], dtype=torch.int32)
+    kc = torch.randn(40, ps, 2, 32, generator=g).bfloat16()
+    vc = torch.randn_like(kc)
+    narrow = torch.randperm(40, generator=g)[:26].view(2, 13).to(torch.int32)
+    wide = torch.cat([narrow, torch.randint(0, 40, (2, 8192 - 13), generator=g, dtype=torch.int32)], 1)
+    q = torch.randn(2, sq, 4, 32, generator=g).bfloat16()
+    widths = []
+    pairs, gather = canonical.decode_pairs, rlk_ops.kernels.dispatch.kernel_for
+
+    def spy_pairs(table, *a):
+        widths.append(table.shape[1])
+        return pairs(table, *a)
+
+    def spy_kernel_for(op, device, *a):
+        fn = gather(op, device, *a)
+        if op != "paged_kv_gather":
+            return fn
+        return lambda kc_, vc_, table, lens_: (widths.append(table.shape[1]), fn(kc_, vc_, table, lens_))[1]
+
+    monkeypatch.setattr(canonical, "decode_pairs", spy_pairs)
+    monkeypatch.setattr(canonical, "kernel_for", spy_kernel_for)
+    got = rlk_ops.paged_attention(q, kc, vc, wide, lens, split_kv="canonical:128")
+    assert widths == [13]    # ceil(200 / 16) columns, not 8192
+    ref = rlk_ops.paged_attention(q, kc, vc, narrow, lens, split_kv="canonical:128")
+    assert bitwise_equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1])
+
+
+def test_a_row_whose_score_overflows_is_nan_on_both_policies():
+    """A finite scale that overflows one score: SDPA and the canonical merge give a NaN row; the single
+    pass gave a finite 0 row (its where(l > 0) is False for NaN) beside a NaN lse (a session 34 audit)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 200, 1, 16, generator=g) for _ in range(3))
+    k[0, 150] = q[0, 199] * 1e38          # row 199's score against key 150 overflows float32; k is finite
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                            v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    assert sdpa[0, 199].isnan().all()
+    for policy in ("disabled", "canonical:128"):
+        out, lse = rlk_ops.attention(q, k, v, split_kv=policy)
+        assert out[0, 199].isnan().all() and lse[0, 0, 199].isnan(), policy
+        assert out[0, :150].isfinite().all() and out[0, 198].isfinite().all(), policy
+
+
 def test_forward_and_backward_run_to_run(qkv):
     q, k, v = (t[:1, :260].clone().requires_grad_() for t in qkv)
     dlse_w = torch.randn(1, HQ, 260)

@@ -152,7 +152,9 @@ def _forward(q, k, v, q_pos, k_len, causal, scale):
             pv = nx.rowsum(_mm_round(p, q.dtype)[:, :, :, None, :] * v_all[b0:b1, :, None, :, j0:j0 + BLOCK])
             acc = acc * alpha[..., None] + pv
             m = m_new
-        o = torch.where(l[..., None] > 0, acc / l[..., None], 0.0)
+        # 0 only for a row that saw no key (l == 0); an overflowing score makes l NaN, and the row NaN
+        # as in SDPA and the merge (`l > 0` was False for NaN: a finite 0 row; a session 34 audit)
+        o = torch.where(l[..., None] == 0, 0.0, acc / l[..., None])
         out[b0:b1, s0:s1] = _unrows(o, s1 - s0, hq).to(q.dtype)
         lse[b0:b1, :, s0:s1] = _row_lse(m + nx.log(l), s1 - s0, hq)
     return out, lse
