@@ -34,6 +34,32 @@ def test_drift_stats_values():
     assert drift_stats(torch.empty(0), torch.empty(0))["elements"] == 0
 
 
+def test_demo_compares_bits_not_values():
+    """-0.0 and +0.0 are equal values with other bits, and a NaN is unequal to itself: the demo and
+    drift_stats compared values, so a rollout -0.0 beside a training +0.0 passed and a NaN in both
+    sides would have failed (a session 34 audit)."""
+    from rlk_ops.rollout import demo
+    from rlk_ops.rollout.engine import SeqResult
+    from rlk_ops.rollout.model import Trace
+
+    def compare(roll_out, train_out, roll_lp, train_lp):
+        lse = torch.zeros(2)
+        r = SeqResult(0, [1], generated=[2], logprobs=[roll_lp])
+        r.attn[0], r.lse[0] = [roll_out], [lse]
+        rep = demo._compare([r], [torch.tensor([train_lp])], Trace(attn=[train_out[None]], lse=[lse[None]]), [0], 1)
+        return rep["mismatched_tokens"], rep["mismatched_attention_positions"]
+
+    zero = torch.zeros(2, 4, dtype=torch.bfloat16)
+    neg = zero.clone()
+    neg[0, 0] = -0.0
+    nan = torch.full((2, 4), float("nan"), dtype=torch.bfloat16)
+    assert compare(zero, zero.clone(), 0.0, 0.0) == (0, 0)
+    assert compare(neg, zero, -0.0, 0.0) == (1, 1)
+    assert compare(nan, nan.clone(), float("nan"), float("nan")) == (0, 0)
+    assert drift_stats(torch.tensor([-0.0]), torch.tensor([0.0]))["mismatched"] == 1
+    assert drift_stats(torch.tensor([float("nan")]), torch.tensor([float("nan")]))["mismatched"] == 0
+
+
 def test_drift_stats_refuses_broadcasting():
     with pytest.raises(ValueError, match=r"shapes differ: \[4, 1\] vs \[4\]"):
         drift_stats(torch.zeros(4, 1), torch.zeros(4))

@@ -8,15 +8,29 @@ from __future__ import annotations
 import torch
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise, on the CPU: True where a and b differ in their bits. -0.0 and +0.0 differ, two NaNs
+    with one payload do not (``!=`` says the opposite of both; a session 34 audit). One dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"bits_differ: needs one dtype and shape, got {a.dtype} {list(a.shape)} and "
+                         f"{b.dtype} {list(b.shape)}")
+    as_int = _BITS[a.element_size()]
+    return a.detach().cpu().contiguous().view(as_int) != b.detach().cpu().contiguous().view(as_int)
+
+
 def drift_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """max / mean / p95 / p99 of |a - b| (float64), plus how many elements differ at all."""
+    """max / mean / p95 / p99 of |a - b| (float64), plus how many elements differ in their bits
+    (``mismatched``; tensors of two dtypes: how many differ in value)."""
     if a.shape != b.shape:
         raise ValueError(f"drift_stats: shapes differ: {list(a.shape)} vs {list(b.shape)}")
     diff = (a.detach().double().cpu() - b.detach().double().cpu()).abs().flatten()
     n = diff.numel()
     if n == 0:
         return {"elements": 0, "mismatched": 0, "max": 0.0, "mean": 0.0, "p95": 0.0, "p99": 0.0}
-    mismatched = int((a.detach().cpu() != b.detach().cpu()).sum())
+    mismatched = int((bits_differ(a, b) if a.dtype == b.dtype else a.detach().cpu() != b.detach().cpu()).sum())
     srt = diff.sort().values
 
     def pct(q):

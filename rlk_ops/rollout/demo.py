@@ -24,7 +24,7 @@ import torch
 import rlk_ops
 from rlk_ops.meta import binding, provenance
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
-from rlk_ops.meta.drift import drift_stats
+from rlk_ops.meta.drift import bits_differ, drift_stats
 from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
 from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, token_logprobs
@@ -92,7 +92,9 @@ def _compare(results, train_logps, trace, starts, num_layers):
     per-layer attention (out, lse); drift statistics."""
     roll_lp = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
     train_lp = torch.cat(train_logps)
-    bad_tokens = int((roll_lp != train_lp).sum())
+    # bits, not values: a rollout -0.0 beside a training +0.0 is a mismatch, two NaNs of one payload are
+    # not (a session 34 audit)
+    bad_tokens = int(bits_differ(roll_lp, train_lp).sum())
     r_out, t_out, r_lse, t_lse = [], [], [], []
     for r, st in zip(results, starts):
         positions = sorted(r.attn)
@@ -104,7 +106,7 @@ def _compare(results, train_logps, trace, starts, num_layers):
             t_lse.append(trace.lse[layer][rows].cpu())
     r_out, t_out = torch.cat(r_out), torch.cat(t_out)
     r_lse, t_lse = torch.cat(r_lse), torch.cat(t_lse)
-    pos_bad = int(((r_out != t_out).flatten(1).any(1) | (r_lse != t_lse).flatten(1).any(1)).sum())
+    pos_bad = int((bits_differ(r_out, t_out).flatten(1).any(1) | bits_differ(r_lse, t_lse).flatten(1).any(1)).sum())
     return {
         "tokens": int(train_lp.numel()),
         "mismatched_tokens": bad_tokens,
