@@ -101,10 +101,21 @@ def _demo(args) -> int:
                       chunk=args.chunk, page_size=args.page_size, max_running=args.max_running, seed=args.seed,
                       greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet)
     print(demo.summary(report))
-    if args.json is not None:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    if args.json is not None and not _write_json(report, args.json, "--json", indent=2):
+        return 2
     return demo.exit_code(report)
+
+
+def _write_json(obj, path: str, flag: str, indent: int) -> bool:
+    """Write ``obj`` to ``path``; on failure say so and return False (a traceback after the job's
+    result, with exit 1, read as "rollout and training disagree"; a session 34 audit)."""
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=indent)
+    except OSError as e:
+        print(f"error: {flag} {path}: cannot write it: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def _inspect(args) -> int:
@@ -127,7 +138,8 @@ def _inspect(args) -> int:
             print(rep.table(f"== Qwen3Attention {name} graph (hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
                             f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}) =="))
             print()
-    return 0 if all(r.graph_breaks == 0 and not r.leaks for r in reports.values()) else 1
+    return 0 if all(r.graph_breaks == 0 and r.skipped_frames == 0 and not r.leaks and not r.outside_calls
+                    for r in reports.values()) else 1
 
 
 def _check(args) -> int:
@@ -159,8 +171,8 @@ def _describe(args) -> int:
     else:
         side = probe.describe_rollout(model, page_size=args.page_size, model_id=args.model_id, topology=topology,
                                       entries=tuple(args.entries.split(",")))
-    with open(args.out, "w") as f:
-        json.dump(side, f, indent=1)
+    if not _write_json(side, args.out, "--out", indent=1):
+        return 2
     print(f"wrote the {args.side} side of the demo model to {args.out}")
     return 0
 

@@ -223,6 +223,66 @@ def test_attention_contract_fields_are_checked_when_built(field, value, want):
     assert AttentionContract(head_dim=64, softmax_scale=0.1).fields()["softmax_scale"] == 0.1
 
 
+def _w_x():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 8, generator=g).bfloat16(), torch.randn(4, 8, generator=g).bfloat16()
+
+
+def test_inspect_boundary_counts_breaks_dynamo_raises_outside_a_call():
+    """Only breaks at a call reached counters["graph_break"]: a data-dependent branch and a break in
+    a loop (Dynamo then skips the whole frame and runs it eagerly, its non-rlk compute in no graph)
+    reported 0 breaks and a clean table (a session 34 audit)."""
+    w, x = _w_x()
+
+    def branch(x):
+        y = rlk_ops.linear(x, w)
+        if y.float().sum() > 0:          # data-dependent
+            y = rlk_ops.linear(y, w)
+        return y
+
+    def loop(x):
+        for _ in range(2):
+            x = rlk_ops.linear(x, w).float().softmax(-1).to(torch.bfloat16) * 2
+            torch._dynamo.graph_break()
+        return x
+
+    def clean(x):
+        return rlk_ops.linear(rlk_ops.linear(x, w), w)
+
+    r = inspect_boundary(branch, x, backward=False)
+    assert r.graph_breaks >= 1 and r.skipped_frames == 0
+    r = inspect_boundary(loop, x, backward=False)
+    assert r.graph_breaks >= 1 and r.skipped_frames == 1
+    table = r.table()
+    assert "SKIPPED FRAMES: 1" in table and "graph runs in the first call" in table
+    r = inspect_boundary(clean, x, backward=False)
+    assert (r.graph_breaks, r.skipped_frames, r.calls) == (0, 0, 1) and "recompiles: - (one call)" in r.table()
+    r = inspect_boundary(clean, x, backward=False, more_calls=((x[:2],),))
+    assert r.calls == 2 and "recompiles: - " not in r.table()
+
+
+def test_cli_json_that_cannot_be_written_is_named(tmp_path, monkeypatch, capsys):
+    """The demo printed PASS, then a traceback and exit 1 ("rollout and training disagree") when its
+    --json could not be written (a session 34 audit). Now exit 2, naming the option and the path."""
+    import builtins
+
+    from rlk_ops.__main__ import main
+
+    real_open = builtins.open
+    target = str(tmp_path / "out.json")
+
+    def refusing_open(path, *a, **k):
+        if str(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    assert main(["demo", "--quiet", "--layers", "1", "--sequences", "2", "--no-backward", "--json", target]) == 2
+    out, err = capsys.readouterr()
+    assert "RESULT: PASS" in out
+    assert f"error: --json {target}: cannot write it: [Errno 13] Permission denied" in err and "Traceback" not in err
+
+
 def test_inspect_boundary_names_a_function_that_is_not_callable():
     with pytest.raises(TypeError, match=r"inspect_boundary: fn must be a callable .*got NoneType"):
         inspect_boundary(None, torch.zeros(2))

@@ -78,8 +78,15 @@ class BoundaryReport:
     backward: list[RlkNode] = field(default_factory=list)
     leaks: list[Leak] = field(default_factory=list)
     graphs: int = 0
+    # the breaks Dynamo reported while compiling the first call: a break at a call (counters
+    # "graph_break") and one it raised elsewhere (counters "unimplemented": a data-dependent branch,
+    # a break inside a loop, which skips the whole frame); the first alone missed the others (a
+    # session 34 audit). ``skipped_frames``: frames Dynamo gave up on, which ran eagerly, their
+    # non-rlk compute in no graph and so in no leak.
     graph_breaks: int = 0
+    skipped_frames: int = 0
     recompiles: int = 0
+    calls: int = 1           # the first call and the more_calls: recompiles are measured over calls > 1
     movement_nodes: dict[str, int] = field(default_factory=dict)
     # the first call (and its backward): how often each reported graph ran, forward then backward (more
     # than once: Dynamo reused it for another frame after a graph break, and its nodes name the first
@@ -104,8 +111,19 @@ class BoundaryReport:
 
     def table(self, title: str = "") -> str:
         lines = [title] if title else []
-        lines.append(f"graphs: {self.graphs}  graph breaks: {self.graph_breaks}  recompiles: {self.recompiles}  "
+        recompiles = self.recompiles if self.calls > 1 else "- (one call)"
+        lines.append(f"graphs: {self.graphs}  graph breaks: {self.graph_breaks}  recompiles: {recompiles}  "
                      f"leaks: {len(self.leaks)}")
+        if self.skipped_frames:
+            lines.append(f"  SKIPPED FRAMES: {self.skipped_frames} (Dynamo ran them eagerly: their non-rlk "
+                         f"compute is in no graph and no leak)")
+        if self.outside_calls:
+            lines.append(f"  rlk calls outside the reported graphs: {self.outside_calls}")
+        reruns = [n for n in self.graph_runs["forward"] + self.graph_runs["backward"] if n != 1]
+        if reruns:
+            lines.append(f"  graph runs in the first call: {self.graph_runs} (1 each expected)")
+        if self.eager_equal is not None:
+            lines.append(f"  bitwise equal to eager: {self.eager_equal} ({self.eager_note})")
         for name, nodes in (("forward", self.forward), ("backward", self.backward)):
             if not nodes:
                 lines.append(f"  {name} graph: none")
@@ -547,7 +565,11 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
         return compiled_fn
 
     counters = torch._dynamo.utils.counters
-    breaks_before = sum(counters["graph_break"].values())
+
+    def breaks():
+        return (sum(counters["graph_break"].values()) + sum(counters["unimplemented"].values()),
+                counters["frames"]["total"] - counters["frames"]["ok"])
+    breaks_before = breaks()
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
     root = _root_module(fn)
@@ -573,7 +595,9 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     first_fw, first_bw = list(fw_graphs), list(bw_graphs) if ran_backward else []
     report.graph_runs = {"forward": list(runs["forward"]), "backward": list(runs["backward"][:len(first_bw)])}
     report.graphs = len(dynamo_graphs)
-    report.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
+    now = breaks()
+    report.graph_breaks, report.skipped_frames = now[0] - breaks_before[0], now[1] - breaks_before[1]
+    report.calls = 1 + len(more_calls)
     for more in more_calls:
         outs = _tensors(compiled(*more, **kwargs))
         if backward and any(o.requires_grad for o in outs):
