@@ -44,9 +44,16 @@ $(TRITON_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_GPU_DIR) "$(TRITON_GPU)"
 	touch $@
 
+# DEVICE=cuda: the CUDA backends too (FA4, the CUTLASS DSL, FlashInfer: the package's cuda extra).
+# torch comes from pip as above: on a machine whose pip gives a CPU build, the demo's preflight
+# says so (install a CUDA build of torch 2.11-2.13 into .venv, or set TORCH).
+$(VENV)/.cuda-stamp: pyproject.toml | $(VENV)/.stamp
+	$(PY) -m pip install -q -e ".[test,cuda]"
+	touch $@
+
 setup: $(VENV)/.stamp
 
-demo: setup
+demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp

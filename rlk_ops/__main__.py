@@ -47,6 +47,9 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
     import torch
 
     if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:   # the likelier cause on a GPU machine: pip gave a CPU build
+            parser.error(f"--device cuda: this torch ({torch.__version__}) is a CPU build; install a CUDA build "
+                         f"of torch 2.11-2.13 (e.g. into .venv)")
         parser.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
     for flag in ("json", "out"):
         path = getattr(args, flag, None)

@@ -572,14 +572,20 @@ def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cli_cuda_without_a_gpu_is_a_usage_error(capsys):
+@pytest.mark.parametrize("build, message", [
+    ("13.0", "--device cuda: no CUDA device is available here"),
+    # a CPU build of torch on a GPU machine (what pip may give): said as such (a session 34 audit)
+    (None, "--device cuda: this torch (" + torch.__version__ + ") is a CPU build; install a CUDA build"),
+])
+def test_cli_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch, build, message):
     from rlk_ops.__main__ import main
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", build)
     for argv in (["demo", "--device", "cuda"], ["describe", "--side", "train", "--out", "x.json", "--device", "cuda"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
-        assert e.value.code == 2 and "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_cli_describe(tmp_path, train):
