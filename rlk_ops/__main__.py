@@ -75,6 +75,9 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
                                   rms_norm_eps=args.rms_norm_eps)
         except ValueError as e:
             parser.error(str(e))
+        if args.model_id is not None and not args.model_id.strip():
+            parser.error(f"--model-id must be a non-empty checkpoint id (or left out: the weights' sha256), "
+                         f"got {args.model_id!r}")
         if cfg.num_heads % args.tp or cfg.num_kv_heads % args.tp:
             parser.error(f"--tp {args.tp} must divide the demo model's {cfg.num_heads} query and "
                          f"{cfg.num_kv_heads} KV heads")

@@ -562,6 +562,8 @@ def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, c
     # accepted by the option's type, then a StrictModeError / ValueError traceback from the demo
     (["demo", "--split-kv", "auto"], "--split-kv auto: the demo compares rollout with training"),
     (["demo", "--no-strict", "--split-kv", "fixed:256"], "fixed:N and auto are rollout-only lanes"),
+    # '' fell back to the weights' sha256 silently (a session 34 audit)
+    (["describe", "--side", "train", "--out", "OUT", "--model-id", ""], "--model-id must be a non-empty checkpoint id"),
 ])
 def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
     from rlk_ops.__main__ import main
@@ -570,6 +572,16 @@ def test_cli_usage_errors_before_any_work(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_empty_model_id_is_refused_not_replaced():
+    from rlk_ops.meta import probe
+    from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+
+    model = TinyQwen3(TinyQwen3Config(num_layers=1))
+    for bad in ("", "  ", 3):
+        with pytest.raises(ValueError, match=r"model_id must be a non-empty string \(a checkpoint id\) or None"):
+            probe.describe_train(model, model_id=bad)
 
 
 @pytest.mark.parametrize("build, message", [
@@ -857,6 +869,9 @@ def _malformed(side, path, value):
      r"entries\[0\].graph.forward\[0\].index must be its position in the list \(0\), got int 5"),
     (("entries", 0, "graph", "forward", 0, "args", "extra"), {"a": 1},
      r"entries\[0\].graph.forward\[0\].args.extra must be a number, string, null or a list of them"),
+    # session 34 audit: these bound
+    (("entries", 0, "graph", "graph_breaks"), -1, r"entries\[0\].graph.graph_breaks must be an int >= 0, got int -1"),
+    (("entries", 0, "graph", "recompiles"), True, r"entries\[0\].graph.recompiles must be an int >= 0, got bool"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,

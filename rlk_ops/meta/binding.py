@@ -769,8 +769,9 @@ def check_side(side, where: str) -> None:
         if not isinstance(graph, dict):
             bad(f"entries[{i}].graph", "an object or null", graph)
         for key in ("recompiles", "graph_breaks"):
-            if not isinstance(graph.get(key), int):
-                bad(f"entries[{i}].graph.{key}", "an int", graph.get(key))
+            v = graph.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(f"entries[{i}].graph.{key}", "an int >= 0", v)
         for key in ("forward", "backward", "leaks"):
             if not isinstance(graph.get(key), list):
                 bad(f"entries[{i}].graph.{key}", "a list", graph.get(key))

@@ -263,7 +263,11 @@ def describe_side(side: str, entries: list[dict], *, model_id: str, model_id_kin
 
 
 def _identity(model, model_id: str | None) -> dict:
-    return {"model_id": model_id, "model_id_kind": "given"} if model_id else \
+    if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+        # '' once fell back to the weights' sha256 silently (a session 34 audit)
+        raise ValueError(f"model_id must be a non-empty string (a checkpoint id) or None (the weights' "
+                         f"sha256), got {type(model_id).__name__} {model_id!r}")
+    return {"model_id": model_id, "model_id_kind": "given"} if model_id is not None else \
         {"model_id": weights_id(model), "model_id_kind": "weights_sha256"}
 
 
