@@ -155,13 +155,13 @@ def _dense(b=2, sq=9, sk=11, hq=4, hkv=2, d=16, dtype=BF16):
     return tuple(torch.randn(b, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
 
 
-def _paged(dtype=BF16):
+def _paged(dtype=BF16, d=16):
     g = torch.Generator().manual_seed(4)
-    k_cache = torch.randn(6, 4, 2, 16, generator=g).to(dtype)
-    v_cache = torch.randn(6, 4, 2, 16, generator=g).to(dtype)
+    k_cache = torch.randn(6, 4, 2, d, generator=g).to(dtype)
+    v_cache = torch.randn(6, 4, 2, d, generator=g).to(dtype)
     page_table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
     seq_lens = torch.tensor([9, 6], dtype=torch.int32)
-    q = torch.randn(2, 3, 4, 16, generator=g).to(dtype)
+    q = torch.randn(2, 3, 4, d, generator=g).to(dtype)
     return q, k_cache, v_cache, page_table, seq_lens
 
 
@@ -473,6 +473,14 @@ def test_dtype_and_head_dim_are_checked(fake):
     q, k, v = _dense(d=12)
     with pytest.raises(RlkInputError, match=r"head_dim in \[8, 256\] and a multiple of 8, got 12"):
         fa4_backend.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0, "disabled")
+    # canonical:C where FA4's causal and non-causal key tiles differ (a session 34 audit)
+    for d in (72, 80, 96):
+        q, k, v = _dense(d=d)
+        with pytest.raises(RlkInputError, match=rf"canonical:C on the fa4 backend needs head_dim <= 64 or > 96, "
+                                                 rf"got {d}"):
+            fa4_backend.attention_fwd(q, k, v, 1, 0.3, None, None, 0, 0, "canonical:768")
+        with pytest.raises(RlkInputError, match=r"needs head_dim <= 64 or > 96"):
+            fa4_backend.paged_attention(*_paged(d=d), 0.25, "canonical:768")
     assert fake.calls == []
 
 

@@ -4,7 +4,8 @@ The definition (every backend computes exactly this; README "Split-KV policies")
 query row attends to its keys in C-token chunks aligned to absolute key position 0
 (chunk c holds keys ``[c*C, (c+1)*C)``). For every chunk holding a key the row can see,
 it gets a partial state ``(out_c, lse_c)``: the *single-pass* attention of the row over
-that chunk's keys alone (same 128-key blocks, as C % 128 == 0; fp32 online softmax;
+that chunk's keys alone (the backend's own key blocks: 128 keys on the CPU, where C % 128 == 0
+keeps the chunk aligned to them; FA4's SM90 tile is 128 keys up to head_dim 128; fp32 online softmax;
 ``out_c`` rounded to the input dtype, as the kernel returns it; ``lse_c`` fp32). The
 states are merged in ascending chunk order by ``rlk::merge_attn_states``
 (kernels/cpu/merge.py). Nothing here depends on the device or the backend.

@@ -19,7 +19,7 @@ lse is fp32 natural log. Causal masking is bottom-right aligned in both.
 * Paged: ``_flash_attn_fwd(q, k_cache, v_cache, page_table=..., seqused_k=..., tile_mn=...)``
   reads the pages in place (``decode_tile``: a 64-row tile for decode, where verified;
   ``pair_attention``, canonical:C's call over (chunk, sequence) pairs, also sets
-  ``intra_wg_overlap`` per ``pair_overlap``). Page size 128 (= FA4's key tile) takes FA4's TMA path,
+  ``intra_wg_overlap`` per ``pair_overlap``). Page size 128 (= FA4's key tile up to head_dim 128) takes FA4's TMA path,
   which loads whole pages: rows past ``seq_lens[b]`` in a sequence's last page are
   multiplied by P = 0, so they must be finite (a NaN there poisons the row); other
   page sizes take the cp.async path, which skips them. Allocate caches with zeros
@@ -54,6 +54,14 @@ def _fa4(op: str, q: torch.Tensor, split_kv: str) -> tuple["loader.FA4", SplitKV
     d = q.shape[-1]
     if not (8 <= d <= 256 and d % 8 == 0):
         fail(op, f"the fa4 backend needs head_dim in [8, 256] and a multiple of 8, got {d}")
+    if policy.kind == "canonical" and 64 < d <= 96:
+        # FA4's SM90 tile choice (flash_attn/cute/interface.py, _tile_size_fwd_sm90) gives non-causal calls
+        # 144-key blocks and causal calls 128-key blocks at 64 < head_dim <= 96: training's full chunks
+        # (non-causal) and decode's (chunk, sequence) pairs (causal) would reduce the same keys in other
+        # blocks, so train != rollout (a session 34 audit; head_dim 128 is the one verified on the GPU)
+        fail(op, f"canonical:C on the fa4 backend needs head_dim <= 64 or > 96, got {d}: FA4's SM90 key tile "
+                 f"there is 144 for non-causal calls and 128 for causal ones, so training's full chunks and "
+                 f"decode's pairs would not share their blocks")
     fa4 = loader.load()
     loader.note_device(fa4, q.device)
     return fa4, policy
