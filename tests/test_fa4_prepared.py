@@ -162,3 +162,64 @@ def test_the_switch_is_restored():
             raise KeyError("inside")
     assert fa4_canonical.PREPARED_CALLS is True
 
+
+
+def test_recordings_in_two_threads_keep_fa4s_cache_and_each_other_apart():
+    """FA4's compile_cache is process-wide: two threads recording at once swapped it in and out
+    interleaved, the last restore could leave the other thread's recorder installed for good (every
+    later FA4 call recorded, its tensors kept alive), and a call of another thread made during a
+    recording was recorded with it, failing that call (a session 34 audit). Recordings now take turns,
+    and only the recording thread's calls are recorded."""
+    import threading
+
+    mod = fake_fa4()
+    real = mod._flash_attn_fwd.compile_cache
+    inside, release, a_done = threading.Event(), threading.Event(), threading.Event()
+    errors, results = [], {}
+
+    def recording(name, seed, hold):
+        q, k, v, out_parts, lse_parts = _inputs(seed)
+        call = Call([0], [0], [40], [48])
+
+        def normal():
+            if hold:
+                inside.set()
+                release.wait(5)        # another thread's plain FA4 call and a second recording arrive now
+            else:
+                a_done.wait(5)         # B's recording ends after A's: B's restore comes last
+            mod._flash_attn_fwd(q, k, v, call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k,
+                                0.3, out_parts[0], lse_parts[0])
+        try:
+            prepared.run(mod, call, {"q": q, "k": k, "v": v, "out": out_parts[0], "lse": lse_parts[0]}, 0.3, normal)
+            results[name] = out_parts[0].clone()
+        except Exception as e:   # noqa: BLE001 - reported by the assert below
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+        finally:
+            if hold:
+                a_done.set()
+
+    def plain_call():   # FA4 used directly by this thread while A records (e.g. a strict decode)
+        q, k, v, out_parts, lse_parts = _inputs(9)
+        c = Call([0], [0], [40], [48])
+        mod._flash_attn_fwd(q, k, v, c.cu_seqlens_q, c.cu_seqlens_k, c.seqused_q, c.seqused_k, 0.3,
+                            out_parts[0], lse_parts[0])
+
+    a = threading.Thread(target=recording, args=("A", 1, True))
+    b = threading.Thread(target=recording, args=("B", 2, False))
+    a.start()
+    assert inside.wait(5)
+    b.start()
+    p = threading.Thread(target=plain_call)
+    p.start()
+    p.join(5)
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert errors == [] and set(results) == {"A", "B"}
+    assert mod._flash_attn_fwd.compile_cache is real and len(prepared._CACHE) == 2
+    for name, seed in (("A", 1), ("B", 2)):   # each equals FA4's own call on its inputs
+        q, k, v, out_parts, lse_parts = _inputs(seed)
+        c = Call([0], [0], [40], [48])
+        fake_fa4()._flash_attn_fwd(q, k, v, c.cu_seqlens_q, c.cu_seqlens_k, c.seqused_q, c.seqused_k, 0.3,
+                                   out_parts[0], lse_parts[0])
+        assert bitwise_equal(results[name], out_parts[0])

@@ -30,6 +30,7 @@ input tensor: only how to view the next ones.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable
 
@@ -47,16 +48,20 @@ class PreparedCallError(RuntimeError):
 
 class _Recorder:
     """Stands in for FA4's ``compile_cache`` during one call: lookups and inserts go through;
-    each compiled function it hands out records its arguments when called."""
+    each compiled function it hands out to the recording thread records its arguments when
+    called. Another thread's FA4 call meanwhile (the cache is FA4's, process-wide) gets the
+    function as is: recorded, it failed the recording call and kept its tensors alive."""
 
     def __init__(self, real):
-        self.real, self.calls = real, []
+        self.real, self.calls, self.thread = real, [], threading.get_ident()
 
     def __contains__(self, key):
         return key in self.real
 
     def __getitem__(self, key):
         fn = self.real[key]
+        if threading.get_ident() != self.thread:
+            return fn
 
         def call(*args):
             self.calls.append((fn, args))
@@ -136,6 +141,11 @@ class Prepared:
 
 
 _CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
+# One recording at a time, and the cache's order under the same lock: two threads recording at once
+# swapped FA4's compile_cache in and out interleaved, and the last restore could put the other
+# thread's recorder back for good (every later FA4 call recorded, its tensors kept alive; a session
+# 34 audit). A replay runs outside the lock.
+_LOCK = threading.RLock()
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -163,29 +173,33 @@ def run(module, call, live: dict, scale: float, normal: Callable[[], object], va
     while recording it and keep it for the next time. ``variant``: what else decides the FA4
     call ``normal()`` makes (a switch of the caller's), part of the key."""
     k = key(module, call, live, scale, variant)
-    prep = _CACHE.get(k)
+    with _LOCK:
+        prep = _CACHE.get(k)
+        if prep is not None:
+            _CACHE.move_to_end(k)
     if prep is not None:
-        _CACHE.move_to_end(k)
         prep(live)
         return
-    fwd = module._flash_attn_fwd
-    real = getattr(fwd, "compile_cache", None)
-    if real is None:
-        raise PreparedCallError("this FA4 has no _flash_attn_fwd.compile_cache to record from")
-    rec = _Recorder(real)
-    fwd.compile_cache = rec
-    try:
-        normal()
-    finally:
-        fwd.compile_cache = real
-    if len(rec.calls) != 1:
-        raise PreparedCallError(f"FA4 made {len(rec.calls)} compiled-kernel calls for one plan call; "
-                                "a prepared call needs exactly 1")
-    fn, args = rec.calls[0]
-    _CACHE[k] = Prepared(fn, args, live, (call, module))
-    while len(_CACHE) > MAX_ENTRIES:
-        _CACHE.popitem(last=False)
+    with _LOCK:
+        fwd = module._flash_attn_fwd
+        real = getattr(fwd, "compile_cache", None)
+        if real is None:
+            raise PreparedCallError("this FA4 has no _flash_attn_fwd.compile_cache to record from")
+        rec = _Recorder(real)
+        fwd.compile_cache = rec
+        try:
+            normal()
+        finally:
+            fwd.compile_cache = real
+        if len(rec.calls) != 1:
+            raise PreparedCallError(f"FA4 made {len(rec.calls)} compiled-kernel calls for one plan call; "
+                                    "a prepared call needs exactly 1")
+        fn, args = rec.calls[0]
+        _CACHE[k] = Prepared(fn, args, live, (call, module))
+        while len(_CACHE) > MAX_ENTRIES:
+            _CACHE.popitem(last=False)
 
 
 def clear() -> None:
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
