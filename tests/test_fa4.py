@@ -455,6 +455,35 @@ def test_through_the_dispatch_point(fake, monkeypatch):
         ("attention_fwd", "fa4", False), ("paged_attention", "fa4", False)}
 
 
+def test_rollout_chunked_prefill_records_no_prepared_calls(fake, monkeypatch):
+    """canonical:C chunked prefill builds its plan per step: through prepared calls every step recorded
+    anew, never replayed, and pushed training's recordings out of the bounded cache (a session 34 audit).
+    Training replays; the prefill steps leave the cache as training left it."""
+    from rlk_ops.kernels.fa4 import prepared
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    prepared.clear()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 300, h, 16, generator=g).to(BF16) for h in (4, 2, 2))
+    with rlk_ops.use_backend(attention_fwd="fa4"), torch.no_grad():
+        first = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+        fwd_calls = sum(1 for c in fake.calls if c[0] == "_flash_attn_fwd")
+        second = rlk_ops.attention(q, k, v, split_kv="canonical:128")
+    assert sum(1 for c in fake.calls if c[0] == "_flash_attn_fwd") == fwd_calls   # replayed
+    assert bitwise_equal(first[0], second[0]) and bitwise_equal(first[1], second[1])
+    training = dict(prepared._CACHE)
+    kc, vc = (torch.randn(64, 16, 2, 16, generator=g).to(BF16) for _ in range(2))
+    table = torch.arange(26, dtype=torch.int32).view(2, 13)
+    for step in range(3):
+        lens = torch.tensor([200 + step, 190 + step], dtype=torch.int32)
+        with rlk_ops.use_backend(paged_attention="fa4"):
+            out = rlk_ops.paged_attention(torch.randn(2, 8, 4, 16, generator=g).to(BF16), kc, vc, table, lens,
+                                          split_kv="canonical:128")
+        assert out[0].shape == (2, 8, 4, 16)
+    assert prepared._CACHE == training
+    prepared.clear()
+
+
 @pytest.mark.parametrize("policy", ["fixed:512", "auto"])
 def test_split_kv_other_than_disabled_or_canonical_is_refused(fake, policy):
     q, k, v = _dense()

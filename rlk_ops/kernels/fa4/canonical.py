@@ -40,6 +40,7 @@ kernels/cpu/attention.py, checked there against the chain rule through the merge
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -50,16 +51,18 @@ from rlk_ops.kernels.fa4.loader import NUM_SPLITS, PACK_GQA
 from rlk_ops.meta import provenance
 
 
-def attend_into(q, k, v, call: canonical.Call, scale, out, lse):
+def attend_into(q, k, v, call: canonical.Call, scale, out, lse, prepare: bool = True):
     """One plan call: FA4 single pass over the call's pieces, written into ``out``/``lse``
-    (through kernels/fa4/prepared.py when PREPARED_CALLS); a diagonal call as dense calls, one
-    per strided run of its pieces, where DENSE_DIAGONAL_RUNS allows."""
+    (through kernels/fa4/prepared.py when PREPARED_CALLS and ``prepare``: a plan that is used
+    again, training's cached plans; a rollout chunked-prefill step's plan is new every step and
+    would record without ever replaying, pushing training's recordings out of the bounded cache);
+    a diagonal call as dense calls, one per strided run of its pieces, where DENSE_DIAGONAL_RUNS allows."""
     runs = _diagonal_runs(q, k, v, call, out, lse)
     if runs:
         for run in runs:
-            attend_into(q, k, v, run, scale, out, lse)
+            attend_into(q, k, v, run, scale, out, lse, prepare)
         return
-    if PREPARED_CALLS:
+    if PREPARED_CALLS and prepare:
         from rlk_ops.kernels.fa4 import prepared
         with torch.no_grad():
             prepared.run(loader.load().module, call, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale,
@@ -273,8 +276,11 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
             # empty pairs get one key; canonical.paged_attention masks their lse to -inf
             return attend_paged(q, k_cache, v_cache, pair_table, pair_lens.clamp_min(1), scale)
 
+        # chunked prefill's plan is built per step (not cached): FA4 called directly, no recording (a
+        # session 34 audit: every step recorded anew and evicted training's prepared calls)
         return canonical.paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, chunk_size,
-                                         attend_into=attend_into, attend_paged=paged_nonempty, merge=merge)
+                                         attend_into=functools.partial(attend_into, prepare=False),
+                                         attend_paged=paged_nonempty, merge=merge)
     bsz, _, hq, d = q.shape
     if walk_routed(q, k_cache, chunk_size):
         from rlk_ops.kernels.fa4 import walk
