@@ -1068,7 +1068,8 @@ def test_cuda_decode_pair_routes_give_the_same_bits(packed, chunk, page, monkeyp
         # provenance names what computed the pairs inside the fa4 backend (the merge: its own record)
         from rlk_ops.kernels.triton import pair_decode
         kernel = ("fa4.walk" if route in walks else "triton.pair_decode"
-                  if route == "triton" and pair_decode.routable(qd, k_cache, chunk) else "fa4")
+                  if route == "triton" and pair_decode.routable(qd, k_cache, chunk, "sm90" if sm90 else None)
+                  else "fa4")
         merged_apart = set() if route == "walk" else {("merge_attn_states", "triton", "triton")}
         assert {(r.op, r.actual_backend, r.kernel) for r in log.records()} == {
             ("paged_attention", "fa4", kernel), *merged_apart}, route

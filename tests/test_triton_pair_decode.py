@@ -424,11 +424,13 @@ def test_routable_only_where_the_gpu_checked_the_bits():
     passed on an H100), not at 256 (not run there)."""
     from rlk_ops.kernels.triton.pair_decode import routable
 
-    def case(hq=16, hkv=4, page=16, chunk=768, sq=1):
+    def case(hq=16, hkv=4, page=16, chunk=768, sq=1, arch="sm90"):
         return routable(torch.empty(2, sq, hq, 128, dtype=torch.bfloat16),
-                        torch.empty(64, page, hkv, 128, dtype=torch.bfloat16), chunk)
+                        torch.empty(64, page, hkv, 128, dtype=torch.bfloat16), chunk, arch)
 
     assert case() and case(page=128) and case(page=256, chunk=1024) and case(hq=32, hkv=8)
+    # sm90 only: the kernel transcribes FA4's SM90 arithmetic (a session 34 audit: sm80 and sm100 took it)
+    assert not case(arch="sm80") and not case(arch="sm100") and not case(arch=None)
     for hq in (32, 8, 4, 20):   # G = 8, 2, 1, 5
         assert case(hq=hq) and case(hq=hq, page=128, chunk=1024) and not case(hq=hq, page=256, chunk=1024)
     assert not case(hq=12) and not case(hq=48)   # G = 3, 12: never checked

@@ -736,9 +736,11 @@ def preloadable(k_cache: torch.Tensor, chunk_size: int) -> bool:
     return chunk_size // BLOCK_N <= MAX_PRELOADED_BLOCKS and k_cache.numel() < 2 ** 31
 
 
-def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
+def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int, arch: str | None) -> bool:
     """Where kernels/fa4/canonical.py may take this kernel ("keys" layout, prefetch 3) for a
-    decode step: the shapes its bits were checked on against FA4's pair call on the GPU
+    decode step: on sm90 only (``arch``: loader.note_device's; the kernel transcribes FA4's SM90
+    arithmetic, and on another architecture FA4's own kernel computes training's partials: until
+    session 34 an sm80 or sm100 GPU took this route too), the shapes its bits were checked on against FA4's pair call on the GPU
     (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, a (query heads per
     KV head, page size) pair of ROUTED (G = 4 at pages 16, 128, 256, the CUDA tests' shape since
     session 5; G = 1, 2, 5, 8 at pages 16 and 128, test_cuda_pairs_at_other_group_sizes, passed
@@ -748,8 +750,8 @@ def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int) -> bool:
     FA4 pair route (same bits by construction: FA4's own kernel)."""
     g = q.shape[2] // k_cache.shape[2]
     page = k_cache.shape[1]
-    return (not C.INTERPRET and q.shape[1] == 1 and q.dtype == torch.bfloat16 and q.shape[-1] == 128
-            and page in ROUTED.get(g, ())
+    return (not C.INTERPRET and arch == "sm90" and q.shape[1] == 1 and q.dtype == torch.bfloat16
+            and q.shape[-1] == 128 and page in ROUTED.get(g, ())
             and chunk_size % page == 0 and chunk_size % BLOCK_N == 0 and preloadable(k_cache, chunk_size))
 
 
