@@ -458,6 +458,26 @@ def test_engine_arguments_are_checked_before_anything_runs():
     assert cache.free_pages == cache.num_pages   # nothing ran
 
 
+def test_a_custom_samplers_token_is_checked():
+    """The sampler's token was taken unchecked: -1 came back as a result with token vocab-1's log-prob
+    (a negative index), past the vocabulary a step later the embedding raised an IndexError naming
+    neither (a session 34 audit). Each run leaves the cache as it found it; a numpy int is stored as int."""
+    import numpy as np
+
+    model = _tiny()
+    vocab = model.config.vocab_size
+    reqs = [Request(0, [1, 2], 1), Request(1, [3], 3)]
+    cache = cache_for(model, reqs, 8, 2)
+    for bad in (-1, vocab, 2.0, True, torch.tensor(3)):
+        engine = RolloutEngine(model, cache, sampler=lambda seq, pos, logp, bad=bad: bad)
+        with pytest.raises(ValueError, match=rf"the sampler returned {type(bad).__name__} .* for request 0 at "
+                                             rf"position 2; a token id must be an int in \[0, {vocab}\)"):
+            engine.run(reqs)
+        assert cache.free_pages == cache.num_pages
+    res = RolloutEngine(model, cache, sampler=lambda seq, pos, logp: np.int64(5)).run(reqs)
+    assert [type(t) for r in res for t in r.generated] == [int] * 4 and res[1].generated == [5, 5, 5]
+
+
 @pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300, 1e-12])
 def test_a_tiny_temperature_samples_the_greedy_token(temperature):
     """logp / T overflowed to -inf in every entry below ~1e-306, and argmax then picked token 0 whatever

@@ -152,6 +152,14 @@ class RolloutEngine:
             token = req.forced[len(s.generated)]
         else:
             token = self.sampler(s.seq_id, position, logp_row)
+            # the sampler's token is checked as the prompt's are: -1 once came back as a result with token
+            # vocab-1's log-prob (a negative index), and past the vocabulary failed a step later in the
+            # embedding, naming neither (a session 34 audit)
+            if not _integer(token) or not 0 <= token < logp_row.shape[-1]:
+                raise ValueError(f"the sampler returned {type(token).__name__} {short_repr(token)} for request "
+                                 f"{s.seq_id} at position {position}; a token id must be an int in "
+                                 f"[0, {logp_row.shape[-1]}) (the vocabulary)")
+            token = int(token)
         s.generated.append(token)
         s.logprobs.append(float(logp_row[token]))
         if self.on_token:
