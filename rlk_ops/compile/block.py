@@ -26,7 +26,7 @@ from torch import nn
 
 import rlk_ops
 from rlk_ops.meta.contract import SplitKVPolicy, spell
-from rlk_ops.ops._validate import short_repr, finite, positive_ints
+from rlk_ops.ops._validate import finite, positive_ints, short_repr
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
 from rlk_ops.distributed.layout import CPLayout
 from rlk_ops.distributed.reductions import ordered_sum
-from rlk_ops.ops._validate import short_repr, finite
+from rlk_ops.ops._validate import finite, short_repr
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlk_ops.ops._validate import short_repr, finite, positive_ints
+from rlk_ops.ops._validate import finite, positive_ints, short_repr
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
 from rlk_ops.rollout.model import Trace, log_softmax
 
