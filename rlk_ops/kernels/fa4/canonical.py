@@ -297,8 +297,8 @@ def paged_attention(q, k_cache, v_cache, page_table, seq_lens, softmax_scale, ch
     merge_kw = {}
     if DECODE_PAIRS not in ("triton", "fa4"):
         raise ValueError(f"fa4 canonical.DECODE_PAIRS must be 'triton' or 'fa4', got {DECODE_PAIRS!r}")
-    if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size,
-                                                          loader.note_device(loader.load(), q.device)):
+    arch = provenance.gpu_arch(q.device) if q.device.type == "cuda" else None
+    if DECODE_PAIRS == "triton" and triton_pairs.routable(q, k_cache, chunk_size, arch):
         n = canonical.pair_count(page_table.shape[1], page_size, chunk_size)
         launch = triton_pairs.step_launch(q, k_cache, n)
         provenance.note_kernel("triton.pair_decode")
