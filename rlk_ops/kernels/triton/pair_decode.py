@@ -738,7 +738,7 @@ def preloadable(k_cache: torch.Tensor, chunk_size: int) -> bool:
 
 def routable(q: torch.Tensor, k_cache: torch.Tensor, chunk_size: int, arch: str | None) -> bool:
     """Where kernels/fa4/canonical.py may take this kernel ("keys" layout, prefetch 3) for a
-    decode step: on sm90 only (``arch``: loader.note_device's; the kernel transcribes FA4's SM90
+    decode step: on sm90 only (``arch``: provenance.gpu_arch's; the kernel transcribes FA4's SM90
     arithmetic, and on another architecture FA4's own kernel computes training's partials: until
     session 34 an sm80 or sm100 GPU took this route too), the shapes its bits were checked on against FA4's pair call on the GPU
     (tests/test_triton_pair_decode.py): one query token, bf16, head_dim 128, a (query heads per
