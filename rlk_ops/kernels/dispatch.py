@@ -101,11 +101,13 @@ class _Scoped(contextlib.ContextDecorator):
         self._apply = apply            # sets the state; returns what restores it
         self._restore: list[Callable[[], None]] = []
 
-    @torch.compiler.disable(reason=_EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()"))
+    _REASON = _EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()")
+
+    @torch.compiler.disable(reason=_REASON)
     def __enter__(self) -> None:
         self._restore.append(self._apply())
 
-    @torch.compiler.disable(reason=_EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()"))
+    @torch.compiler.disable(reason=_REASON)
     def __exit__(self, *exc) -> bool:
         self._restore.pop()()
         return False
