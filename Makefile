@@ -27,28 +27,31 @@ CUTE_GPU_DIR := .cute-gpu
 DEVICE ?= cpu
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# Disk: `make test` puts about 3 GB beside the clone (.venv 2.0 GB, .triton-gpu 0.6 GB, .cute-gpu
+# 0.3 GB). --no-cache-dir keeps pip from writing a second copy of every wheel into its cache (a CI
+# run failed with 'No space left on device' while installing .cute-gpu).
 
 .PHONY: setup demo test bench inspect clean
 
 $(VENV)/.stamp: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-cache-dir "$(TORCH)" "$(TRITON)"
+	$(PY) -m pip install -q --no-cache-dir -e ".[test]"
 	touch $@
 
 $(CUTE_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
-	$(PY) -m pip install -q --no-deps --upgrade --target $(CUTE_GPU_DIR) $(CUTE_GPU)
+	$(PY) -m pip install -q --no-cache-dir --no-deps --upgrade --target $(CUTE_GPU_DIR) $(CUTE_GPU)
 	touch $@
 
 $(TRITON_GPU_DIR)/.stamp: Makefile | $(VENV)/.stamp
-	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_GPU_DIR) "$(TRITON_GPU)"
+	$(PY) -m pip install -q --no-cache-dir --no-deps --upgrade --target $(TRITON_GPU_DIR) "$(TRITON_GPU)"
 	touch $@
 
 # DEVICE=cuda: the CUDA backends too (FA4, the CUTLASS DSL, FlashInfer: the package's cuda extra).
 # torch comes from pip as above: on a machine whose pip gives a CPU build, the demo's preflight
 # says so (install a CUDA build of torch 2.11-2.13 into .venv, or set TORCH).
 $(VENV)/.cuda-stamp: pyproject.toml | $(VENV)/.stamp
-	$(PY) -m pip install -q -e ".[test,cuda]"
+	$(PY) -m pip install -q --no-cache-dir -e ".[test,cuda]"
 	touch $@
 
 setup: $(VENV)/.stamp
