@@ -60,6 +60,22 @@ def test_demo_compares_bits_not_values():
     assert drift_stats(torch.tensor([float("nan")]), torch.tensor([float("nan")]))["mismatched"] == 0
 
 
+def test_drift_stats_of_equal_infinities_and_nans_is_zero():
+    """An lse of -inf (a row with no visible key) on both sides, or one NaN on both sides: 0 drift.
+    inf - inf made the drift NaN, which the demo's JSON wrote as a bare NaN (a session 35 audit).
+    A NaN or an opposite infinity beside another value drifts by inf."""
+    inf, nan = float("inf"), float("nan")
+    a = torch.tensor([-inf, 1.0, 2.0, nan, inf])
+    for b in (a.clone(), a.double()):           # one dtype (bits), and two dtypes (values)
+        d = drift_stats(a, b)
+        assert (d["mismatched"], d["max"], d["mean"], d["p95"], d["p99"]) == (0, 0.0, 0.0, 0.0, 0.0)
+    b = torch.tensor([-inf, 1.5, nan, nan, -inf])
+    d = drift_stats(a, b)
+    assert d["mismatched"] == 3 and d["max"] == inf and d["mean"] == inf and d["p95"] == inf
+    assert drift_stats(a[1:3], b[1:3]) == {"elements": 2, "mismatched": 2, "max": inf, "mean": inf,
+                                           "p95": inf, "p99": inf}
+
+
 def test_drift_stats_refuses_broadcasting():
     with pytest.raises(ValueError, match=r"shapes differ: \[4, 1\] vs \[4\]"):
         drift_stats(torch.zeros(4, 1), torch.zeros(4))

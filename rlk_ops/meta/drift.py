@@ -23,14 +23,20 @@ def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def drift_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     """max / mean / p95 / p99 of |a - b| (float64), plus how many elements differ in their bits
-    (``mismatched``; tensors of two dtypes: how many differ in value)."""
+    (``mismatched``; tensors of two dtypes: how many differ in value, a NaN beside a NaN not).
+    An element that does not differ counts 0 (an -inf lse beside the same -inf gave NaN drift
+    before: inf - inf; a session 35 audit); one that differs by a NaN (a NaN beside a number,
+    inf beside -inf) counts inf."""
     if a.shape != b.shape:
         raise ValueError(f"drift_stats: shapes differ: {list(a.shape)} vs {list(b.shape)}")
-    diff = (a.detach().double().cpu() - b.detach().double().cpu()).abs().flatten()
-    n = diff.numel()
-    if n == 0:
+    x, y = a.detach().cpu(), b.detach().cpu()
+    if x.numel() == 0:
         return {"elements": 0, "mismatched": 0, "max": 0.0, "mean": 0.0, "p95": 0.0, "p99": 0.0}
-    mismatched = int((bits_differ(a, b) if a.dtype == b.dtype else a.detach().cpu() != b.detach().cpu()).sum())
+    differ = bits_differ(x, y) if x.dtype == y.dtype else (x != y) & ~(x.isnan() & y.isnan())
+    diff = (x.double() - y.double()).abs().flatten()
+    diff = torch.where(differ.flatten(), diff.nan_to_num(nan=float("inf")), 0.0)
+    n = diff.numel()
+    mismatched = int(differ.sum())
     srt = diff.sort().values
 
     def pct(q):

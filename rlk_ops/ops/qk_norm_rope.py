@@ -4,7 +4,7 @@
     k          [..., Hkv, D]  same leading shape, D and dtype as q
     q_weight, k_weight [D]    q's dtype
     positions  [...]          int64, the leading shape, absolute positions >= 0
-    eps > 0; theta > 0; rotary_dim even in (0, D]
+    eps a normal number of the accumulation dtype (> 0); theta finite and >= 1; rotary_dim even in (0, D]
     -> (q_out, k_out)         q's and k's shapes, contiguous
 
     q_out = rope(qk_rmsnorm(q, q_weight, eps), positions, theta, rotary_dim)  (bitwise)
