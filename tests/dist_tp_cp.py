@@ -197,7 +197,26 @@ def bad_input_checks(mesh, rank):
     # one rank froze a weight: it would train another set of parameters than the others
     frozen = init_block(Qwen3Attention(**SMALL))
     frozen.k_norm.weight.requires_grad_(rank != 3)
-    expect_everywhere(lambda: ParallelQwen3Attention(frozen, mesh), "ranks disagree on requires_grad")
+    all_six = "q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight, q_norm.weight"
+    expect_everywhere(lambda: ParallelQwen3Attention(frozen, mesh),
+                      f"ranks disagree on requires_grad: True for [{all_six}, k_norm.weight] on rank 0 but True for "
+                      f"[{all_six}] on rank 3")
+    # disagreements name values, not the codes the check sends (session 35: "sharding: 0 ... but 1")
+    expect_everywhere(lambda: ParallelQwen3Attention(block, mesh, "zigzag" if rank == 1 else "contiguous"),
+                      "ranks disagree on sharding: 'contiguous' on rank 0 but 'zigzag' on rank 1")
+    expect_everywhere(lambda: ParallelQwen3Attention(block, mesh, "contiguous", 4 if rank == 2 else None),
+                      "ranks disagree on chunks: None on rank 0 but 4 on rank 2")
+    # init_mesh: a bad timeout or device_type on one rank raises on every rank (it raised on that rank
+    # alone, the others waiting in the check); a repeated call returns the mesh it made (new groups each
+    # time: threads and file descriptors that are never freed)
+    assert init_mesh(2, 2, "cpu") is mesh
+    expect_everywhere(lambda: init_mesh(2, 2, "cpu", timeout=datetime.timedelta(0) if rank == 1 else
+                                        datetime.timedelta(seconds=120)),
+                      "init_mesh: rank 1 rejected its input: init_mesh: timeout must be a positive datetime.timedelta")
+    expect_everywhere(lambda: init_mesh(2, 2, "gpu" if rank == 2 else "cpu"),
+                      "rank 2 rejected its input", "device_type must be 'cpu' or 'cuda'", "got 'gpu'")
+    expect_everywhere(lambda: init_mesh(2, 2, "cpu", timeout=datetime.timedelta(seconds=100 + (rank == 3))),
+                      "ranks disagree on timeout_s: 100.0 on rank 0 but 101.0 on rank 3")
     # the caller's block is left as it was: rank 0's replicated weights are copied into the module, not into it
     other = init_block(Qwen3Attention(**SMALL))
     with torch.no_grad():
@@ -231,6 +250,15 @@ def bad_input_checks(mesh, rank):
     q = torch.zeros(t, hq, 32, dtype=DT)
     kv = torch.zeros(t, 2, 32, dtype=DT)
     expect_everywhere(lambda: context_parallel_attention(q, kv, kv, lay, group), "ranks disagree on num_heads")
+    q4, kv4 = torch.zeros(t, 4, 32, dtype=DT), kv
+    if cp_rank == 1:
+        q4, kv4 = q4.float(), kv.float()
+    expect_everywhere(lambda: context_parallel_attention(q4, kv4, kv4, lay, group),
+                      "ranks disagree on dtype: torch.bfloat16 on rank", "but torch.float32 on rank")
+    # None on one rank beside -1.0 on the other: -1.0 stood for None, so the two passed as one scale
+    expect_everywhere(lambda: context_parallel_attention(q4.to(DT), kv, kv, lay, group,
+                                                         softmax_scale=-1.0 if cp_rank else None),
+                      "ranks disagree on softmax_scale: None on rank", "but -1.0 on rank")
     # a local problem on one rank (wrong token count) reaches every rank with its text
     q_bad = torch.zeros(t + (cp_rank == 1), 4, 32, dtype=DT)
     k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)

@@ -211,6 +211,13 @@ def test_local_errors_before_any_communication():
     xl, pl, lay = pb.prepare(x, pos, cu)
     with pytest.raises(ValueError, match="use the layout from this module's prepare"):
         pb(xl, pl, build_layout(cu, 1, 0, "contiguous"))
+    # local=True checks the token count before building the layout too: a cu_seqlens[-1] of 2**24 beside
+    # 4 rows built ~1.2 GiB of index rows first (2**31 - 1 would have ended the process, not raised)
+    huge = torch.tensor([0, 2 ** 24], dtype=torch.int32)
+    for local in (False, True):
+        what = "this rank's token count: cu_seqlens\[-1\] = 16777216 over cp = 1" if local else "the packed"
+        with pytest.raises(DistributedInputError, match=rf"hidden_states must be \[16777216, 128\] \({what}"):
+            pb.prepare(x[:4], pos[:4], huge, local=local)
 
 
 def test_prepare_names_a_bad_input_type_or_device():

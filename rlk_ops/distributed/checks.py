@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,12 +62,15 @@ def _decode(value: int, like) -> str:
     return str(value)
 
 
-def preflight(group, what: str, problem: str | None, metadata: dict[str, int | float]) -> None:
+def preflight(group, what: str, problem: str | None, metadata: dict[str, int | float],
+              show: dict[str, Callable[[int | float], str]] | None = None) -> None:
     """All ranks of ``group`` call this with their local ``problem`` (None if fine) and
     ``metadata`` (same keys on every rank; ints, or floats compared bit for bit). Raises
     ``DistributedInputError`` on every rank if any rank had a problem or any metadata value
     differs across ranks. Every rank sends one row of the same length whatever it passed,
-    so a rank with other keys, or a value that is not a number, is named, not a crash."""
+    so a rank with other keys, or a value that is not a number, is named, not a crash.
+    ``show``: for a value that is a code (a dtype's, a choice's index, a sentinel for None), how
+    the disagreement names it; other values are named as they are."""
     require_initialized(what)
     names = list(metadata)
     values = []
@@ -104,8 +108,16 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int | f
         if bool((col != col[0]).any()):
             j = int((col != col[0]).nonzero()[0])
             like = metadata[name]
-            raise DistributedInputError(f"{what}: ranks disagree on {name}: {_decode(int(col[0]), like)} on rank "
-                                        f"{ranks[0]} but {_decode(int(col[j]), like)} on rank {ranks[j]}")
+            named = (show or {}).get(name)
+
+            def value(v):
+                text = _decode(v, like)
+                if named is None:
+                    return text
+                return named(struct.unpack("<d", struct.pack("<q", v))[0] if isinstance(like, float) else v)
+
+            raise DistributedInputError(f"{what}: ranks disagree on {name}: {value(int(col[0]))} on rank "
+                                        f"{ranks[0]} but {value(int(col[j]))} on rank {ranks[j]}")
 
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
@@ -113,6 +125,43 @@ DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.floa
 
 def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES.get(dtype, 0)
+
+
+_CODE_DTYPES = {c: d for d, c in DTYPE_CODES.items()}
+
+
+def show_dtype(code: int) -> str:
+    return str(_CODE_DTYPES[code]) if code in _CODE_DTYPES else "no float dtype"
+
+
+def show_choice(choices, none: int | None = None) -> Callable[[int], str]:
+    """An index into ``choices`` named as the choice; ``none`` (a sentinel) as None."""
+    def show(i: int) -> str:
+        if none is not None and i == none:
+            return "None"
+        return repr(choices[i]) if 0 <= i < len(choices) else f"no valid choice of {tuple(choices)}"
+    return show
+
+
+def show_or_none(sentinel) -> Callable:
+    """A value as itself, the sentinel that stands for None as None (a NaN sentinel: any NaN)."""
+    def show(v) -> str:
+        nan = isinstance(sentinel, float) and math.isnan(sentinel)
+        return "None" if (nan and isinstance(v, float) and math.isnan(v)) or (not nan and v == sentinel) else repr(v)
+    return show
+
+
+def show_flags(names, prefix: str = "") -> Callable[[int], str]:
+    """A bit mask over ``names`` as ``prefix`` and the list of names whose bit is set."""
+    return lambda mask: prefix + "[" + ", ".join(n for i, n in enumerate(names) if mask >> i & 1) + "]"
+
+
+def show_bool(v: int) -> str:
+    return repr(bool(v))
+
+
+# how the layout's metadata (CPLayout.metadata()) is named in a disagreement
+LAYOUT_KEYS = ("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical")
 
 
 def collect(checks) -> str | None:

@@ -26,11 +26,14 @@ partials. Two ways to turn those into dK/dV of the local keys:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
-from rlk_ops.distributed.layout import CPLayout
+from rlk_ops.distributed.checks import (LAYOUT_KEYS, DistributedInputError, collect, dtype_code, preflight, show_bool,
+                                        show_choice, show_dtype, show_or_none)
+from rlk_ops.distributed.layout import MODES, CPLayout
 from rlk_ops.distributed.reductions import ordered_sum
 from rlk_ops.ops._validate import finite, short_repr
 
@@ -71,11 +74,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         else:
             meta = {"local_tokens": _dim(q, 0), "num_heads": _dim(q, 1), "num_kv_heads": _dim(k, 1),
                     "head_dim": _dim(q, -1), "dtype": dtype_code(getattr(q, "dtype", None)),
-                    # each rank's own scale would run silently (a float: compared bit for bit)
-                    "softmax_scale": float(softmax_scale) if scale_ok and softmax_scale is not None else -1.0}
-            lay_meta = layout.metadata() if isinstance(layout, CPLayout) else [-1] * 6
-            meta.update(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"), lay_meta))
-            preflight(group, "context_parallel_attention", problem, meta)
+                    # each rank's own scale would run silently (a float: compared bit for bit). None is NaN,
+                    # which no accepted scale is (-1.0 was, so None on one rank beside -1.0 passed; session 35)
+                    "softmax_scale": float(softmax_scale) if scale_ok and softmax_scale is not None else math.nan}
+            lay_meta = layout.metadata() if isinstance(layout, CPLayout) else [-1] * len(LAYOUT_KEYS)
+            meta.update(zip(LAYOUT_KEYS, lay_meta))
+            preflight(group, "context_parallel_attention", problem, meta,
+                      show={"dtype": show_dtype, "softmax_scale": show_or_none(math.nan), "mode": show_choice(MODES),
+                            "canonical": show_bool})
     return cp_attention(q, k, v, layout, None if group is None else group.group_name, softmax_scale)
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from rlk_ops.distributed.checks import DistributedInputError, preflight
+from rlk_ops.distributed.checks import DistributedInputError, preflight, show_bool, show_choice
 
 DIM_NAMES = ("tp", "cp")
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
@@ -57,6 +57,13 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+# init_mesh's meshes, by (tp, cp, device_type, timeout in s): each init_device_mesh call makes new
+# process groups (3 threads and 4 file descriptors a rank each on gloo, never freed), so a repeated
+# call returns the mesh it made (a session 35 audit); with the default group it was made under
+_MESHES: dict[tuple, tuple] = {}
+
+
 def init_mesh(tp: int, cp: int, device_type: str | None = None,
               timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
     """A (tp, cp) DeviceMesh over all ranks.
@@ -67,19 +74,27 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     CPU metadata checks), gloo for CPU. The mesh's tp and cp groups get ``timeout`` too:
     DeviceMesh makes them with the backend's default (30 minutes for gloo), so until
     session 33 a collective on a 2-D mesh's group waited that long. A dim that spans
-    every rank is the default group itself, whose timeout is left as it was made. Checks on every rank,
-    before the mesh's sub-groups are created, that all ranks ask for the same (tp, cp)."""
+    every rank is the default group itself, whose timeout is left as it was made.
+
+    Checks on every rank, before the mesh's sub-groups are created, that all ranks ask for
+    the same (tp, cp, device_type, timeout) and that each argument is valid: a rank with a bad
+    one raises with the others, naming it (before session 35 a bad ``device_type`` or ``timeout``
+    raised on its rank alone while the others waited in the check). Without a process group a bad
+    argument raises at once (there is nobody to tell). A second call with the same arguments
+    under the same default process group returns the same mesh."""
     device_type = device_type or default_device_type()
-    if device_type not in ("cpu", "cuda"):  # the same on every rank: raised before any collective
-        raise DistributedInputError(f"init_mesh: device_type must be 'cpu' or 'cuda' (None: this machine's), got "
-                                    f"{device_type!r}")
-    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise DistributedInputError(f"init_mesh: timeout must be a positive datetime.timedelta, got {timeout!r}")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise DistributedInputError("init_mesh: device_type 'cuda' but no CUDA device is available here")
+    problem = None
+    if device_type not in DEVICE_TYPES:
+        problem = f"init_mesh: device_type must be 'cpu' or 'cuda' (None: this machine's), got {device_type!r}"
+    elif not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        problem = f"init_mesh: timeout must be a positive datetime.timedelta, got {timeout!r}"
+    elif device_type == "cuda" and not torch.cuda.is_available():
+        problem = "init_mesh: device_type 'cuda' but no CUDA device is available here"
     if not dist.is_available():
         raise DistributedInputError("init_mesh: torch.distributed is not available in this build")
     if not dist.is_initialized():
+        if problem:
+            raise DistributedInputError(problem)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise DistributedInputError(
                 "init_mesh: the default process group is not initialized and RANK/WORLD_SIZE are not set; "
@@ -89,23 +104,34 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
-    problem = None
     for name, val in (("tp", tp), ("cp", cp)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+        if problem is None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
             problem = f"init_mesh: {name} must be a positive int, got {val!r}"
     if problem is None and tp * cp != world:
         problem = f"init_mesh: tp * cp = {tp} * {cp} = {tp * cp} must equal the world size {world}"
-    preflight(None, "init_mesh", problem, {"tp": tp if isinstance(tp, int) else -1,
-                                           "cp": cp if isinstance(cp, int) else -1,
-                                           "timeout_s": timeout.total_seconds()})
-    mesh = init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
+    timeout_s = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else -1.0
     world_group = dist.distributed_c10d._get_default_group()
+    key = (tp, cp, device_type, timeout_s)
+    made = _MESHES.get(key) if problem is None else None
+    if made is not None and made[0] is not world_group:   # made under a process group since destroyed
+        made = None
+    preflight(None, "init_mesh", problem,
+              {"tp": tp if isinstance(tp, int) else -1, "cp": cp if isinstance(cp, int) else -1,
+               "device_type": DEVICE_TYPES.index(device_type) if device_type in DEVICE_TYPES else -1,
+               "timeout_s": timeout_s,
+               # a rank that would make new groups while the others reuse theirs would wait in new_group
+               "an existing mesh": int(made is not None)},
+              show={"device_type": show_choice(DEVICE_TYPES), "an existing mesh": show_bool})
+    if made is not None:
+        return made[1]
+    mesh = init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)
     for name in DIM_NAMES:
         group = mesh.get_group(name)
         # a dim that spans the world reuses the default group: its timeout is whoever made it's
         # (this function's when it made it), not to be changed under the caller's other collectives
         if group.group_name != world_group.group_name:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
+    _MESHES[key] = (world_group, mesh)
     return mesh
 
 

@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
 
 from rlk_ops.compile.block import Qwen3Attention
-from rlk_ops.distributed.checks import DistributedInputError, collect, dtype_code, preflight
+from rlk_ops.distributed.checks import (LAYOUT_KEYS, DistributedInputError, collect, dtype_code, preflight, show_bool,
+                                        show_choice, show_dtype, show_flags, show_or_none)
 from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for, seq_lens_from_cu
 from rlk_ops.distributed.local_block import Topology, local_forward
 from rlk_ops.distributed.mesh import PLACEMENTS, groups, mesh_sizes
@@ -110,7 +111,9 @@ class ParallelQwen3Attention(nn.Module):
                          # which parameters train: a rank that froze another set would update its own
                          "requires_grad": sum(1 << i for i, n in enumerate(_PARAMS)
                                               if is_block and dict(block.named_parameters())[n].requires_grad)})
-            preflight(None, "ParallelQwen3Attention", problem, meta)
+            preflight(None, "ParallelQwen3Attention", problem, meta,
+                      show={"dtype": show_dtype, "sharding": show_choice(MODES), "chunks": show_or_none(-1),
+                            "rotary_dim": show_or_none(0), "requires_grad": show_flags(_PARAMS, "True for ")})
         tp_group, cp_group, tp_rank, cp_rank = groups(mesh)
         self.topology = Topology(
             tp=tp, cp=cp, tp_rank=tp_rank, cp_rank=cp_rank,
@@ -141,9 +144,15 @@ class ParallelQwen3Attention(nn.Module):
 
         def local_checks():
             cu = [0, *itertools.accumulate(seq_lens_from_cu(cu_seqlens))]  # read once (a device copy on CUDA)
-            if not local and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1 \
-                    and cu[-1] != hidden_states.shape[0]:  # before the layout: a huge cu_seqlens[-1] is not built
-                _fail(f"hidden_states must be [{cu[-1]}, {cfg.hidden_size}] (the packed token count, hidden_size), "
+            # before the layout, which holds int64 index rows of the packed token count per chunk: a huge
+            # cu_seqlens[-1] is refused, not built (with local=True it was built, ~1.2 GiB per 16M tokens;
+            # a session 35 audit)
+            if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 1 \
+                    and cu[-1] != hidden_states.shape[0] * (cp if local else 1):
+                rows = (f"{cu[-1] // cp}" if cu[-1] % cp == 0 else f"{cu[-1]} / {cp}") if local else f"{cu[-1]}"
+                why = (f"this rank's token count: cu_seqlens[-1] = {cu[-1]} over cp = {cp}" if local
+                       else "the packed token count")
+                _fail(f"hidden_states must be [{rows}, {cfg.hidden_size}] ({why}, hidden_size), "
                       f"got {list(hidden_states.shape)}")
             state["layout"] = lay = build_layout(cu, cp, self.topology.cp_rank, self.sharding, self.chunks)
             want = lay.local_tokens if local else lay.total_tokens
@@ -179,10 +188,10 @@ class ParallelQwen3Attention(nn.Module):
                 raise DistributedInputError(problem)
         else:
             lay = state.get("layout")
-            meta = dict(zip(("batch", "tokens", "seq_lens_hash", "mode", "n_chunks", "canonical"),
-                            lay.metadata() if lay else [-1] * 6))
+            meta = dict(zip(LAYOUT_KEYS, lay.metadata() if lay else [-1] * len(LAYOUT_KEYS)))
             meta["dtype"] = dtype_code(getattr(hidden_states, "dtype", None))
-            preflight(None, "ParallelQwen3Attention.prepare", problem, meta)
+            preflight(None, "ParallelQwen3Attention.prepare", problem, meta,
+                      show={"mode": show_choice(MODES), "canonical": show_bool, "dtype": show_dtype})
         lay = state["layout"].to(hidden_states.device)
         x = hidden_states if local else lay.shard(hidden_states)
         pos = positions if local else lay.shard(positions)
