@@ -299,6 +299,9 @@ def test_cache_sizes_must_be_positive_ints(name, value):
 @pytest.mark.parametrize("kw,pattern", [
     ({"dtype": "bfloat16"}, r"dtype must be a floating-point torch.dtype, got 'bfloat16'"),
     ({"dtype": torch.int32}, r"dtype must be a floating-point torch.dtype, got torch.int32"),  # once: at the append
+    # a float dtype no paged op takes: refused at the first append, after a forward (a session 35 audit)
+    ({"dtype": torch.float8_e4m3fn}, r"dtype must be one the paged ops take, one of torch.bfloat16, torch.float16, "
+                                     r"torch.float32, torch.float64, got torch.float8_e4m3fn"),
     ({"device": "foo"}, r"device must be a torch.device or its name, got 'foo'"),
     ({"seed": 1.5}, r"seed must be an int in \[0, 2\*\*63\) \(it shuffles the free list\), got 1.5"),
     ({"seed": None}, r"seed must be an int .*got None"),
@@ -518,3 +521,77 @@ def test_a_float32_embedding_table_with_a_bfloat16_cache_runs():
     assert cache.k[0].dtype == torch.bfloat16
     out = RolloutEngine(model, cache, max_running=1).run(reqs)
     assert len(out[0].generated) == 3
+
+
+def test_inductor_compiled_model_equals_eager_training():
+    """The engine's own advice for a compiled rollout, torch.compile(TinyQwen3.forward_rollout), on
+    the default backend (Inductor): its log-probs and attention rows equal the eager trainer's bits,
+    and a compiled forward_train's logits and gradients equal eager's. As plain code the SwiGLU was
+    fused by Inductor (silu's fp32 value kept for the product, exp evaluated its own way): 7 of 7
+    tokens mismatched the eager trainer (a session 35 audit); it is an op now (rollout/glue.py). Without it
+    the compiled training forward's logits differ from eager's too, and so every gradient."""
+    cfg = TinyQwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16)
+    model = TinyQwen3(cfg, seed=1)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(i, torch.randint(0, 64, (n,), generator=g).tolist(), m)
+            for i, (n, m) in enumerate([(5, 4), (9, 3), (2, 5)])]
+    from torch._inductor.compile_fx import compile_fx
+    calls = []
+
+    def inductor(gm, example_inputs):   # Inductor, counting the calls of the graphs it compiled
+        compiled = compile_fx(gm, example_inputs)
+
+        def run(*a):
+            calls.append(1)
+            return compiled(*a)
+        return run
+
+    # forward_rollout reads the allocator's tables in Python: Dynamo guards on them and compiles
+    # again for each step (past the recompile limit it would run steps eagerly, unseen)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        eng = RolloutEngine(model, cache_for(model, reqs, 4, 3), max_running=3, chunk=4, sampler=Sampler(None),
+                            forward=torch.compile(TinyQwen3.forward_rollout, dynamic=True, backend=inductor))
+        results = eng.run(reqs)
+    assert len(calls) >= len(eng.log) > 0, (len(calls), len(eng.log))   # every step ran compiled
+    logps, trace, starts = demo.rescore(model, results, "cpu")
+    rep = demo._compare(results, logps, trace, starts, cfg.num_layers)
+    assert rep["tokens"] == 12 and rep["mismatched_tokens"] == 0
+    assert rep["attention_positions"] > 0 and rep["mismatched_attention_positions"] == 0
+
+    tokens = torch.randint(0, 64, (14,), generator=g)
+    positions = torch.cat([torch.arange(9), torch.arange(5)])
+    cu = torch.tensor([0, 9, 14], dtype=torch.int32)
+
+    def train(fn):
+        model.zero_grad(set_to_none=True)
+        logits = fn(model, tokens, positions, cu, 9)
+        (logits.float() * torch.linspace(-1, 1, 64)).sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = train(TinyQwen3.forward_train)
+    compiled = train(torch.compile(TinyQwen3.forward_train, fullgraph=True))
+    assert torch.equal(eager[0], compiled[0])
+    # every gradient but the embedding's: its backward is a scatter-add over repeated token ids, which
+    # Inductor sums in its own order (not an rlk op, and not on the log-probs' path)
+    grads = [n for n in eager[1] if n != "embed_tokens.weight"]
+    assert len(grads) == 11 * cfg.num_layers + 2   # per layer 2 norms, 6 attention, 3 MLP; norm, lm_head
+    assert all(torch.equal(eager[1][n], compiled[1][n]) for n in grads), \
+        [n for n in grads if not torch.equal(eager[1][n], compiled[1][n])]
+
+
+def test_swiglu_op_is_checked_and_its_gradient_is_silu_times_up():
+    """rlk_model::swiglu: opcheck (fake, schema, autograd registration) and the analytic backward against
+    gradcheck in float64; bf16 forward is silu rounded once, times up."""
+    from rlk_ops.rollout import glue
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 8, generator=g, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.rlk_model.swiglu.default, (x.requires_grad_(),))
+    torch.library.opcheck(torch.ops.rlk_model.swiglu_bwd.default, (torch.randn(5, 3, 4, dtype=torch.float64), x.detach()))
+    assert torch.autograd.gradcheck(glue.swiglu, (x,))
+    xb = torch.randn(7, 10, generator=g).to(torch.bfloat16)
+    gate, up = xb.chunk(2, -1)
+    assert torch.equal(glue.swiglu(xb), glue.silu(gate) * up)
+    with pytest.raises(ValueError, match=r"rlk_model::swiglu: gate_up must be \[..., 2 \* intermediate\] .*got shape \[2, 3\]"):
+        glue.swiglu(torch.zeros(2, 3))

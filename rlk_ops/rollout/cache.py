@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from rlk_ops.ops._validate import positive_ints
+from rlk_ops.ops._validate import FLOAT_DTYPES, positive_ints
 
 
 class CacheFullError(RuntimeError):
@@ -25,6 +25,9 @@ class PagedKVCache:
                       num_kv_heads=num_kv_heads, head_dim=head_dim)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"PagedKVCache dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if dtype not in FLOAT_DTYPES:   # e.g. float8_e4m3fn: refused by the first append, after a forward ran
+            raise ValueError(f"PagedKVCache dtype must be one the paged ops take, one of "
+                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}, got {dtype}")
         try:
             device = torch.device(device)
         except (TypeError, RuntimeError) as e:

@@ -13,6 +13,8 @@ log-softmax use ``numerics.exp`` / ``numerics.log`` (``torch.nn.functional.silu`
 and ``torch.log_softmax`` on CPU evaluate exp differently in the vector body and the
 scalar tail of a row, and on CUDA ``log_softmax``'s reduction split depends on the
 number of rows), so log-probs are computed by the CPU reference path on every device.
+And it cannot break compiled == eager: the SwiGLU is an op of its own (``glue.py``: Inductor
+changed its bits as plain code), and each residual add is one rounding whose result an rlk op reads.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import rlk_ops
 from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.kernels.cpu import numerics as nx
 from rlk_ops.ops._validate import positive_ints
+from rlk_ops.rollout.glue import silu, swiglu  # noqa: F401 (silu: the model's, re-exported)
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,6 @@ class TinyQwen3Config:
     def attention(self) -> Qwen3AttentionConfig:
         return Qwen3AttentionConfig(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                                     self.rope_theta, self.rms_norm_eps, split_kv=self.split_kv)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) in fp32 with position-independent exp, rounded once."""
-    x32 = x.float()
-    return (x32 / (1.0 + nx.exp(-x32))).to(x.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,8 +86,7 @@ class _MLP(nn.Module):
 
     def forward(self, x):
         gate_up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return rlk_ops.linear(silu(gate) * up, self.down_proj.weight)
+        return rlk_ops.linear(swiglu(gate_up), self.down_proj.weight)   # an op: compiled bits = eager bits
 
 
 class _Layer(nn.Module):

@@ -1,0 +1,92 @@
+"""The demo model's SwiGLU as custom ops (namespace ``rlk_model``): opaque to torch.compile.
+
+    rlk_model::swiglu(gate_up [..., 2I]) -> [..., I]        silu(gate) * up, gate_up's dtype
+    rlk_model::swiglu_bwd(dout [..., I], gate_up) -> [..., 2I]
+
+``silu(x)`` is x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp (``numerics.exp``), rounded
+once to x's dtype; the product is one IEEE multiply in that dtype. Written as plain torch code in
+the model, Inductor fused it and changed its bits: it keeps silu's fp32 value instead of the
+rounded one for the product, and evaluates exp's polynomial its own way. On CPU 9,023 of 32,768
+SwiGLU outputs differed, compiled vs eager, and a rollout compiled as the engine suggests
+(``torch.compile(TinyQwen3.forward_rollout)``) mismatched the eager trainer's log-probs on 7 of 7
+tokens while every attention row still matched (a session 35 audit). As ops, these torch calls run
+as written under any compile (eager, Inductor, any device), so the compiled model's log-probs are
+the eager model's. The residual adds need no op: each is one rounding, and its result is an
+input of an rlk op (the next RMSNorm), which Inductor must materialise in the model's dtype.
+
+The backward is the analytic gradient: d_up = dout * silu(gate) (in the dtype, as autograd's
+product rule), d_gate = dout * up (in the dtype) times silu'(gate) = s * (1 + gate * (1 - s)), s the
+fp32 (fp64) sigmoid of the forward, rounded once; tests check it against gradcheck in fp64. These are not rlk ops: no backend choice, no determinism
+spec beyond "the same torch calls on every call".
+"""
+from __future__ import annotations
+
+import torch
+
+from rlk_ops.kernels.cpu import numerics as nx
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: fp64 for fp64, else fp32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp, rounded once."""
+    x32 = _acc(x)
+    return (x32 / (1.0 + nx.exp(-x32))).to(x.dtype)
+
+
+def _check(op: str, gate_up: torch.Tensor) -> None:
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"rlk_model::{op}: gate_up must be [..., 2 * intermediate] (gate, then up), got "
+                         f"shape {list(gate_up.shape)}")
+    if not gate_up.is_floating_point():
+        raise ValueError(f"rlk_model::{op}: gate_up must be a floating tensor, got {gate_up.dtype}")
+
+
+@torch.library.custom_op("rlk_model::swiglu", mutates_args=())
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    _check("swiglu", gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu(gate) * up
+
+
+@_swiglu.register_fake
+def _swiglu_fake(gate_up):
+    _check("swiglu", gate_up)
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("rlk_model::swiglu_bwd", mutates_args=())
+def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    _check("swiglu_bwd", gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    x32 = _acc(gate)
+    s = 1.0 / (1.0 + nx.exp(-x32))
+    d_up = dout * silu(gate)
+    d_gate = (_acc(dout * up) * (s * (1.0 + x32 * (1.0 - s)))).to(gate.dtype)
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+@_swiglu_bwd.register_fake
+def _swiglu_bwd_fake(dout, gate_up):
+    _check("swiglu_bwd", gate_up)
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return torch.ops.rlk_model.swiglu_bwd(dout.contiguous(), gate_up)
+
+
+_swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat([gate, up], -1); differentiable."""
+    return torch.ops.rlk_model.swiglu(gate_up)
