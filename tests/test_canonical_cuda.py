@@ -486,6 +486,26 @@ def test_merge_skip_needs_the_2d_max_and_an_unrolled_walk():
         triton_merge.merge_attn_states(*parts, config=(4, 1, 0, 4, False, True), vec=0)
 
 
+def test_merge_refuses_an_explicit_config_that_drops_states_or_head_dims():
+    """A 2D max narrower than the state count read only the first states (10 states, width 4: NaN out
+    and +inf lse where state 9 held the row), and a head_dim split past its width made an empty slice
+    (a session 35 audit; merge_config never makes either, an explicit config could)."""
+    pytest.importorskip("triton")
+    from rlk_ops.kernels.triton import merge as triton_merge
+
+    parts = torch.zeros(10, 2, 1, 4, 8), torch.zeros(10, 2, 4, 1)
+    for vec in (0, 4):
+        with pytest.raises(ValueError, match=r"2D max width config\[3\] must be 0 or a power of two >= the state "
+                                             r"count 10, got 4"):
+            triton_merge.merge_attn_states(*parts, config=(1, 1, 4, 4), vec=vec)
+    with pytest.raises(ValueError, match=r"2D max width config\[3\] .*got 12"):
+        triton_merge.merge_attn_states(*parts, config=(1, 1, 0, 12), vec=0)
+    tiny = torch.zeros(3, 2, 1, 4, 2), torch.zeros(3, 2, 4, 1)
+    with pytest.raises(ValueError, match=r"head_dim split config\[1\] must be a power of two dividing 2 "
+                                         r"\(head_dim 2 rounded up\), got 4"):
+        triton_merge.merge_attn_states(*tiny, config=(1, 4, 0, 4), vec=0)
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("block,split,vec,two_d_max,dtype", [

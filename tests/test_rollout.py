@@ -524,8 +524,8 @@ def test_a_float32_embedding_table_with_a_bfloat16_cache_runs():
 
 
 def test_inductor_compiled_model_equals_eager_training():
-    """The engine's own advice for a compiled rollout, torch.compile(TinyQwen3.forward_rollout), on
-    the default backend (Inductor): its log-probs and attention rows equal the eager trainer's bits,
+    """A compiled rollout (compiled_rollout: TinyQwen3.forward_paged under torch.compile) on the
+    default backend (Inductor): its log-probs and attention rows equal the eager trainer's bits,
     and a compiled forward_train's logits and gradients equal eager's. As plain code the SwiGLU was
     fused by Inductor (silu's fp32 value kept for the product, exp evaluated its own way): 7 of 7
     tokens mismatched the eager trainer (a session 35 audit); it is an op now (rollout/glue.py). Without it
@@ -535,11 +535,14 @@ def test_inductor_compiled_model_equals_eager_training():
     model = TinyQwen3(cfg, seed=1)
     g = torch.Generator().manual_seed(0)
     reqs = [Request(i, torch.randint(0, 64, (n,), generator=g).tolist(), m)
-            for i, (n, m) in enumerate([(5, 4), (9, 3), (2, 5)])]
+            for i, (n, m) in enumerate([(5, 40), (90, 3), (2, 50), (30, 20), (17, 9), (60, 30)])]
     from torch._inductor.compile_fx import compile_fx
-    calls = []
 
-    def inductor(gm, example_inputs):   # Inductor, counting the calls of the graphs it compiled
+    from rlk_ops.rollout.model import compiled_rollout
+    graphs, calls = [], []
+
+    def inductor(gm, example_inputs):   # Inductor, counting the graphs it compiles and their calls
+        graphs.append(gm)
         compiled = compile_fx(gm, example_inputs)
 
         def run(*a):
@@ -547,16 +550,16 @@ def test_inductor_compiled_model_equals_eager_training():
             return compiled(*a)
         return run
 
-    # forward_rollout reads the allocator's tables in Python: Dynamo guards on them and compiles
-    # again for each step (past the recompile limit it would run steps eagerly, unseen)
-    with torch._dynamo.config.patch(recompile_limit=64):
-        eng = RolloutEngine(model, cache_for(model, reqs, 4, 3), max_running=3, chunk=4, sampler=Sampler(None),
-                            forward=torch.compile(TinyQwen3.forward_rollout, dynamic=True, backend=inductor))
-        results = eng.run(reqs)
-    assert len(calls) >= len(eng.log) > 0, (len(calls), len(eng.log))   # every step ran compiled
+    # compiled_rollout: the allocator's lookups stay eager, so the graphs do not follow the page tables
+    # (compiling forward_rollout whole compiled 35 graphs for 32 steps, past Dynamo's recompile limit
+    # of 8, after which steps run eagerly, unseen)
+    eng = RolloutEngine(model, cache_for(model, reqs, 8, 3), max_running=3, chunk=16, sampler=Sampler(None),
+                        forward=compiled_rollout(dynamic=True, backend=inductor))
+    results = eng.run(reqs)
+    assert len(calls) >= len(eng.log) > 8 >= len(graphs), (len(calls), len(eng.log), len(graphs))
     logps, trace, starts = demo.rescore(model, results, "cpu")
     rep = demo._compare(results, logps, trace, starts, cfg.num_layers)
-    assert rep["tokens"] == 12 and rep["mismatched_tokens"] == 0
+    assert rep["tokens"] == 152 and rep["mismatched_tokens"] == 0
     assert rep["attention_positions"] > 0 and rep["mismatched_attention_positions"] == 0
 
     tokens = torch.randint(0, 64, (14,), generator=g)

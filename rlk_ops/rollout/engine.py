@@ -103,7 +103,9 @@ class RolloutEngine:
                 f"RolloutEngine: model must have a forward_rollout method (or pass forward=), got "
                 f"{type(model).__name__}" + (": torch.compile(model) compiles model.forward only; pass the module "
                                              "itself (model._orig_mod) and compile its rollout as "
-                                             "forward=torch.compile(type(module).forward_rollout)" if wrapped else ""))
+                                             "forward=torch.compile(type(module).forward_rollout) (for "
+                                             "TinyQwen3: forward=rlk_ops.rollout.model.compiled_rollout(), which "
+                                             "keeps the allocator's lookups out of the graph)" if wrapped else ""))
         k_dtype = _k_dtype(model) if forward is None else None   # a custom forward may cast as it likes
         if k_dtype is not None and k_dtype != cache.k[0].dtype:
             # else the first append refused it, after a forward had run

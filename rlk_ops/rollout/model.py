@@ -148,12 +148,19 @@ class TinyQwen3(nn.Module):
                         slot_mapping: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
         """tokens/positions [B, Sq]: the newest Sq tokens of sequences ``seqs`` (their
         slots already reserved in ``cache``) -> logits [B, Sq, vocab]."""
+        return self.forward_paged(tokens, positions, cache.k, cache.v, cache.page_table(seqs), cache.seq_lens(seqs),
+                                  slot_mapping, trace)
+
+    def forward_paged(self, tokens: torch.Tensor, positions: torch.Tensor, k_caches: list[torch.Tensor],
+                      v_caches: list[torch.Tensor], page_table: torch.Tensor, seq_lens: torch.Tensor,
+                      slot_mapping: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        """``forward_rollout`` after the allocator's lookups: tensors only (what ``compiled_rollout``
+        compiles; Dynamo would guard on the allocator's Python tables and compile anew every step)."""
         b, sq = tokens.shape
         h = self.embed_tokens(tokens)
-        page_table, seq_lens = cache.page_table(seqs), cache.seq_lens(seqs)
         for i, layer in enumerate(self.layers):
             out, attn, lse = layer.self_attn.forward_rollout(
-                layer.input_layernorm(h), positions, cache.k[i], cache.v[i], page_table, seq_lens, slot_mapping,
+                layer.input_layernorm(h), positions, k_caches[i], v_caches[i], page_table, seq_lens, slot_mapping,
                 return_attention=True)
             if trace is not None:
                 trace.attn.append(attn.reshape(b * sq, *attn.shape[2:]))
@@ -161,3 +168,21 @@ class TinyQwen3(nn.Module):
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
+
+
+def compiled_rollout(**compile_kwargs):
+    """A ``forward=`` for ``RolloutEngine``: the allocator's lookups (page table, lengths) run eagerly,
+    ``TinyQwen3.forward_paged`` under ``torch.compile(**compile_kwargs)``. Compiling
+    ``forward_rollout`` whole compiled a graph per step (Dynamo guarded on the page tables' Python
+    lists: 35 graphs for 32 steps); this compiles one per kind of step (a batch of one sequence or
+    more, one new token or more: sizes 1 are specialised), with the eager trainer's bits
+    (tests/test_rollout.py). The page table gets a second column when it has one (page 0, past every
+    sequence's length: read by no row), so its width adds no kind."""
+    core = torch.compile(TinyQwen3.forward_paged, **compile_kwargs)
+
+    def forward(model, tokens, positions, cache, seqs, slot_mapping, trace=None):
+        table = cache.page_table(seqs)
+        if table.shape[1] == 1:
+            table = torch.nn.functional.pad(table, (0, 1))
+        return core(model, tokens, positions, cache.k, cache.v, table, cache.seq_lens(seqs), slot_mapping, trace)
+    return forward

@@ -604,6 +604,15 @@ def merge_attn_states(out_parts, lse_parts, state_lens=None, config=None, vec=No
         config, vec = merge_route(rows, n, d, out_parts.device)
     block, split, unroll, *rest = config or merge_config(rows, n, d, out_parts.device)
     max2d = rest[0] if rest else 0
+    # an explicit config (tests, benchmarks) is checked as merge_config's are made: a 2D max narrower
+    # than N read only the first states (NaN out beside a +inf lse), a split past head_dim's width
+    # made an empty slice (a session 35 audit)
+    if max2d and (max2d != C.pow2(max2d) or max2d < n):
+        raise ValueError(f"merge_attn_states config: the 2D max width config[3] must be 0 or a power of two "
+                         f">= the state count {n}, got {max2d}")
+    if split < 1 or split != C.pow2(split) or C.pow2(d) % split or C.pow2(d) // split < 1:
+        raise ValueError(f"merge_attn_states config: the head_dim split config[1] must be a power of two "
+                         f"dividing {C.pow2(d)} (head_dim {d} rounded up), got {split}")
     skip = rest[2] if len(rest) > 2 else 0
     warps = rest[3] if len(rest) > 3 else 0
     block_d = C.pow2(d) // split
