@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -112,12 +113,25 @@ def _demo(args) -> int:
     return demo.exit_code(report)
 
 
+def _strict_json(obj):
+    """``obj`` with every non-finite float written as the string "inf", "-inf" or "nan": json.dump's
+    bare Infinity / NaN is no JSON other parsers take (a drift of a NaN or an infinity; session 35)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
 def _write_json(obj, path: str, flag: str, indent: int) -> bool:
-    """Write ``obj`` to ``path``; on failure say so and return False (a traceback after the job's
-    result, with exit 1, read as "rollout and training disagree"; a session 34 audit)."""
+    """Write ``obj`` to ``path`` as strict JSON (non-finite floats as strings); on failure say so and
+    return False (a traceback after the job's result, with exit 1, read as "rollout and training
+    disagree"; a session 34 audit)."""
     try:
         with open(path, "w") as f:
-            json.dump(obj, f, indent=indent)
+            json.dump(_strict_json(obj), f, indent=indent, allow_nan=False)
     except OSError as e:
         print(f"error: {flag} {path}: cannot write it: {e}", file=sys.stderr)
         return False

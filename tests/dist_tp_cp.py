@@ -217,6 +217,17 @@ def bad_input_checks(mesh, rank):
                       "rank 2 rejected its input", "device_type must be 'cpu' or 'cuda'", "got 'gpu'")
     expect_everywhere(lambda: init_mesh(2, 2, "cpu", timeout=datetime.timedelta(seconds=100 + (rank == 3))),
                       "ranks disagree on timeout_s: 100.0 on rank 0 but 101.0 on rank 3")
+    # a rank that lost its mesh (the others kept theirs): every rank raises once and forgets it, and the
+    # next call makes a new mesh everywhere (the disagreement stayed for good)
+    from rlk_ops.distributed import mesh as mesh_mod
+    kept = init_mesh(2, 2, "cpu")   # (the failed calls above made every rank forget theirs)
+    assert init_mesh(2, 2, "cpu") is kept
+    if rank == 1:
+        mesh_mod._MESHES.clear()
+    expect_everywhere(lambda: init_mesh(2, 2, "cpu"), "ranks disagree on an existing mesh: True on rank 0 but False "
+                                                      "on rank 1")
+    again = init_mesh(2, 2, "cpu")
+    assert again is not kept and init_mesh(2, 2, "cpu") is again
     # the caller's block is left as it was: rank 0's replicated weights are copied into the module, not into it
     other = init_block(Qwen3Attention(**SMALL))
     with torch.no_grad():
@@ -418,3 +429,18 @@ def world_timeout_kept_check(rank):
     if rank == 1:
         time.sleep(4)
     dist.barrier()
+
+
+def env_init_worker(rank, world_size, port):
+    """init_mesh under torchrun's environment (no process group yet): a rank with a bad device_type
+    joined no group and raised alone while the others waited in init_process_group until its timeout
+    (a session 35 review); it now joins and raises with them."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.time()
+    msg = expect_everywhere(lambda: init_mesh(2, 1, "gpu" if rank == 1 else "cpu",
+                                              timeout=datetime.timedelta(seconds=30)),
+                            "init_mesh: rank 1 rejected its input", "device_type must be 'cpu' or 'cuda'")
+    assert time.time() - t0 < 20, f"rank {rank} raised after {time.time() - t0:.0f} s: {msg}"
+    dist.barrier()
+    os._exit(0)

@@ -11,7 +11,7 @@ from rlk_ops import RlkInputError
 from rlk_ops.compile.boundary import inspect_boundary
 from rlk_ops.meta import probe, provenance
 from rlk_ops.meta.contract import MAX_CANONICAL_CHUNK, SplitKVPolicy
-from rlk_ops.meta.drift import drift_stats
+from rlk_ops.meta.drift import bits_differ, drift_stats
 
 
 # ------------------------------------------------------------------ drift
@@ -74,6 +74,14 @@ def test_drift_stats_of_equal_infinities_and_nans_is_zero():
     assert d["mismatched"] == 3 and d["max"] == inf and d["mean"] == inf and d["p95"] == inf
     assert drift_stats(a[1:3], b[1:3]) == {"elements": 2, "mismatched": 2, "max": inf, "mean": inf,
                                            "p95": inf, "p99": inf}
+    # an infinity beside another value is inf, not the largest double (nan_to_num's default)
+    for x, y in (([inf], [-inf]), ([inf, 0.0], [1.0, 0.0]), ([0.0, -inf], [0.0, 2.0])):
+        d = drift_stats(torch.tensor(x), torch.tensor(y))
+        assert d["mismatched"] == 1 and d["max"] == inf and d["mean"] == inf, (x, y, d)
+    # a NaN beside a NaN of other bits: a mismatch in one dtype, but no distance
+    neg_nan = torch.tensor([nan]).neg()
+    d = drift_stats(torch.tensor([nan, 1.0]), torch.cat([neg_nan, torch.tensor([1.0])]))
+    assert bool(bits_differ(torch.tensor([nan]), neg_nan)) and (d["mismatched"], d["max"]) == (1, 0.0)
 
 
 def test_drift_stats_refuses_broadcasting():

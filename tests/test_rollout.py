@@ -197,6 +197,22 @@ def test_demo_cli_json(tmp_path):
     assert set(data["negative_control"]) >= {"tokens", "mismatched_tokens"}
 
 
+def test_json_reports_are_strict_json(tmp_path):
+    """A drift of inf or NaN was written as bare Infinity / NaN, which strict JSON parsers refuse; they
+    are strings now, the rest unchanged (a session 35 review)."""
+    from rlk_ops.__main__ import _write_json
+
+    path = tmp_path / "r.json"
+    report = {"drift": {"max": float("inf"), "min": -float("inf"), "mean": float("nan"), "p95": 0.5},
+              "rows": [1, 2.5, (float("inf"), "x")], "ok": True, "n": None}
+    assert _write_json(report, str(path), "--json", indent=1)
+    text = path.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert data == {"drift": {"max": "inf", "min": "-inf", "mean": "nan", "p95": 0.5},
+                    "rows": [1, 2.5, ["inf", "x"]], "ok": True, "n": None}
+
+
 def test_batch_reservation_is_all_or_nothing():
     cache = PagedKVCache(1, num_pages=3, page_size=4, num_kv_heads=1, head_dim=8)
     cache.add(0)
@@ -557,6 +573,16 @@ def test_inductor_compiled_model_equals_eager_training():
                         forward=compiled_rollout(dynamic=True, backend=inductor))
     results = eng.run(reqs)
     assert len(calls) >= len(eng.log) > 8 >= len(graphs), (len(calls), len(eng.log), len(graphs))
+    # each compiled_rollout is a function of its own: Dynamo's recompile limit counts per code object, and
+    # sharing one made a process's third model run eagerly (a session 35 review)
+    for dtype in (torch.float32, torch.float16):
+        other = TinyQwen3(cfg, seed=2, dtype=dtype)
+        graphs.clear(), calls.clear()
+        few = reqs[:3]
+        e2 = RolloutEngine(other, cache_for(other, few, 8, 3), max_running=3, chunk=16, sampler=Sampler(None),
+                           forward=compiled_rollout(dynamic=True, backend=inductor))
+        e2.run(few)
+        assert len(calls) >= len(e2.log) > 0 and graphs, (dtype, len(calls), len(e2.log), len(graphs))
     logps, trace, starts = demo.rescore(model, results, "cpu")
     rep = demo._compare(results, logps, trace, starts, cfg.num_layers)
     assert rep["tokens"] == 152 and rep["mismatched_tokens"] == 0
@@ -598,3 +624,10 @@ def test_swiglu_op_is_checked_and_its_gradient_is_silu_times_up():
     assert torch.equal(glue.swiglu(xb), glue.silu(gate) * up)
     with pytest.raises(ValueError, match=r"rlk_model::swiglu: gate_up must be \[..., 2 \* intermediate\] .*got shape \[2, 3\]"):
         glue.swiglu(torch.zeros(2, 3))
+    # a permuted gate_up: the op's output is contiguous as its fake says (it followed the input's strides,
+    # and opcheck and Inductor failed), and dout must be the output's dtype and shape
+    xt = torch.randn(8, 6, generator=g).t()
+    torch.library.opcheck(torch.ops.rlk_model.swiglu.default, (xt,))
+    torch.library.opcheck(torch.ops.rlk_model.swiglu.default, (torch.randn(4, 3, 6, generator=g).permute(1, 0, 2),))
+    with pytest.raises(ValueError, match=r"swiglu_bwd: dout must be torch.bfloat16 \[7, 5\] .*got torch.float32 \[7, 5\]"):
+        torch.ops.rlk_model.swiglu_bwd(torch.zeros(7, 5), xb)

@@ -79,9 +79,12 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     Checks on every rank, before the mesh's sub-groups are created, that all ranks ask for
     the same (tp, cp, device_type, timeout) and that each argument is valid: a rank with a bad
     one raises with the others, naming it (before session 35 a bad ``device_type`` or ``timeout``
-    raised on its rank alone while the others waited in the check). Without a process group a bad
-    argument raises at once (there is nobody to tell). A second call with the same arguments
-    under the same default process group returns the same mesh."""
+    raised on its rank alone while the others waited in the check). With no process group and no
+    RANK/WORLD_SIZE a bad argument raises at once (there is nobody to tell); under torchrun a rank
+    with one joins the group (gloo, the default timeout) and raises with the others. A second call
+    with the same arguments under the same default process group returns the same mesh. A call that
+    raises makes every rank forget the mesh of its arguments, so ranks that disagree on whether they
+    have one (the check names it) agree again at the next call."""
     device_type = device_type or default_device_type()
     problem = None
     if device_type not in DEVICE_TYPES:
@@ -93,16 +96,17 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     if not dist.is_available():
         raise DistributedInputError("init_mesh: torch.distributed is not available in this build")
     if not dist.is_initialized():
-        if problem:
-            raise DistributedInputError(problem)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise DistributedInputError(
+            raise DistributedInputError(problem or (
                 "init_mesh: the default process group is not initialized and RANK/WORLD_SIZE are not set; "
-                "launch with torchrun or call torch.distributed.init_process_group(..., timeout=...) first")
-        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        if device_type == "cuda":
+                "launch with torchrun or call torch.distributed.init_process_group(..., timeout=...) first"))
+        # the other ranks are joining this group: a rank with a bad argument joins too (gloo, the default
+        # timeout) and says so in the check below, rather than raising alone while they wait
+        cuda = device_type == "cuda" and problem is None
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                timeout=DEFAULT_TIMEOUT if problem else timeout)
     world = dist.get_world_size()
     for name, val in (("tp", tp), ("cp", cp)):
         if problem is None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
@@ -115,13 +119,17 @@ def init_mesh(tp: int, cp: int, device_type: str | None = None,
     made = _MESHES.get(key) if problem is None else None
     if made is not None and made[0] is not world_group:   # made under a process group since destroyed
         made = None
-    preflight(None, "init_mesh", problem,
-              {"tp": tp if isinstance(tp, int) else -1, "cp": cp if isinstance(cp, int) else -1,
-               "device_type": DEVICE_TYPES.index(device_type) if device_type in DEVICE_TYPES else -1,
-               "timeout_s": timeout_s,
-               # a rank that would make new groups while the others reuse theirs would wait in new_group
-               "an existing mesh": int(made is not None)},
-              show={"device_type": show_choice(DEVICE_TYPES), "an existing mesh": show_bool})
+    try:
+        preflight(None, "init_mesh", problem,
+                  {"tp": tp if isinstance(tp, int) else -1, "cp": cp if isinstance(cp, int) else -1,
+                   "device_type": DEVICE_TYPES.index(device_type) if device_type in DEVICE_TYPES else -1,
+                   "timeout_s": timeout_s,
+                   # a rank that would make new groups while the others reuse theirs would wait in new_group
+                   "an existing mesh": int(made is not None)},
+                  show={"device_type": show_choice(DEVICE_TYPES), "an existing mesh": show_bool})
+    except DistributedInputError:
+        _MESHES.pop(key, None)   # on every rank: the next call with these arguments makes a new mesh everywhere
+        raise
     if made is not None:
         return made[1]
     mesh = init_device_mesh(device_type, (tp, cp), mesh_dim_names=DIM_NAMES)

@@ -25,16 +25,20 @@ def drift_stats(a: torch.Tensor, b: torch.Tensor) -> dict:
     """max / mean / p95 / p99 of |a - b| (float64), plus how many elements differ in their bits
     (``mismatched``; tensors of two dtypes: how many differ in value, a NaN beside a NaN not).
     An element that does not differ counts 0 (an -inf lse beside the same -inf gave NaN drift
-    before: inf - inf; a session 35 audit); one that differs by a NaN (a NaN beside a number,
-    inf beside -inf) counts inf."""
+    before: inf - inf; a session 35 audit), and so does a NaN beside a NaN of other bits (counted
+    mismatched in one dtype); a NaN beside a number, or an infinity beside another value, counts inf."""
     if a.shape != b.shape:
         raise ValueError(f"drift_stats: shapes differ: {list(a.shape)} vs {list(b.shape)}")
     x, y = a.detach().cpu(), b.detach().cpu()
     if x.numel() == 0:
         return {"elements": 0, "mismatched": 0, "max": 0.0, "mean": 0.0, "p95": 0.0, "p99": 0.0}
-    differ = bits_differ(x, y) if x.dtype == y.dtype else (x != y) & ~(x.isnan() & y.isnan())
-    diff = (x.double() - y.double()).abs().flatten()
-    diff = torch.where(differ.flatten(), diff.nan_to_num(nan=float("inf")), 0.0)
+    both_nan = x.isnan() & y.isnan()
+    differ = bits_differ(x, y) if x.dtype == y.dtype else (x != y) & ~both_nan
+    diff = (x.double() - y.double()).abs()
+    # NaN beside NaN (other payload or sign bits: a mismatch in one dtype) is no distance; NaN beside
+    # a number, or inf beside -inf, is inf (nan_to_num alone made +inf the largest double)
+    diff = torch.where(diff.isnan(), float("inf"), diff)
+    diff = torch.where(differ & ~both_nan, diff, 0.0).flatten()
     n = diff.numel()
     mismatched = int(differ.sum())
     srt = diff.sort().values

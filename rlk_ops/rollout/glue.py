@@ -37,19 +37,26 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (x32 / (1.0 + nx.exp(-x32))).to(x.dtype)
 
 
-def _check(op: str, gate_up: torch.Tensor) -> None:
+def _check(op: str, gate_up: torch.Tensor, dout: torch.Tensor | None = None) -> None:
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"rlk_model::{op}: gate_up must be [..., 2 * intermediate] (gate, then up), got "
                          f"shape {list(gate_up.shape)}")
     if not gate_up.is_floating_point():
         raise ValueError(f"rlk_model::{op}: gate_up must be a floating tensor, got {gate_up.dtype}")
+    if dout is not None:
+        want = [*gate_up.shape[:-1], gate_up.shape[-1] // 2]
+        if dout.dtype != gate_up.dtype or list(dout.shape) != want:
+            raise ValueError(f"rlk_model::{op}: dout must be {gate_up.dtype} {want} (the output's), got "
+                             f"{dout.dtype} {list(dout.shape)}")
 
 
 @torch.library.custom_op("rlk_model::swiglu", mutates_args=())
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     _check("swiglu", gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return silu(gate) * up
+    # contiguous, as the fake says: the product follows a permuted input's strides (a session 35 review:
+    # opcheck and Inductor failed on a transposed gate_up)
+    return (silu(gate) * up).contiguous()
 
 
 @_swiglu.register_fake
@@ -60,7 +67,7 @@ def _swiglu_fake(gate_up):
 
 @torch.library.custom_op("rlk_model::swiglu_bwd", mutates_args=())
 def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    _check("swiglu_bwd", gate_up)
+    _check("swiglu_bwd", gate_up, dout)
     gate, up = gate_up.chunk(2, dim=-1)
     x32 = _acc(gate)
     s = 1.0 / (1.0 + nx.exp(-x32))
@@ -71,7 +78,7 @@ def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 @_swiglu_bwd.register_fake
 def _swiglu_bwd_fake(dout, gate_up):
-    _check("swiglu_bwd", gate_up)
+    _check("swiglu_bwd", gate_up, dout)
     return gate_up.new_empty(gate_up.shape)
 
 

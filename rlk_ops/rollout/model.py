@@ -18,6 +18,7 @@ changed its bits as plain code), and each residual add is one rounding whose res
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -178,7 +179,12 @@ def compiled_rollout(**compile_kwargs):
     more, one new token or more: sizes 1 are specialised), with the eager trainer's bits
     (tests/test_rollout.py). The page table gets a second column when it has one (page 0, past every
     sequence's length: read by no row), so its width adds no kind."""
-    core = torch.compile(TinyQwen3.forward_paged, **compile_kwargs)
+    # a function of its own (a copy of the code object): Dynamo counts its recompile limit (8) per code
+    # object, so every compiled_rollout shared one and a process's third model ran eagerly (a session 35
+    # review)
+    fn = TinyQwen3.forward_paged
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    core = torch.compile(own, **compile_kwargs)
 
     def forward(model, tokens, positions, cache, seqs, slot_mapping, trace=None):
         table = cache.page_table(seqs)

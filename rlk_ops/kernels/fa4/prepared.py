@@ -186,8 +186,9 @@ def run(module, call, live: dict, scale: float, normal: Callable[[], object], va
         if real is None:
             raise PreparedCallError(
                 "this FA4 has no _flash_attn_fwd.compile_cache to record a prepared call from (flash-attn-4 "
-                "4.0.0b36 has it); install that version, or call FA4 every time with "
-                "rlk_ops.kernels.fa4.canonical.prepared_calls(False) (same bits, ~125 us more host time per call)")
+                "4.0.0b36 has it); install that version, or call FA4 every time: rlk_ops.kernels.fa4.canonical."
+                "PREPARED_CALLS = False, or `with rlk_ops.kernels.fa4.canonical.prepared_calls(False):` (same "
+                "bits, ~125 us more host time per call)")
         rec = _Recorder(real)
         fwd.compile_cache = rec
         try:
