@@ -3,8 +3,8 @@
     rlk_model::swiglu(gate_up [..., 2I]) -> [..., I]        silu(gate) * up, gate_up's dtype
     rlk_model::swiglu_bwd(dout [..., I], gate_up) -> [..., 2I]
 
-``silu(x)`` is x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp (``numerics.exp``), rounded
-once to x's dtype; the product is one IEEE multiply in that dtype. Written as plain torch code in
+``silu(x)`` is x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp
+(``numerics.exp``), rounded once to x's dtype; the product is one IEEE multiply in that dtype. Written as plain torch code in
 the model, Inductor fused it and changed its bits: it keeps silu's fp32 value instead of the
 rounded one for the product, and evaluates exp's polynomial its own way. On CPU 9,023 of 32,768
 SwiGLU outputs differed, compiled vs eager, and a rollout compiled as the engine suggests
@@ -16,8 +16,8 @@ input of an rlk op (the next RMSNorm), which Inductor must materialise in the mo
 
 The backward is the analytic gradient: d_up = dout * silu(gate) (in the dtype, as autograd's
 product rule), d_gate = dout * up (in the dtype) times silu'(gate) = s * (1 + gate * (1 - s)), s the
-fp32 (fp64) sigmoid of the forward, rounded once; tests check it against gradcheck in fp64. These are not rlk ops: no backend choice, no determinism
-spec beyond "the same torch calls on every call".
+fp32 (fp64) sigmoid of the forward, rounded once; tests check it against gradcheck in fp64. These
+are not rlk ops: no backend choice, no determinism spec beyond "the same torch calls on every call".
 """
 from __future__ import annotations
 

@@ -175,10 +175,10 @@ def compiled_rollout(**compile_kwargs):
     """A ``forward=`` for ``RolloutEngine``: the allocator's lookups (page table, lengths) run eagerly,
     ``TinyQwen3.forward_paged`` under ``torch.compile(**compile_kwargs)``. Compiling
     ``forward_rollout`` whole compiled a graph per step (Dynamo guarded on the page tables' Python
-    lists: 35 graphs for 32 steps); this compiles one per kind of step (a batch of one sequence or
-    more, one new token or more: sizes 1 are specialised), with the eager trainer's bits
-    (tests/test_rollout.py). The page table gets a second column when it has one (page 0, past every
-    sequence's length: read by no row), so its width adds no kind."""
+    lists: 35 graphs for 32 steps); this compiled 5 for 72 steps in tests/test_rollout.py, with the
+    eager trainer's bits. Dynamo still specialises sizes of 1 (a batch of one sequence, one new
+    token) and sizes equal to another (duck sizing), so a run compiles a few graphs. A one-column
+    page table gets a second column (page 0, past every sequence's length: read by no row)."""
     # a function of its own (a copy of the code object): Dynamo counts its recompile limit (8) per code
     # object, so every compiled_rollout shared one and a process's third model ran eagerly (a session 35
     # review)
