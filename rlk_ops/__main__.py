@@ -106,7 +106,8 @@ def _demo(args) -> int:
         rlk_ops.set_strict_mode(False)
     report = demo.run(device=args.device, layers=args.layers, sequences=args.sequences, split_kv=args.split_kv,
                       chunk=args.chunk, page_size=args.page_size, max_running=args.max_running, seed=args.seed,
-                      greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet)
+                      greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet,
+                      compile=args.compile)
     print(demo.summary(report))
     if args.json is not None and not _write_json(report, args.json, "--json", indent=2):
         return 2
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=_positive_int, default=4, help="sequences decoding at once")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--greedy", action="store_true", help="greedy instead of the seeded sampler")
+    p.add_argument("--compile", action="store_true",
+                   help="run the rollout under torch.compile (Inductor); the trainer stays eager")
     p.add_argument("--no-backward", action="store_true", help="skip the training backward check")
     p.add_argument("--no-strict", action="store_true", help="allow recorded fallbacks")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -197,6 +197,23 @@ def test_demo_cli_json(tmp_path):
     assert set(data["negative_control"]) >= {"tokens", "mismatched_tokens"}
 
 
+def test_demo_with_a_compiled_rollout():
+    """demo --compile: the rollout under Inductor (compiled_rollout), the trainer eager; bitwise equal,
+    and graphs were compiled (not a silent eager run)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    report = demo.run(sequences=4, layers=1, progress=False, negative_control=False, backward=False, compile=True)
+    assert counters["stats"]["unique_graphs"] > before
+    assert report["rollout_compiled"] is True and report["tokens"] > 0
+    assert report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    assert "rollout under torch.compile (Inductor)" in demo.summary(report)
+    compiled = {f["field"]: f for f in report["binding"]["fields"]}.get("runtime.compiled")
+    assert compiled is not None and compiled["rollout"] is True and compiled["train"] is False, compiled
+    with pytest.raises(ValueError, match=r"demo: compile must be a bool, got 'yes'"):
+        demo.run(sequences=2, progress=False, compile="yes")
+
+
 def test_json_reports_are_strict_json(tmp_path):
     """A drift of inf or NaN was written as bare Infinity / NaN, which strict JSON parsers refuse; they
     are strings now, the rest unchanged (a session 35 review)."""

@@ -867,12 +867,14 @@ def load_side(path: str, side_name: str | None = None) -> dict:
 
 
 def bind_model(model, *, page_size: int = 16, mandate: Mandate | None = None, model_id: str | None = None,
-               topology=None) -> tuple[BindingResult, dict, dict]:
+               topology=None, rollout_compiled: bool = False) -> tuple[BindingResult, dict, dict]:
     """Describe both entry points of ``model`` (a small warm-up compile + provenance
     capture of each: training fwd+bwd, rollout prefill and decode) and bind them.
-    Returns (result, train side, rollout side)."""
+    ``rollout_compiled``: whether the rollout's production path runs under torch.compile
+    (recorded as the side's ``runtime.compiled``). Returns (result, train side, rollout side)."""
     from rlk_ops.meta.probe import describe_rollout, describe_train
 
     train = describe_train(model, model_id=model_id, topology=topology)
-    rollout = describe_rollout(model, page_size=page_size, model_id=model_id, topology=topology)
+    rollout = describe_rollout(model, page_size=page_size, model_id=model_id, topology=topology,
+                               compiled=rollout_compiled)
     return bind(train, rollout, mandate), train, rollout

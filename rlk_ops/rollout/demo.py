@@ -27,7 +27,7 @@ from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.drift import bits_differ, drift_stats
 from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
-from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, token_logprobs
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, compiled_rollout, token_logprobs
 from rlk_ops.rollout.plain import plain_forward_rollout, plain_log_softmax
 
 
@@ -141,9 +141,13 @@ def _backward_check(model, results, device) -> dict:
 
 def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
         page_size: int = 16, max_running: int = 4, seed: int = 0, greedy: bool = False, backward: bool = True,
-        negative_control: bool = True, progress: bool = True) -> dict:
+        negative_control: bool = True, progress: bool = True, compile: bool = False) -> dict:
+    """The train-vs-rollout check. ``compile``: the rollout runs under torch.compile (Inductor, through
+    ``model.compiled_rollout``), the trainer eagerly: compiled == eager is part of what is compared."""
     positive_ints("demo:", layers=layers, sequences=sequences, chunk=chunk, page_size=page_size,
                   max_running=max_running)
+    if not isinstance(compile, bool):
+        raise ValueError(f"demo: compile must be a bool, got {compile!r}")
     policy = SplitKVPolicy.parse(split_kv)
     if not policy.strict and rlk_ops.strict_mode():
         raise rlk_ops.StrictModeError(f"split_kv {split_kv!r} is not batch-invariant; strict mode (the default) "
@@ -157,7 +161,8 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
     contract = AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim, split_kv=str(policy))
     # Before generating: do the two entry points run the same attention contract?
     # (warm-up compile + provenance of each; meta/binding.py). Strict mode refuses to go on.
-    bound, _, _ = binding.bind_model(model, page_size=page_size, mandate=binding.Mandate.from_contract(contract))
+    bound, _, _ = binding.bind_model(model, page_size=page_size, mandate=binding.Mandate.from_contract(contract),
+                                     rollout_compiled=compile)
     if not bound.passed and rlk_ops.strict_mode():
         raise rlk_ops.StrictModeError("training and rollout do not bind; refusing to generate:\n" + bound.summary())
     t_bind = time.perf_counter()
@@ -166,6 +171,7 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
     with provenance.capture() as roll_log:
         engine = RolloutEngine(model, cache_for(model, requests, page_size, max_running, device, seed),
                                max_running=max_running, chunk=chunk, sampler=sampler,
+                               forward=compiled_rollout(dynamic=True) if compile else None,
                                on_token=Progress(sum(r.max_new_tokens for r in requests), "rollout", enabled=progress))
         results = engine.run(requests)
     t_roll = time.perf_counter()
@@ -197,6 +203,7 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
                   "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "seed": seed,
                   "sampler": "greedy" if greedy else f"gumbel(seed={seed})"},
         "device": device,
+        "rollout_compiled": compile,
         "seconds": {"binding": round(t_bind - t0, 2), "rollout": round(t_roll - t_bind, 2),
                     "training": round(t_train - t_roll, 2)},
     })
@@ -226,7 +233,8 @@ def summary(report: dict) -> str:
         f"{report['tokens']} generated tokens",
         f"  scheduling: chunked prefill (chunk {report['scheduling']['chunk']}), page size "
         f"{report['scheduling']['page_size']}, up to {report['scheduling']['max_running']} running, decode batch "
-        f"sizes {report['scheduling']['decode_batch_sizes']}, {report['scheduling']['steps']} steps",
+        f"sizes {report['scheduling']['decode_batch_sizes']}, {report['scheduling']['steps']} steps"
+        + ("; rollout under torch.compile (Inductor), training eager" if report.get("rollout_compiled") else ""),
         f"  contract: {report['contract']['dtype']}, causal, scale {report['contract']['softmax_scale']:.4g}, "
         f"split-KV {report['contract']['split_kv']}, {report['contract']['accumulation']} accumulation, "
         f"{report['contract']['lse']} LSE; strict={report['provenance']['strict']}, "
