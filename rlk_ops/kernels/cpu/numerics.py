@@ -22,7 +22,8 @@ round, min/max, bit manipulation) give the same bits on every path. So:
   ``rowsum`` avoids). So every dot product in the reference backend has an order
   that depends on ``D`` (or the key-block length) alone.
 * ``exp``, ``log``, ``sincos`` are polynomial evaluations built from single IEEE
-  operations (Cody-Waite range reduction, Horner), accurate to ~1-2 ulp.
+  operations (Cody-Waite range reduction, Horner), accurate to ~1-2 ulp (float64 ``log``: up
+  to ~3 ulp near 1, 2.85 measured in a session 35 audit; fp32 results are rounded once more).
 """
 from __future__ import annotations
 
