@@ -24,6 +24,7 @@ natural packed order.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -62,6 +63,10 @@ DEVICE_TYPES = ("cpu", "cuda")
 # process groups (3 threads and 4 file descriptors a rank each on gloo, never freed), so a repeated
 # call returns the mesh it made (a session 35 audit); with the default group it was made under
 _MESHES: dict[tuple, tuple] = {}
+# released at exit, before the interpreter's teardown: a cached mesh kept its gloo groups alive past
+# destroy_process_group into module teardown, where their destruction aborted the process after every
+# check had passed ("terminate called without an active exception", 1 run in 3 of the torchrun example)
+atexit.register(_MESHES.clear)
 
 
 def init_mesh(tp: int, cp: int, device_type: str | None = None,
