@@ -3,7 +3,7 @@
 # when sent, FlashInfer's wheel in three parts (.gpu/fi1..3: split -b here, so that each call
 # stays under the 64 MiB a call may carry with the tree; reassembled and checked by sha256 here).
 # Usage (GPU machine): bash benchmarks/cuda_suite.sh COMMIT PART
-#   PART=main: FlashInfer install, both CUDA demos, `pytest -m cuda -n 8 tests/` except the two
+#   PART=main: FlashInfer install, the CUDA demos (single pass, canonical, compiled rollout), `pytest -m cuda -n 8 tests/` except the two
 #              pair/walk files -> $OUT/demo_cuda*.json, $OUT/cuda_suite.log
 #   PART=pairs: tests/test_triton_pair_decode.py and tests/test_walk_decode.py -> $OUT/pair_walk_tests.log
 set -u -o pipefail
@@ -25,6 +25,9 @@ if [ "${2:-main}" = main ]; then
   timeout 150 python3 -m rlk_ops demo --device cuda --quiet --json "$OUT/demo_cuda.json"; echo "demo rc=$?"
   timeout 150 python3 -m rlk_ops demo --device cuda --split-kv canonical --quiet \
     --json "$OUT/demo_cuda_canonical.json"; echo "demo canonical rc=$?"
+  # the rollout under Inductor (compiled_rollout), the trainer eager (session 35; not yet run on a GPU)
+  timeout 200 python3 -m rlk_ops demo --device cuda --compile --quiet --json "$OUT/demo_cuda_compile.json"
+  echo "demo compile rc=$?"
   timeout 330 python3 -m pytest -m cuda -q -rfEs -n 8 -p no:cacheprovider tests/ \
     --ignore=tests/test_walk_decode.py --ignore=tests/test_triton_pair_decode.py > "$OUT/cuda_suite.log" 2>&1
   echo "suite rc=$?"; tail -5 "$OUT/cuda_suite.log"
