@@ -79,9 +79,11 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
         if args.model_id is not None and not args.model_id.strip():
             parser.error(f"--model-id must be a non-empty checkpoint id (or left out: the weights' sha256), "
                          f"got {args.model_id!r}")
-        if cfg.num_heads % args.tp or cfg.num_kv_heads % args.tp:
-            parser.error(f"--tp {args.tp} must divide the demo model's {cfg.num_heads} query and "
-                         f"{cfg.num_kv_heads} KV heads")
+        for flag in ("tp", "cp"):   # a side described with tp or cp > 1 states no ownership: it never bound
+            if getattr(args, flag) != 1:
+                parser.error(f"--{flag} {getattr(args, flag)}: describe runs the unsharded demo model in one "
+                             f"process, so --{flag} must be 1 (a side with {flag} > 1 must state which heads or "
+                             f"tokens it owns: rlk_ops.meta.probe.Topology, from Python)")
         entries = args.entries.split(",")
         if not entries or any(e not in ("prefill", "decode") for e in entries):
             parser.error(f"--entries must be prefill, decode or prefill,decode, got {args.entries!r}")
@@ -170,9 +172,12 @@ def _check(args) -> int:
         train, rollout = load_side(args.train, "train"), load_side(args.rollout, "rollout")
     except (OSError, ValueError) as e:
         print(f"check: {e}", file=sys.stderr)
+        if args.json:   # a refusal is an answer too: stdout had nothing to parse
+            print(json.dumps({"refused": str(e)}, indent=2))
         return 2
     result = bind(train, rollout)
-    print(json.dumps(result.to_json(), indent=2) if args.json else result.summary())
+    # strict JSON: a value the binding turned into inf (1e39 as a float32 scale) was printed as Infinity
+    print(json.dumps(_strict_json(result.to_json()), indent=2, allow_nan=False) if args.json else result.summary())
     return 0 if result.comparable and result.passed else 1
 
 

@@ -550,7 +550,9 @@ def test_cli_check_refuses_a_side_given_as_the_other(tmp_path, train, rollout, c
     (["describe", "--side", "train", "--out", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
     (["demo", "--json", "/nonexistent/x.json"], "the folder /nonexistent does not exist"),
     (["demo", "--seed", "100000000000000"], "expected an int in [0, 2**32), got 100000000000000"),
-    (["describe", "--side", "train", "--out", "OUT", "--tp", "3"], "--tp 3 must divide the demo model's"),
+    # a side described with tp or cp > 1 states no ownership and never bound (a session 35 audit)
+    (["describe", "--side", "train", "--out", "OUT", "--tp", "2"], "--tp 2: describe runs the unsharded demo model"),
+    (["describe", "--side", "rollout", "--out", "OUT", "--cp", "2"], "--cp 2: describe runs the unsharded demo"),
     # once a traceback after the whole run (a folder, an empty path) or from the allocator (the page size)
     (["demo", "--json", "DIR"], "is a folder; give a file path in it"),
     (["demo", "--json="], "--json needs a file path, got an empty string"),
@@ -848,7 +850,7 @@ def _malformed(side, path, value):
     (("entries", 0, "graph", "forward", 0, "producers"), None, r"entries\[0\].graph.forward\[0\] must be a node"),
     (("entries", 0, "graph", "forward", 0, "outputs"), None, r"entries\[0\].graph.forward\[0\] must be a node"),
     (("entries", 0, "graph", "forward", 1, "producers", "x"), [99, 0],
-     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < \d+, output\] pair"),
+     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < \d+, output index 0..63\] pair"),
     (("entries", 0, "provenance", 0, "fallback"), None, r"entries\[0\].provenance\[0\] must be an object with "),
     (("entries", 0, "provenance", 0, "kernel"), [1], r"entries\[0\].provenance\[0\].kernel must be a string or "
                                                      r"null, got list \[1\]"),
@@ -864,7 +866,7 @@ def _malformed(side, path, value):
     (("entries", 0, "name"), ["train"], r"entries\[0\].name must be a string or null, got list"),
     (("topology", "tp"), "1", r"topology.tp must be an int >= 1, got str '1'"),
     (("entries", 0, "graph", "forward", 1, "producers", "x"), [1, 0],
-     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < 1, output\] pair \(an earlier"),
+     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < 1, output index 0..63\] pair"),
     (("entries", 0, "graph", "forward", 0, "index"), 5,
      r"entries\[0\].graph.forward\[0\].index must be its position in the list \(0\), got int 5"),
     (("entries", 0, "graph", "forward", 0, "args", "extra"), {"a": 1},
@@ -872,6 +874,16 @@ def _malformed(side, path, value):
     # session 34 audit: these bound
     (("entries", 0, "graph", "graph_breaks"), -1, r"entries\[0\].graph.graph_breaks must be an int >= 0, got int -1"),
     (("entries", 0, "graph", "recompiles"), True, r"entries\[0\].graph.recompiles must be an int >= 0, got bool"),
+    # session 35 audit: these bound (the same NaN on both sides compared equal; an output index of 10**30; an
+    # empty list of run counts summed to 0 reruns)
+    (("entries", 0, "graph", "forward", 0, "args", "extra"), float("nan"),
+     r"entries\[0\].graph.forward\[0\].args.extra must be finite \(no op records NaN or an infinity\)"),
+    (("entries", 0, "graph", "forward", 0, "args", "extra"), [1.0, float("inf")],
+     r"entries\[0\].graph.forward\[0\].args.extra must be finite"),
+    (("entries", 0, "graph", "forward", 1, "producers", "x"), [0, 10 ** 30],
+     r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < 1, output index 0..63\]"),
+    (("entries", 0, "graph", "graph_runs"), {"forward": [], "backward": []},
+     r"entries\[0\].graph.graph_runs.forward must be one run count per compiled graph \(1\), got list \[\]"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,
@@ -1131,3 +1143,44 @@ def test_eager_comparison_keeps_the_callers_state():
     torch._dynamo.mark_dynamic(y, 0)
     entry = probe.run_entry("dyn", Counter(), y, backward=False)
     assert entry["graph"]["graph_runs"]["backward"] == [] and entry["graph"]["backward"] == []
+
+
+def test_bind_judges_every_probe_key_and_needs_causal(train, rollout):
+    """A blocking environment key dropped from both files was never judged and bound; an attention_fwd
+    node without causal bound as causal (a session 35 audit: its schema always records it)."""
+    for key in ("version.torch", "source.rlk_ops", "cpu_capability"):
+        a, b = json.loads(json.dumps(train)), json.loads(json.dumps(rollout))
+        del a["environment"][key], b["environment"][key]
+        res = bind(a, b)
+        assert not res.passed and f"env.{key}" in {f.field for f in res.failures}, key
+    assert bind(train, rollout).passed
+    bad = json.loads(json.dumps(train))
+    nodes = bad["entries"][0]["graph"]["forward"]
+    j = next(i for i, n in enumerate(nodes) if n["op"] == "rlk::attention_fwd")
+    del nodes[j]["args"]["causal"]
+    with pytest.raises(binding.SideFormatError, match=rf"the training side: entries\[0\].graph.forward\[{j}\].args "
+                                                      rf"must be an object with causal \(rlk::attention_fwd\)"):
+        bind(bad, rollout)
+
+
+def test_cli_check_json_is_strict_and_refusals_answer(tmp_path, train, rollout, capsys):
+    """check --json printed Infinity for a scale the binding read as float32 inf (1e39), and a refused
+    file printed nothing on stdout; a file nested too deeply was a RecursionError traceback, exit 1."""
+    from rlk_ops.__main__ import main
+
+    t, r = tmp_path / "t.json", tmp_path / "r.json"
+    t.write_text(json.dumps(train))
+    big = json.loads(json.dumps(rollout))
+    for e in big["entries"]:
+        for n in e["graph"]["forward"] if e.get("graph") else []:
+            if "softmax_scale" in n["args"]:
+                n["args"]["softmax_scale"] = 1e39
+    r.write_text(json.dumps(big))
+    assert main(["check", "--train", str(t), "--rollout", str(r), "--json"]) == 1
+    out = capsys.readouterr().out
+    json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert main(["check", "--train", str(t), "--rollout", str(deep), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "nested too deeply" in captured.err and "nested too deeply" in json.loads(captured.out)["refused"]

@@ -25,6 +25,7 @@ only configured). Every failure names the field, both values and the tier.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -683,7 +684,10 @@ def _env_results(train: dict, rollout: dict) -> list[FieldResult]:
         topo = side.get("topology") or {}
         paths.append(path_of(_records(side), topo.get("tp", 1), topo.get("cp", 1)))
     env_a, env_b = train.get("environment"), rollout.get("environment")
-    keys = list(dict.fromkeys([*(env_a or {}), *(env_b or {})])) or ["version.torch"]
+    from rlk_ops.meta.probe import probe
+    # every key the probe writes, present or not: a blocking key dropped from both files was never judged
+    # and bound (a session 35 audit); missing on a side, it is unobservable there
+    keys = list(dict.fromkeys([*probe(), *(env_a or {}), *(env_b or {})]))
     out = []
     for key in keys:
         why = blocking(key, paths[0]) or blocking(key, paths[1])
@@ -781,6 +785,10 @@ def check_side(side, where: str) -> None:
                                                       for r in runs[k])
                 for k in ("forward", "backward"))):
             bad(f"entries[{i}].graph.graph_runs", "an object of forward and backward run counts (ints >= 0)", runs)
+        if runs is not None and isinstance(graph.get("graphs"), int) and len(runs["forward"]) != graph["graphs"]:
+            # an empty list summed to 0 reruns and bound (a session 35 audit)
+            bad(f"entries[{i}].graph.graph_runs.forward", f"one run count per compiled graph ({graph['graphs']})",
+                runs["forward"])
         outside = graph.get("outside_calls")
         if outside is not None and not (isinstance(outside, dict) and all(
                 isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
@@ -806,6 +814,10 @@ def _check_node(bad, where_: str, j: int, n) -> None:
     for k, v in n["args"].items():
         if not isinstance(v, _SCALAR) and not (isinstance(v, list) and all(isinstance(x, _SCALAR) for x in v)):
             bad(f"{where_}.args.{k}", "a number, string, null or a list of them", v)
+        # NaN == NaN compared equal inside lists (one shared NaN object), so a NaN eps or theta on both
+        # sides bound (a session 35 audit); no op records a non-finite scalar
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, list) else [v])):
+            bad(f"{where_}.args.{k}", "finite (no op records NaN or an infinity)", v)
     name = n["op"].split("::")[1]
     if name in _ATTENTION_OPS:
         if len(n["inputs"]) < 2 or len(n["outputs"]) < 2:
@@ -814,6 +826,10 @@ def _check_node(bad, where_: str, j: int, n) -> None:
         for k, desc in (("inputs[0]", n["inputs"][0]), ("inputs[1]", n["inputs"][1]), ("outputs[1]", n["outputs"][1])):
             if not _TENSOR_DESC.fullmatch(desc) or (k != "outputs[1]" and len(_shape(desc)[1]) < 2):
                 bad(f"{where_}.{k}", "a tensor description 'dtype[d0x...]' (q and k with 2 dims or more)", desc)
+        if name in ("attention_fwd", "attention_bwd") and "causal" not in n["args"]:
+            # their schemas always record it: absent, it meant causal silently (the paged ops are causal
+            # by definition and take no such argument)
+            bad(f"{where_}.args", f"an object with causal ({n['op']})", n["args"])
         causal = n["args"].get("causal", True)
         if not (isinstance(causal, bool) or causal in (0, 1)):   # bool("0") is True
             bad(f"{where_}.args.causal", "a bool or 0 / 1", causal)
@@ -827,8 +843,9 @@ def _check_node(bad, where_: str, j: int, n) -> None:
     for arg, src in n["producers"].items():
         # an earlier node: graphs are in topological order, and a cycle made binding's path walk loop forever
         if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in src) and 0 <= src[0] < j):
-            bad(f"{where_}.producers.{arg}", f"null or a [node index < {j}, output] pair (an earlier node)", src)
+                isinstance(x, int) and not isinstance(x, bool) for x in src) and 0 <= src[0] < j and 0 <= src[1] < 64):
+            bad(f"{where_}.producers.{arg}", f"null or a [node index < {j}, output index 0..63] pair (an earlier "
+                "node)", src)
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
@@ -853,8 +870,11 @@ def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingR
 def load_side(path: str, side_name: str | None = None) -> dict:
     """A side description from ``path``; with ``side_name`` ("train" or "rollout") it must
     describe that side (a rollout file given as the training side binds nothing)."""
-    with open(path) as f:
-        side = json.load(f)
+    try:
+        with open(path) as f:
+            side = json.load(f)
+    except RecursionError as e:   # nesting deeper than the parser's stack: a traceback with exit 1 before
+        raise ValueError(f"{path}: not a side description (JSON nested too deeply to read)") from e
     if not isinstance(side, dict) or side.get("format") != "rlk_ops.binding.side/1":
         raise ValueError(f"{path}: not a side description (format must be 'rlk_ops.binding.side/1')")
     if side_name is not None and side.get("side") != side_name:
