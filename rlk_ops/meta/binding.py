@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
-from rlk_ops.meta.probe import blocking, path_of
+from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
 
 IDENTICAL, SEMANTIC, RECORDED = "IDENTICAL", "SEMANTIC", "RECORDED"
@@ -684,10 +684,9 @@ def _env_results(train: dict, rollout: dict) -> list[FieldResult]:
         topo = side.get("topology") or {}
         paths.append(path_of(_records(side), topo.get("tp", 1), topo.get("cp", 1)))
     env_a, env_b = train.get("environment"), rollout.get("environment")
-    from rlk_ops.meta.probe import probe
     # every key the probe writes, present or not: a blocking key dropped from both files was never judged
     # and bound (a session 35 audit); missing on a side, it is unobservable there
-    keys = list(dict.fromkeys([*probe(), *(env_a or {}), *(env_b or {})]))
+    keys = list(dict.fromkeys([*probe_keys(), *(env_a or {}), *(env_b or {})]))
     out = []
     for key in keys:
         why = blocking(key, paths[0]) or blocking(key, paths[1])

@@ -139,6 +139,12 @@ def path_of(records: list[dict], tp: int = 1, cp: int = 1) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1)
+def probe_keys() -> tuple[str, ...]:
+    """The keys ``probe`` writes (fixed; read once): what a binding judges, present in a file or not."""
+    return tuple(probe())
+
+
 def blocking(setting: str, path: dict) -> str | None:
     """Why ``setting`` changes arithmetic on ``path`` (None: it does not; recorded only)."""
     cuda = "cuda" in path["devices"]
