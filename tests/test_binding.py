@@ -883,7 +883,7 @@ def _malformed(side, path, value):
     (("entries", 0, "graph", "forward", 1, "producers", "x"), [0, 10 ** 30],
      r"entries\[0\].graph.forward\[1\].producers.x must be null or a \[node index < 1, output index 0..63\]"),
     (("entries", 0, "graph", "graph_runs"), {"forward": [], "backward": []},
-     r"entries\[0\].graph.graph_runs.forward must be one run count per compiled graph \(1\), got list \[\]"),
+     r"entries\[0\].graph.graph_runs.forward must be a run count for each of the 1 compiled graphs, got list \[\]"),
 ])
 def test_malformed_side_descriptions_are_named(tmp_path, train, rollout, path, value, message):
     """Each of these once raised a bare KeyError / AttributeError / TypeError from inside bind,
