@@ -145,8 +145,9 @@ def show_choice(choices, none: int | None = None) -> Callable[[int], str]:
 
 def show_or_none(sentinel) -> Callable:
     """A value as itself, the sentinel that stands for None as None (a NaN sentinel: any NaN)."""
+    nan = isinstance(sentinel, float) and math.isnan(sentinel)
+
     def show(v) -> str:
-        nan = isinstance(sentinel, float) and math.isnan(sentinel)
         return "None" if (nan and isinstance(v, float) and math.isnan(v)) or (not nan and v == sentinel) else repr(v)
     return show
 

@@ -31,10 +31,16 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _silu_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in the accumulation dtype and 1 + exp(-x): silu is their quotient, the sigmoid 1 over the second."""
+    x32 = _acc(x)
+    return x32, 1.0 + nx.exp(-x32)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp, rounded once."""
-    x32 = _acc(x)
-    return (x32 / (1.0 + nx.exp(-x32))).to(x.dtype)
+    x32, denom = _silu_parts(x)
+    return (x32 / denom).to(x.dtype)
 
 
 def _check(op: str, gate_up: torch.Tensor, dout: torch.Tensor | None = None) -> None:
@@ -69,9 +75,9 @@ def _swiglu_fake(gate_up):
 def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     _check("swiglu_bwd", gate_up, dout)
     gate, up = gate_up.chunk(2, dim=-1)
-    x32 = _acc(gate)
-    s = 1.0 / (1.0 + nx.exp(-x32))
-    d_up = dout * silu(gate)
+    x32, denom = _silu_parts(gate)   # exp once, for silu (its forward bits) and the sigmoid
+    s = 1.0 / denom
+    d_up = dout * (x32 / denom).to(gate.dtype)
     d_gate = (_acc(dout * up) * (s * (1.0 + x32 * (1.0 - s)))).to(gate.dtype)
     return torch.cat([d_gate, d_up], dim=-1)
 
