@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from rlk_ops.compile.element_maps import element_map, holds
 from rlk_ops.meta.specs import REGISTRY
 
 _aten = torch.ops.aten
@@ -62,6 +63,11 @@ class RlkNode:
     # identity), or "input:<graph input name>" for anything else. Lets the binding see which
     # weight feeds which norm, not only its eps.
     sources: dict = field(default_factory=dict)
+    # Forward graphs only: tensor arguments by schema name -> which elements of which leaf (an rlk op's
+    # output, a parameter, a graph input, a computing node) they hold, replayed on coordinates through
+    # the movement ops between (compile/element_maps.py). Lets the binding see that k is built from
+    # Wk's rows and heads are read in order, not only that a linear produced it.
+    maps: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -239,16 +245,6 @@ _CAST = {"_to_copy"}
 _SAME_ELEMENTS = _SAME_ORDER | _REORDER | _CAST
 
 
-def _holds(a: torch.dtype, b: torch.dtype) -> bool:
-    """Every value of dtype ``b`` is one of ``a``'s (floats: precision and range at least ``b``'s)."""
-    if a == b:
-        return True
-    if not (a.is_floating_point and b.is_floating_point):
-        return False
-    fa, fb = torch.finfo(a), torch.finfo(b)
-    return fa.eps <= fb.eps and fa.max >= fb.max and fa.smallest_normal <= fb.smallest_normal
-
-
 def _step(node: torch.fx.Node) -> tuple[str, bool, torch.dtype | None]:
     """How one followed op transforms the tensor: (text, whether it changes which value sits where, the
     dtype a cast makes: judged once the parameter's dtype is known, in ``_source``)."""
@@ -328,7 +324,7 @@ def _source(val, inputs: dict) -> str | None:
             # exactly (bf16 -> fp32 -> bf16); through a narrower one (bf16 -> float8, fp64 -> fp32 -> bf16:
             # rounded twice) the values may differ
             start = _dtype(val)
-            changed |= any(d is None or start is None or final is None or not (d == final or _holds(d, start))
+            changed |= any(d is None or start is None or final is None or not (d == final or holds(d, start))
                            for d in casts)
             return inputs[val] + ("".join(reversed(steps)) if changed else "")
         name = getattr(val.target, "_opname", None)
@@ -349,9 +345,10 @@ def _dtype(node) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict,
-                 inputs: dict) -> tuple[dict, dict, dict]:
-    args, producers, sources = {}, {}, {}
+def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict, inputs: dict,
+                 maps: tuple | None = None) -> tuple[dict, dict, dict, dict]:
+    """``maps``: (rlk op names by node, node positions) to write element maps with; None: none."""
+    args, producers, sources, elements = {}, {}, {}, {}
     for pos, arg in enumerate(target._schema.arguments):
         val = _schema_value(node, arg, pos, via)
         if "Tensor" in str(arg.type):
@@ -359,9 +356,13 @@ def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict,
             src = _source(val, inputs)
             if src is not None:
                 sources[arg.name] = src
+            if maps is not None:
+                m = element_map(val, produced, maps[0], inputs, maps[1])
+                if m:
+                    elements[arg.name] = m
         else:
             args[arg.name] = _scalar(val)
-    return args, producers, sources
+    return args, producers, sources, elements
 
 
 def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
@@ -373,6 +374,8 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
     if every position agrees in shape and dtype."""
     nodes = []
     produced: dict[torch.fx.Node, int] = {}
+    op_names: dict[torch.fx.Node, str] = {}
+    maps = (op_names, {n: i for i, n in enumerate(gm.graph.nodes)}) if graph == "forward" else None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = {}
     if input_names is not None and len(input_names) == len(placeholders):
@@ -390,14 +393,16 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             name = target._schema.name.split("::")[1]
             spec = REGISTRY[name].as_dict()
             kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
-            args, producers, sources = _call_record(node, target, via, produced, inputs)
+            args, producers, sources, elements = _call_record(node, target, via, produced, inputs, maps)
             produced[node] = first_index + len(nodes)
+            op_names[node] = name
             nodes.append(RlkNode(
                 index=first_index + len(nodes), op=f"rlk::{name}", via=via,
                 tags=[str(t).split(".")[-1] for t in target.tags],
                 spec={"backends": spec["backends"], "mutates": spec["mutates"]},
                 inputs=[d for v in kw_vals for d in _describe(v)],
-                outputs=_describe(node.meta.get("val")), args=args, producers=producers, sources=sources))
+                outputs=_describe(node.meta.get("val")), args=args, producers=producers, sources=sources,
+                maps=elements))
             continue
         if target is operator.getitem or _is_shape_math(node):
             continue

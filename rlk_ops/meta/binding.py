@@ -13,7 +13,9 @@ from each side and classifies every one:
 * SEMANTIC   must be equal on both sides *and* meet the strict mandate (``Mandate``),
              else ``passed`` is False: dtype, causal, scale, fp32 accumulation, LSE dtype
              and domain, reduction order, split-KV policy and executed plan, the q/k path
-             (RMSNorm eps, RoPE theta / rotary_dim / rotate-half), fallbacks, the
+             (RMSNorm eps, RoPE theta / rotary_dim / rotate-half, rope's positions), which
+             elements flow along q/k/v from the projection's weight rows to attention and
+             into every other rlk op (element maps, compile/element_maps.py), fallbacks, the
              determinism spec of every executed backend, blocking environment settings.
 * RECORDED   free to differ, reported: mode (prefill/decode), page size, backend and kernel ids
              whose numerics class is the same, compile on/off, strict flag, leaks.
@@ -24,6 +26,7 @@ only configured). Every failure names the field, both values and the tier.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -208,13 +211,14 @@ RULES: dict[str, Rule] = {
     "attention.reduction_order": Rule(SEMANTIC),
     "attention.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict"),
     "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED), "attention.kernel": Rule(RECORDED),
-    "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED),
+    "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED), "path.flow": Rule(SEMANTIC),
     "norm.eps": Rule(SEMANTIC, _want("rms_norm_eps", "eps")),
     "norm.weight": Rule(SEMANTIC),
     "rope.theta": Rule(SEMANTIC, _want("rope_theta", "theta")),
     "rope.rotary_dim": Rule(SEMANTIC, _want("rotary_dim", "rotary_dim")),
     "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
-    "model.op_args": Rule(SEMANTIC),
+    "rope.positions": Rule(SEMANTIC),
+    "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC),
     "ops.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict", True),
     "ops.determinism": Rule(SEMANTIC, _m_spec, True),
     "ops.backend": Rule(RECORDED, None, True),
@@ -257,10 +261,98 @@ def _param(node: dict, arg: str) -> str | None:
     return src if src is not None and not src.startswith("input:") else None
 
 
-def _chain(nodes: list[dict], start, visited: set) -> tuple[list[str], list[dict], list[str]]:
-    """Follow a tensor back from attention to its projection. Returns the stages in
-    forward order, the norm/rope nodes' arguments (in order), and the op names."""
-    stages, args, ops = [], [], []
+_NO_MAPS = "a side file written before session 36 (no element maps in its graph)"
+
+
+def _edge(node: dict, arg: str, form: str, rows: bool = True, cols: bool = True):
+    """What ``node`` takes as ``arg``, from its element map (compile/element_maps.py) read as rows of
+    ``form`` ("0", "1", "2") or, for a weight, "w": text that does not depend on the batch layout, or
+    Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
+    every token in order on both sides; which tokens an engine projects to logits is its own).
+    ``cols``: whether the leaf's columns are (not for a projection's output: ``_projection`` names
+    the weight rows behind them, which a fused and a separate weight share)."""
+    maps = node.get("maps")
+    if maps is None:
+        return Unobservable(_NO_MAPS)
+    m = maps.get(arg)
+    if m is None:
+        return Unobservable(f"{node['op']} has no element map for {arg!r}")
+    if "unresolved" in m:
+        return Unobservable(f"{node['op']}.{arg}: the element map was not resolved ({m['unresolved']})")
+    via = f" via lossy casts {', '.join(m['casts'])}" if m.get("casts") else ""
+    if "w" in m:
+        return _runs_text(m["w"]) + via
+    v = m.get(form)
+    if v is None:
+        return Unobservable(f"{node['op']}.{arg} has no element map in form {form!r}")
+    if "mixed" in v:
+        return f"mixed {v['mixed']}"
+    span = v["cols"] if isinstance(v["cols"], str) else ",".join(f"{a}:{b}" for a, b in v["cols"])
+    # a graph input that is no parameter is named by Dynamo after the caller's spelling (l_positions_,
+    # l_args_1_ through a functools.partial): which input it is cannot be compared, only that it is one
+    leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
+    return leaf + (f"[{span}]" if cols else "") + (f" rows {v['rows']}" if rows else "") + via
+
+
+def _runs_text(runs, limit: int = 16) -> str:
+    if isinstance(runs, str):
+        return f"permuted {runs}"
+    parts = [f"{label}[{a}:{b}]" for label, a, b in runs]
+    return " + ".join(parts) if len(parts) <= limit else \
+        f"{len(parts)} runs sha256:{hashlib.sha256(repr(runs).encode()).hexdigest()[:16]}"
+
+
+def _projection(linear: dict, consumer: dict, arg: str):
+    """The rows of the parameters behind the columns of ``linear``'s output that ``consumer`` takes as
+    ``arg``: a fused weight (``cat([Wq, Wk, Wv])`` split after the product) and separate weights
+    name the same rows ("...k_proj.weight[rows 0:32]"); a swapped cat or a transposed weight does not."""
+    lmap, cm = linear.get("maps"), consumer.get("maps")
+    if lmap is None or cm is None:
+        return Unobservable(_NO_MAPS), Unobservable(_NO_MAPS)
+    cmap = (cm.get(arg) or {}).get("2")
+    if cmap is None or "mixed" in cmap or isinstance(cmap["cols"], str):
+        why = (cm.get(arg) or {}).get("unresolved") or f"not a run list: {cmap}"
+        return (Unobservable(f"the columns {consumer['op']}.{arg} takes from the projection: {why}"),) * 2
+    k = _shape(linear["inputs"][1])[1][-1] if len(linear["inputs"]) > 1 else None
+    out = []
+    for arg_, width in (("weight", k), ("bias", 1)):
+        m = lmap.get(arg_)
+        if m is None:
+            out.append("none")
+            continue
+        runs = m.get("w")
+        if runs is None or not isinstance(width, int):
+            out.append(Unobservable(f"{linear['op']}.{arg_} is not a parameter's elements "
+                                    f"({m.get('unresolved', 'computed in the graph or a graph input')})"))
+            continue
+        via = f" via lossy casts {', '.join(m['casts'])}" if m.get("casts") else ""
+        if isinstance(runs, str):
+            out.append(f"columns {cmap['cols']} of a permuted weight {runs}{via}")
+            continue
+        pieces = []
+        for a, b in cmap["cols"]:
+            lo, hi, pos = a * width, b * width, 0
+            for label, s, e in runs:
+                x, y = max(lo, pos), min(hi, pos + e - s)
+                if x < y:
+                    ps, pe = s + x - pos, s + y - pos
+                    if pieces and pieces[-1][0] == label and pieces[-1][2] == ps:
+                        pieces[-1][2] = pe
+                    else:
+                        pieces.append([label, ps, pe])
+                pos += e - s
+        text = [f"{label}[rows {ps // width}:{pe // width}]" if ps % width == 0 and pe % width == 0
+                else f"{label}[elements {ps}:{pe}]" for label, ps, pe in pieces]
+        out.append((" + ".join(text) if len(text) <= 16 else _runs_text(pieces)) + via)
+    return tuple(out)
+
+
+def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
+    """Follow a tensor back from attention to its projection. Returns the stages in forward order,
+    the norm/rope nodes' arguments (in order), the op names, and the flow: what each stage takes
+    from the one before, as element maps (``_edge``; at the projection, its input and the rows of
+    its weight and bias), in forward order. ``consumer``: the attention node and its argument."""
+    stages, args, ops, flow = [], [], [], []
     cur = start
     while cur is not None:
         idx, out = cur
@@ -269,31 +361,43 @@ def _chain(nodes: list[dict], start, visited: set) -> tuple[list[str], list[dict
         name = node["op"].split("::")[1]
         ops.append(node["op"])
         if name == "paged_kv_append":  # output 1/2 is the k/v cache the tensor was written into
-            cur = node["producers"].get({1: "k", 2: "v"}.get(out, ""))
+            arg = {1: "k", 2: "v"}.get(out, "")
+            cur, consumer = node["producers"].get(arg), (node, arg)
             continue
+        edge = _edge(consumer[0], consumer[1], "2")
+        if name == "linear":
+            w, b = _projection(node, *consumer)
+            flow += [edge if isinstance(edge := _edge(*consumer, "2", cols=False), Unobservable)
+                     else f"projection output: {edge}",
+                     w if isinstance(w, Unobservable) else f"projection rows: {w}",
+                     b if isinstance(b, Unobservable) else f"projection bias: {b}",
+                     e if isinstance(e := _edge(node, "x", "1"), Unobservable) else f"projection input: {e}"]
+            stages.append("linear")
+            break
+        flow.append(edge)
         if name == "rope":
             stages.append("rope")
-            args.append({"rope": node["args"]})
+            args.append({"rope": node["args"], "positions": _edge(node, "positions", "0")})
         elif name == "qk_rmsnorm":
             stages.append("rmsnorm")
             args.append({"rmsnorm": node["args"], "weight": _param(node, "weight")})
         elif name == "qk_norm_rope":  # fused: bitwise the two ops in sequence (its spec)
             stages += ["rope", "rmsnorm"]
             a = node["args"]
-            args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]}},
+            args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]},
+                      "positions": _edge(node, "positions", "0")},
                      {"rmsnorm": {"eps": a["eps"]}, "weight": _param(node, "q_weight" if out == 0 else "k_weight")}]
-            cur = node["producers"].get("q" if out == 0 else "k")
+            arg = "q" if out == 0 else "k"
+            cur, consumer = node["producers"].get(arg), (node, arg)
             continue
-        elif name == "linear":
-            stages.append("linear")
-            break
         else:
             stages.append(name)
             break
-        cur = node["producers"].get("x")
+        cur, consumer = node["producers"].get("x"), (node, "x")
     if cur is None:
         stages.append("graph input")
-    return stages[::-1], args[::-1], ops[::-1]
+        flow.append(_edge(consumer[0], consumer[1], "2"))
+    return stages[::-1], args[::-1], ops[::-1], flow[::-1]
 
 
 def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
@@ -363,8 +467,10 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         q_src = n["producers"].get("q")
         k_src = n["producers"].get("k" if op == "attention_fwd" else "k_cache")
         v_src = n["producers"].get("v" if op == "attention_fwd" else "v_cache")
+        paged = op != "attention_fwd"
         for name, start in (("q", q_src), ("k", k_src), ("v", v_src)):
-            stages, args, ops = _chain(fwd, start, visited)
+            stages, args, ops, flow = _chain(fwd, start, visited,
+                                             (n, f"{name}_cache" if paged and name != "q" else name))
             # a path that starts at a graph input in a graph with breaks: what made that input ran in another
             # graph, not followed here; its stages are not "absent" but unseen (session 32 audit)
             cut = Unobservable(f"the {name} path starts at a graph input and the entry has graph breaks: the "
@@ -372,6 +478,9 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
                 if stages[0] == "graph input" and graph["graph_breaks"] else None
             put(f"{L}.{name}.stages", "path.stages", cut or ">".join(stages), f"{g}: producers of {n['op']}.{name}")
             put(f"{L}.{name}.ops", "path.ops", " > ".join(ops), f"{g}: producers")
+            gone = next((x for x in flow if isinstance(x, Unobservable)), None)
+            put(f"{L}.{name}.flow", "path.flow", cut or gone or flow,
+                f"{g}: element maps along the {name} path (compile/element_maps.py)")
             if name == "v":
                 continue
             norms = [x["rmsnorm"] for x in args if "rmsnorm" in x]
@@ -388,22 +497,43 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             put(f"{L}.{name}_rope.theta", "rope.theta", _one([x["theta"] for x in ropes], absent), f"{g}: rope args")
             put(f"{L}.{name}_rope.rotary_dim", "rope.rotary_dim", _one([x["rotary_dim"] for x in ropes], absent),
                 f"{g}: rope args")
+            pos = [x["positions"] for x in args if "rope" in x]
+            put(f"{L}.{name}_rope.positions", "rope.positions",
+                next((p for p in pos if isinstance(p, Unobservable)), None) or _one(pos, absent),
+                f"{g}: element map of rope's positions")
             put(f"{L}.{name}_rope.style", "rope.style", "rotate_half" if ropes else absent,
                 "op definition: rlk::rope and rlk::qk_norm_rope rotate half (NeoX/Qwen3)")
     put("runtime.mode", "runtime.mode", _one(sorted(set(modes)), None), g + " attention op and q shape")
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
     rest: dict[str, list] = {}
+    inputs: dict[str, list] = {}
     for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
         # they take must agree too, call by call in graph order (a set of distinct values let one side move
-        # an eps to another layer, or drop a call whose values another call also had). Linears are left
-        # out: one side's fused weight (gate_up_proj) is the other's cat, which has no single source.
+        # an eps to another layer, or drop a call whose values another call also had)
         params = {a: _param(n, a) for a in (n.get("sources") or {}) if _param(n, a) is not None}
-        if n["index"] not in visited and n["args"]:   # ops with scalars (norms; linears: see above)
+        if n["index"] in visited:
+            continue
+        if n["args"]:
             rest.setdefault(n["op"], []).append(json.dumps({**n["args"], **({"params": params} if params else {})},
                                                            sort_keys=True))
+        # and which elements of what each tensor argument holds (o_proj's weight, the MLP's fused gate_up
+        # cat): linears have no scalars, and before session 36 o_proj.weight.t() bound
+        if n.get("maps") is None:
+            inputs.setdefault(n["op"], []).append(Unobservable(_NO_MAPS))
+            continue
+        seen = {}
+        for a, m in sorted(n["maps"].items()):
+            form = next((f for f in ("1", "0") if f in m), "w")
+            seen[a] = _edge(n, a, form, rows=False)
+        bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
+        inputs.setdefault(n["op"], []).append(bad or json.dumps(seen, sort_keys=True))
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
+    for op, maps in inputs.items():
+        bad = next((v for v in maps if isinstance(v, Unobservable)), None)
+        put(f"model.{op.split('::')[1]}.inputs", "model.op_inputs", bad or maps,
+            f"{g}: element maps of the tensor arguments of {op} nodes outside the attention paths, in graph order")
     _op_facts(put, graph, by_op)
     return facts
 
@@ -503,7 +633,10 @@ def _merge_entries(per_entry: list[tuple[str, dict[str, Fact]]]) -> dict[str, Fa
         first = present[0][1]
         vals = [_jsonable(f.value) for _, f in present]
         rule = RULES[first.rule]
-        if rule.tier == RECORDED:
+        unseen = next((f.value for _, f in present if isinstance(f.value, Unobservable)), None)
+        if unseen is not None and rule.tier != RECORDED:   # unseen in one entry: unseen for the side
+            value = unseen
+        elif rule.tier == RECORDED:
             value = _one(list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in vals)), None)
             value = json.loads(value) if isinstance(value, str) else [json.loads(v) for v in value]
         elif all(v == vals[0] for v in vals) and (len(present) == len(per_entry) or rule.one_sided):
@@ -840,12 +973,48 @@ def _check_node(bad, where_: str, j: int, n) -> None:
     if sources is not None and not (isinstance(sources, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in sources.items())):
         bad(f"{where_}.sources", "an object of tensor argument -> source name (strings)", sources)
+    maps = n.get("maps")   # since session 36 (absent: the flow fields are unobservable)
+    if maps is not None:
+        if not isinstance(maps, dict):
+            bad(f"{where_}.maps", "an object of tensor argument -> element map", maps)
+        for arg, m in maps.items():
+            _check_map(bad, f"{where_}.maps.{arg}", m)
     for arg, src in n["producers"].items():
         # an earlier node: graphs are in topological order, and a cycle made binding's path walk loop forever
         if src is not None and not (isinstance(src, list) and len(src) == 2 and all(
                 isinstance(x, int) and not isinstance(x, bool) for x in src) and 0 <= src[0] < j and 0 <= src[1] < 64):
             bad(f"{where_}.producers.{arg}", f"null or a [node index < {j}, output index 0..63] pair (an earlier "
                 "node)", src)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_map(bad, where_: str, m) -> None:
+    """One element map as compile/element_maps.py writes it."""
+    if not isinstance(m, dict) or not set(m) <= {"w", "0", "1", "2", "unresolved", "casts"}:
+        bad(where_, "an object with keys among w, 0, 1, 2, unresolved, casts", m)
+    if "unresolved" in m and not isinstance(m["unresolved"], str):
+        bad(f"{where_}.unresolved", "a string", m["unresolved"])
+    if "casts" in m and not (isinstance(m["casts"], list) and all(isinstance(c, str) for c in m["casts"])):
+        bad(f"{where_}.casts", "a list of strings", m["casts"])
+    w = m.get("w")
+    if w is not None and not isinstance(w, str) and not (isinstance(w, list) and all(
+            isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and _is_int(r[1]) and _is_int(r[2])
+            and r[1] < r[2] for r in w)):
+        bad(f"{where_}.w", "a digest string or a list of [parameter, start, stop] runs", w)
+    for f in ("0", "1", "2"):
+        v = m.get(f)
+        if v is None:
+            continue
+        if isinstance(v, dict) and set(v) == {"mixed"} and isinstance(v["mixed"], str):
+            continue
+        if not (isinstance(v, dict) and set(v) == {"leaf", "cols", "rows"} and isinstance(v["leaf"], str)
+                and isinstance(v["rows"], str) and (isinstance(v["cols"], str) or (isinstance(v["cols"], list) and all(
+                    isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and _is_int(c[1]) and c[0] < c[1]
+                    for c in v["cols"])))):
+            bad(f"{where_}.{f}", "{leaf, cols (a digest or [start, stop] runs), rows} or {mixed}", v)
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:

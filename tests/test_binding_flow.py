@@ -1,0 +1,260 @@
+"""Session 36: the binding compares which elements flow along the attention paths (element maps).
+
+A session 35 audit found four rollouts that bound against the training side while their logits
+differed: k and v projections swapped inside the fused weight, heads read through a transposing
+view, rope fed doubled positions, o_proj's weight transposed. The q/k/v paths stopped at
+rlk::linear; nothing said which rows of which weight, in which order, reached attention.
+Each wrong rollout here is checked to compute other logits (so the failure is real) and each
+respelling to compute the same bits (so binding it is right).
+"""
+import json
+import re
+import types
+
+import pytest
+import torch
+
+import rlk_ops
+from rlk_ops.compile import element_maps
+from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.compile.boundary import inspect_boundary
+from rlk_ops.meta import binding, probe
+from rlk_ops.meta.binding import SEMANTIC, SideFormatError, Unobservable, bind
+from rlk_ops.rollout.cache import PagedKVCache
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+
+# o_proj square (4 * 16 == 64), so its transpose type-checks
+TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+            head_dim=16)
+
+
+def _model():
+    return TinyQwen3(TinyQwen3Config(**TINY), seed=0)
+
+
+@pytest.fixture(scope="module")
+def train():
+    return probe.describe_train(_model(), backward=False)
+
+
+def _logits(model):
+    """The rollout's logits for one chunked prefill then one decode step, on a fresh cache."""
+    cfg = model.config
+    cache = PagedKVCache(cfg.num_layers, 6, 4, cfg.num_kv_heads, cfg.head_dim, seed=3)
+    g = torch.Generator().manual_seed(4)
+    out = []
+    with torch.no_grad():
+        for s in (0, 1):
+            cache.add(s)
+        slots = torch.cat([cache.reserve(s, 5) for s in (0, 1)])
+        tokens = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
+        out.append(model.forward_rollout(tokens, torch.arange(5).expand(2, 5).contiguous(), cache, [0, 1], slots))
+        slots = torch.cat([cache.reserve(s, 1) for s in (0, 1)])
+        tokens = torch.randint(0, cfg.vocab_size, (2, 1), generator=g)
+        out.append(model.forward_rollout(tokens, torch.full((2, 1), 5), cache, [0, 1], slots))
+    return torch.cat([o.reshape(-1, cfg.vocab_size) for o in out])
+
+
+STOCK = None
+
+
+def _stock_logits():
+    global STOCK
+    if STOCK is None:
+        STOCK = _logits(_model())
+    return STOCK
+
+
+# ---------------------------------------------------------------- q/k/v spellings (Qwen3Attention._qkv)
+def _qkv(weight=None, view=None, positions=None, separate=False):
+    """A ``_qkv`` with one step replaced: ``weight(self)`` the fused weight, ``view(q, n, h, d)`` how q's
+    heads are read, ``positions(p)`` what rope gets, ``separate``: three linears instead of one."""
+    def qkv(self, x, pos):
+        cfg = self.config
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if separate:
+            q, k, v = (rlk_ops.linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            w = weight(self) if weight else torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            q, k, v = rlk_ops.linear(x, w).split([hq * d, hkv * d, hkv * d], dim=-1)
+        n = x.shape[0]
+        q = view(q, n, hq, d) if view else q.reshape(n, hq, d)
+        q = rlk_ops.qk_rmsnorm(q, self.q_norm.weight, cfg.rms_norm_eps)
+        k = rlk_ops.qk_rmsnorm(k.reshape(n, hkv, d), self.k_norm.weight, cfg.rms_norm_eps)
+        pos = positions(pos) if positions else pos
+        q = rlk_ops.rope(q, pos, cfg.rope_theta, cfg.rotary_dim)
+        k = rlk_ops.rope(k, pos, cfg.rope_theta, cfg.rotary_dim)
+        return q, k, v.reshape(n, hkv, d)
+    return qkv
+
+
+def _o_proj_transposed(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                       return_attention=False):
+    """Qwen3Attention.forward_rollout with ``o_proj.weight.t()`` (no bias in TINY)."""
+    b, sq, hidden = hidden_states.shape
+    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
+    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+                                        seq_lens, split_kv=self.config.split_kv)
+    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight.t())
+    out = out.reshape(b, sq, hidden)
+    return (out, attn, lse) if return_attention else out
+
+
+def _rollout_model(qkv=None, forward=None):
+    m = _model()
+    attn = m.layers[0].self_attn
+    if qkv is not None:
+        attn._qkv = types.MethodType(qkv, attn)
+    if forward is not None:
+        attn.forward_rollout = types.MethodType(forward, attn)
+    return m
+
+
+def _kv_swapped(self):
+    return torch.cat([self.q_proj.weight, self.v_proj.weight, self.k_proj.weight])
+
+
+WRONG = {   # name: (rollout model, {failing field: (train substring, rollout substring)})
+    "k and v swapped in the fused weight": (
+        lambda: _rollout_model(_qkv(weight=_kv_swapped)),
+        {"layer[0].k.flow": ("k_proj.weight[rows 0:32]", "v_proj.weight[rows 0:32]"),
+         "layer[0].v.flow": ("v_proj.weight[rows 0:32]", "k_proj.weight[rows 0:32]")}),
+    "q heads read through a transpose": (
+        lambda: _rollout_model(_qkv(view=lambda q, n, h, d: q.reshape(n, d, h).transpose(-1, -2))),
+        {"layer[0].q.flow": ("q_proj.weight[rows 0:64]", "projection rows: 64 runs sha256:")}),
+    "rope positions doubled": (
+        lambda: _rollout_model(_qkv(positions=lambda p: p * 2)),
+        {"layer[0].q_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor"),
+         "layer[0].k_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor")}),
+    "o_proj weight transposed": (
+        lambda: _rollout_model(forward=_o_proj_transposed),
+        {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[0:4096]", "4096 runs sha256:")}),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_a_rollout_computing_other_numbers_fails_binding(train, name):
+    make, fields = WRONG[name]
+    m = make()
+    assert not torch.equal(_logits(m), _stock_logits()), "the variant must really compute other logits"
+    result = bind(train, probe.describe_rollout(m))
+    assert result.comparable and not result.passed
+    assert {f.field for f in result.failures} == set(fields), result.summary()
+    for field, (want_train, want_rollout) in fields.items():
+        f = result.failure(field)
+        assert f.tier == SEMANTIC
+        assert want_train in json.dumps(binding._jsonable(f.train)), f.message()
+        assert want_rollout in json.dumps(binding._jsonable(f.rollout)), f.message()
+
+
+def _view_narrow(self, x, pos):
+    """The fused product read as one [n, Hq + 2 Hkv, D] view and narrowed per projection."""
+    cfg = self.config
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    heads = rlk_ops.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0))
+    heads = heads.view(x.shape[0], hq + 2 * hkv, d)
+    q = rlk_ops.qk_rmsnorm(heads.narrow(1, 0, hq), self.q_norm.weight, cfg.rms_norm_eps)
+    k = rlk_ops.qk_rmsnorm(heads.narrow(1, hq, hkv), self.k_norm.weight, cfg.rms_norm_eps)
+    return (rlk_ops.rope(q, pos, cfg.rope_theta, cfg.rotary_dim), rlk_ops.rope(k, pos, cfg.rope_theta, cfg.rotary_dim),
+            heads.narrow(1, hq + hkv, hkv))
+
+
+SAME = {
+    "view and narrow instead of split and reshape": _view_narrow,
+    "three projections instead of one fused": _qkv(separate=True),
+    "the fused weight through float32 and back": _qkv(weight=lambda self: torch.cat(
+        [self.q_proj.weight.float(), self.k_proj.weight.float(), self.v_proj.weight.float()]).to(torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("name", list(SAME))
+def test_the_same_numbers_spelled_otherwise_still_bind(train, name):
+    m = _rollout_model(SAME[name])
+    assert torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert result.passed, result.summary()
+
+
+def test_a_lossy_cast_inside_a_fused_weight_fails(train):
+    """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
+    single source, so the sources' cast check never saw it; the element map names the cast."""
+    m = _rollout_model(_qkv(weight=lambda self: torch.cat(
+        [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).to(torch.float8_e4m3fn).to(torch.bfloat16)))
+    assert not torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert {f.field for f in result.failures} == {"layer[0].q.flow", "layer[0].k.flow", "layer[0].v.flow"}
+    assert "via lossy casts bfloat16->float8_e4m3fn" in json.dumps(result.failure("layer[0].k.flow").rollout)
+
+
+def test_weights_outside_the_parameters_fail_closed(train):
+    """A rollout reading an equal copy of the fused weight from a non-persistent buffer computes the same
+    bits, but nothing shows that the copy holds the checkpoint's values (the model id hashes the state
+    dict, which has no such buffer): the weight is named as what it is, and binding fails."""
+    m = _model()
+    attn = m.layers[0].self_attn
+    attn.register_buffer("fused", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                         persistent=False)
+    attn._qkv = types.MethodType(_qkv(weight=lambda self: self.fused), attn)
+    assert torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    f = result.failure("layer[0].k.flow")
+    assert f is not None and "layers.0.self_attn.fused[rows 64:96]" in json.dumps(f.rollout)
+
+
+def test_element_maps_of_a_small_graph():
+    """What the report writes, on a graph small enough to check by hand: a fused weight split after the
+    product, a transposing view, a cast through a narrower dtype."""
+    lin_a, lin_b = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 2, bias=False)
+    mod = torch.nn.Module()
+    mod.a, mod.b = lin_a, lin_b
+    norm_w = torch.nn.Parameter(torch.ones(2))
+    mod.register_parameter("norm_w", norm_w)
+
+    def fn(self, x):
+        y = rlk_ops.linear(x, torch.cat([self.b.weight, self.a.weight]))        # [T, 8]: b's 2 rows, then a's 6
+        h = y[:, 2:].reshape(x.shape[0], 2, 3)[..., :2].transpose(-1, -2)       # [T, 2, 2] from a's columns
+        return rlk_ops.qk_rmsnorm(h.contiguous(), self.norm_w.to(torch.float16).to(torch.float32), 1e-6)
+
+    report = inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False)
+    lin, norm = report.forward
+    assert lin.maps["weight"] == {"w": [["b.weight", 0, 16], ["a.weight", 0, 48]]}
+    assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "rows": "in order"}
+    # element (i, j) of a token's [2, 2] is column 2 + 3 * j + i of the product
+    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear", "cols": [[2, 3], [5, 6], [3, 4], [6, 7]],
+                                   "rows": "in order"}
+    assert "mixed" in norm.maps["x"]["1"]   # read as rows of 2, each row takes other columns
+    assert norm.maps["weight"] == {"casts": ["float32->float16"], "w": [["norm_w", 0, 2]]}
+
+
+def test_unresolved_maps_and_older_side_files_fail_closed(train, monkeypatch):
+    rollout = probe.describe_rollout(_model())
+    assert bind(train, rollout).passed
+    old = json.loads(json.dumps(rollout))          # a side file written before session 36
+    for e in old["entries"]:
+        for n in e["graph"]["forward"]:
+            n.pop("maps")
+    result = bind(train, old)
+    f = result.failure("layer[0].q.flow")
+    assert f is not None and isinstance(f.rollout, Unobservable) and "session 36" in f.rollout.reason
+    assert isinstance(result.failure("model.linear.inputs").rollout, Unobservable)
+    monkeypatch.setattr(element_maps, "LIMIT", 16)  # nothing replays: every map unresolved
+    result = bind(train, probe.describe_rollout(_model()))
+    f = result.failure("layer[0].k.flow")
+    assert f is not None and isinstance(f.rollout, Unobservable) and "not resolved" in f.rollout.reason \
+        and "leaf elements" in f.rollout.reason
+
+
+@pytest.mark.parametrize("maps, where", [
+    (5, "maps"),
+    ({"x": {"w": [["a", 3, 1]]}}, "maps.x.w"),
+    ({"x": {"2": {"leaf": "rlk:linear", "cols": [[0, 2]]}}}, "maps.x.2"),
+    ({"x": {"1": {"leaf": "rlk:linear", "cols": [[0, "2"]], "rows": "in order"}}}, "maps.x.1"),
+    ({"x": {"casts": "bfloat16->float8"}}, "maps.x.casts"),
+    ({"x": {"huh": 1}}, "maps.x"),
+])
+def test_malformed_element_maps_are_refused(train, maps, where):
+    side = json.loads(json.dumps(train))
+    side["entries"][0]["graph"]["forward"][0]["maps"] = maps
+    with pytest.raises(SideFormatError, match=re.escape(f"forward[0].{where} must be")):
+        bind(side, side)
