@@ -66,9 +66,10 @@ def _stock_logits():
 
 
 # ---------------------------------------------------------------- q/k/v spellings (Qwen3Attention._qkv)
-def _qkv(weight=None, view=None, positions=None, separate=False):
+def _qkv(weight=None, view=None, positions=None, separate=False, fused=False):
     """A ``_qkv`` with one step replaced: ``weight(self)`` the fused weight, ``view(q, n, h, d)`` how q's
-    heads are read, ``positions(p)`` what rope gets, ``separate``: three linears instead of one."""
+    heads are read, ``positions(p)`` what rope gets, ``separate``: three linears instead of one,
+    ``fused``: rlk::qk_norm_rope instead of the norms and ropes."""
     def qkv(self, x, pos):
         cfg = self.config
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -79,6 +80,10 @@ def _qkv(weight=None, view=None, positions=None, separate=False):
             q, k, v = rlk_ops.linear(x, w).split([hq * d, hkv * d, hkv * d], dim=-1)
         n = x.shape[0]
         q = view(q, n, hq, d) if view else q.reshape(n, hq, d)
+        if fused:
+            q, k = rlk_ops.qk_norm_rope(q, k.reshape(n, hkv, d), self.q_norm.weight, self.k_norm.weight, pos,
+                                        cfg.rms_norm_eps, cfg.rope_theta, cfg.rotary_dim)
+            return q, k, v.reshape(n, hkv, d)
         q = rlk_ops.qk_rmsnorm(q, self.q_norm.weight, cfg.rms_norm_eps)
         k = rlk_ops.qk_rmsnorm(k.reshape(n, hkv, d), self.k_norm.weight, cfg.rms_norm_eps)
         pos = positions(pos) if positions else pos
@@ -98,6 +103,21 @@ def _o_proj_transposed(self, hidden_states, positions, k_cache, v_cache, page_ta
                                         seq_lens, split_kv=self.config.split_kv)
     out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight.t())
     out = out.reshape(b, sq, hidden)
+    return (out, attn, lse) if return_attention else out
+
+
+def _cache_transposed(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                      return_attention=False):
+    """Qwen3Attention.forward_rollout handing attention a copy of the k cache whose [Hkv, D] rows were
+    reinterpreted as [D, Hkv] and transposed back: same shape, other elements."""
+    b, sq, hidden = hidden_states.shape
+    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
+    p, ps, h, d = k_cache.shape
+    bad = k_cache.reshape(p, ps, d, h).transpose(-1, -2).contiguous()
+    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), bad, v_cache, page_table,
+                                        seq_lens, split_kv=self.config.split_kv)
+    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
     return (out, attn, lse) if return_attention else out
 
 
@@ -127,6 +147,14 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
         lambda: _rollout_model(_qkv(positions=lambda p: p * 2)),
         {"layer[0].q_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor"),
          "layer[0].k_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor")}),
+    "attention reading a transposed copy of the k cache": (
+        lambda: _rollout_model(forward=_cache_transposed),
+        {"layer[0].k.flow": ("rlk:rope[0:32] rows in order", "cache read: rlk:kv_cache.k[0:1,2:3,")}),
+    "only q's rows cast through float8": (
+        lambda: _rollout_model(_qkv(weight=lambda self: torch.cat([
+            self.q_proj.weight.to(torch.float8_e4m3fn).to(torch.bfloat16), self.k_proj.weight, self.v_proj.weight]))),
+        {"layer[0].q.flow": ("q_proj.weight[rows 0:64]",
+                             "q_proj.weight via lossy casts bfloat16->float8_e4m3fn[rows 0:64]")}),
     "o_proj weight transposed": (
         lambda: _rollout_model(forward=_o_proj_transposed),
         {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[0:4096]", "4096 runs sha256:")}),
@@ -163,6 +191,7 @@ def _view_narrow(self, x, pos):
 SAME = {
     "view and narrow instead of split and reshape": _view_narrow,
     "three projections instead of one fused": _qkv(separate=True),
+    "rlk::qk_norm_rope instead of the norms and ropes": _qkv(fused=True),
     "the fused weight through float32 and back": _qkv(weight=lambda self: torch.cat(
         [self.q_proj.weight.float(), self.k_proj.weight.float(), self.v_proj.weight.float()]).to(torch.bfloat16)),
 }
@@ -178,13 +207,14 @@ def test_the_same_numbers_spelled_otherwise_still_bind(train, name):
 
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
-    single source, so the sources' cast check never saw it; the element map names the cast."""
+    single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""
     m = _rollout_model(_qkv(weight=lambda self: torch.cat(
         [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).to(torch.float8_e4m3fn).to(torch.bfloat16)))
     assert not torch.equal(_logits(m), _stock_logits())
     result = bind(train, probe.describe_rollout(m))
     assert {f.field for f in result.failures} == {"layer[0].q.flow", "layer[0].k.flow", "layer[0].v.flow"}
-    assert "via lossy casts bfloat16->float8_e4m3fn" in json.dumps(result.failure("layer[0].k.flow").rollout)
+    assert "k_proj.weight via lossy casts bfloat16->float8_e4m3fn[rows 0:32]" in json.dumps(
+        result.failure("layer[0].k.flow").rollout)
 
 
 def test_weights_outside_the_parameters_fail_closed(train):
@@ -203,28 +233,38 @@ def test_weights_outside_the_parameters_fail_closed(train):
 
 
 def test_element_maps_of_a_small_graph():
-    """What the report writes, on a graph small enough to check by hand: a fused weight split after the
-    product, a transposing view, a cast through a narrower dtype."""
+    """What the report writes, on graphs small enough to check by hand: a fused weight split after the
+    product, a transposing view, a cast through a narrower dtype, as_strided, a prefix of the rows."""
     lin_a, lin_b = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 2, bias=False)
     mod = torch.nn.Module()
     mod.a, mod.b = lin_a, lin_b
-    norm_w = torch.nn.Parameter(torch.ones(2))
-    mod.register_parameter("norm_w", norm_w)
+    mod.register_parameter("norm_w", torch.nn.Parameter(torch.ones(2)))
+    mod.register_parameter("w", torch.nn.Parameter(torch.randn(4, 8)))
 
     def fn(self, x):
         y = rlk_ops.linear(x, torch.cat([self.b.weight, self.a.weight]))        # [T, 8]: b's 2 rows, then a's 6
         h = y[:, 2:].reshape(x.shape[0], 2, 3)[..., :2].transpose(-1, -2)       # [T, 2, 2] from a's columns
-        return rlk_ops.qk_rmsnorm(h.contiguous(), self.norm_w.to(torch.float16).to(torch.float32), 1e-6)
+        n = rlk_ops.qk_rmsnorm(h.contiguous(), self.norm_w.to(torch.float16).to(torch.float32), 1e-6)
+        # as_strided over a fresh copy of a strided slice: the copy's storage, not the slice's
+        w = self.w[:, 2:6].to(torch.float64).as_strided((4, 4), (4, 1)).to(torch.float32)
+        return n, rlk_ops.linear(x[:-1, :4], w)
 
     report = inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False)
-    lin, norm = report.forward
+    lin, norm, lin2 = report.forward
     assert lin.maps["weight"] == {"w": [["b.weight", 0, 16], ["a.weight", 0, 48]]}
     assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "rows": "in order"}
     # element (i, j) of a token's [2, 2] is column 2 + 3 * j + i of the product
     assert norm.maps["x"]["2"] == {"leaf": "rlk:linear", "cols": [[2, 3], [5, 6], [3, 4], [6, 7]],
                                    "rows": "in order"}
     assert "mixed" in norm.maps["x"]["1"]   # read as rows of 2, each row takes other columns
-    assert norm.maps["weight"] == {"casts": ["float32->float16"], "w": [["norm_w", 0, 2]]}
+    assert norm.maps["weight"] == {"w": [["norm_w via lossy casts float32->float16", 0, 2]]}
+    assert lin2.maps["weight"] == {"w": [["w", 2, 6], ["w", 10, 14], ["w", 18, 22], ["w", 26, 30]]}
+    assert lin2.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 4]], "rows": "the first 4 of 5 in order"}
+
+    def strided(self, x):   # as_strided straight over the slice: storage the coordinates do not share
+        return rlk_ops.linear(x[:, :4], self.w[:, 2:6].as_strided((4, 4), (8, 1)))
+    m = inspect_boundary(types.MethodType(strided, mod), torch.randn(5, 8), backward=False).forward[0].maps
+    assert "as_strided" in m["weight"]["unresolved"]
 
 
 def test_unresolved_maps_and_older_side_files_fail_closed(train, monkeypatch):
@@ -238,11 +278,25 @@ def test_unresolved_maps_and_older_side_files_fail_closed(train, monkeypatch):
     f = result.failure("layer[0].q.flow")
     assert f is not None and isinstance(f.rollout, Unobservable) and "session 36" in f.rollout.reason
     assert isinstance(result.failure("model.linear.inputs").rollout, Unobservable)
-    monkeypatch.setattr(element_maps, "LIMIT", 16)  # nothing replays: every map unresolved
-    result = bind(train, probe.describe_rollout(_model()))
+    with monkeypatch.context() as mp:   # the weights' fast path off: every map replayed
+        mp.setattr(element_maps, "_flat_runs", lambda node, leaves: None)
+        replayed = probe.describe_rollout(_model())
+    monkeypatch.setattr(element_maps, "LIMIT", 16)  # nothing replays: maps with movement ops unresolved
+    small = probe.describe_rollout(_model())
+    result = bind(train, small)
     f = result.failure("layer[0].k.flow")
     assert f is not None and isinstance(f.rollout, Unobservable) and "not resolved" in f.rollout.reason \
         and "leaf elements" in f.rollout.reason
+    # ...but an argument that is a parameter, or whole parameters concatenated (lm_head; the fused QKV and
+    # gate_up weights), is read off the graph, whatever its size: as the replay had it
+    weights = 0
+    for full, again, cut in zip(*(side["entries"][0]["graph"]["forward"] for side in (rollout, replayed, small))):
+        assert again["maps"] == full["maps"]
+        if "weight" in full["maps"]:
+            weights += 1
+            assert cut["maps"]["weight"] == full["maps"]["weight"] and "w" in cut["maps"]["weight"]
+    assert weights == 10   # 5 norms (2 layer norms, q_norm, k_norm, the final one), 5 linears (fused QKV, o_proj,
+    # gate_up, down, lm_head)
 
 
 @pytest.mark.parametrize("maps, where", [
@@ -250,7 +304,7 @@ def test_unresolved_maps_and_older_side_files_fail_closed(train, monkeypatch):
     ({"x": {"w": [["a", 3, 1]]}}, "maps.x.w"),
     ({"x": {"2": {"leaf": "rlk:linear", "cols": [[0, 2]]}}}, "maps.x.2"),
     ({"x": {"1": {"leaf": "rlk:linear", "cols": [[0, "2"]], "rows": "in order"}}}, "maps.x.1"),
-    ({"x": {"casts": "bfloat16->float8"}}, "maps.x.casts"),
+    ({1: {"w": []}}, "maps"),
     ({"x": {"huh": 1}}, "maps.x"),
 ])
 def test_malformed_element_maps_are_refused(train, maps, where):

@@ -12,23 +12,28 @@ transposes, slices, splits, cats, copies, casts) to its *leaves*: rlk op outputs
 (a parameter by its dotted path), or the first node that computes. It then replays those ops on
 coordinates: every leaf element gets one integer, the graph's own movement ops run on them with the
 first call's sizes (each symbolic size's hint), and what arrives at the argument says, element by
-element, where it came from. The result is written in a form that does not depend on the batch
-layout (packed ``[T, ...]`` for training, ``[B, S, ...]`` for rollout), so the binding can compare
-a training side with a rollout side:
+element, where it came from. An argument that is its leaf, unchanged, is written without a replay.
+The result is written so that the binding can compare a training side with a rollout side, whose
+batch layouts differ (packed ``[T, ...]`` and ``[B, S, ...]``):
 
 * ``"w"`` (only when every leaf is a parameter or buffer: weights): the argument's elements in
-  order as runs ``[leaf, start, stop]`` of flat indices into each leaf;
-* ``"0"``, ``"1"``, ``"2"`` (f below the argument's rank; not for weights): the argument read as rows of its last f dims (f = 0: one element per
-  row, e.g. positions; 1: the last dim, e.g. a linear's input; 2: ``[..., H, D]``, e.g. q, k, v):
-  ``{"leaf", "cols", "rows"}`` when every row comes from one leaf row with the same column pattern
-  (``cols``: runs ``[start, stop]`` of that leaf row's columns, in the argument's order; ``rows``:
-  ``"in order"`` when row i is the leaf's row i), else ``{"mixed": digest}``;
+  order as runs ``[leaf, start, stop]`` of flat indices into each leaf (a digest past MAX_RUNS);
+* ``"0"``, ``"1"``, ``"2"`` (each f below the argument's rank; not for weights): the argument read as
+  rows of its last f dims (f = 0: one element per row, e.g. positions; 1: the last dim, e.g. a
+  linear's input; 2: ``[..., H, D]``, e.g. q, k, v). ``{"leaf", "cols", "rows"}`` when every row
+  comes from one leaf row with the same column pattern: ``cols`` are runs ``[start, stop]`` of that
+  leaf row's columns in the argument's order, ``rows`` is ``"in order"`` when row i is the leaf's
+  row i for every leaf row. Else ``{"mixed": digest}``. These two forms do not depend on the batch
+  layout; a digest (mixed, or rows out of order) is one of this call's layout, so it binds only
+  against the same digest;
 * ``{"unresolved": why}`` when the replay was not possible (a size without a hint, more than
-  ``LIMIT`` elements, an op that failed on coordinates): the binding reads that as unobservable.
+  ``LIMIT`` leaf elements, an op that failed on coordinates): the binding reads that as unobservable.
 
-A leaf's row is the smallest run of its trailing dims that holds an argument row: a ``[T, N]``
-projection output feeding ``q [T, H, D]`` has rows of N; a ``[T, H, D]`` rope output feeding
-attention has rows of ``H * D``.
+A leaf reached through a cast that loses values is named with the casts (``... via lossy casts
+bfloat16->float8_e4m3fn``), so two sides bind only when they cast the same elements alike. A leaf's
+row is the smallest run of its trailing dims that holds an argument row: a ``[T, N]`` projection
+output feeding ``q [T, H, D]`` has rows of N; a ``[T, H, D]`` rope output feeding attention has
+rows of ``H * D``.
 """
 from __future__ import annotations
 
@@ -38,13 +43,13 @@ import operator
 import torch
 
 # Ops replayed on coordinates: they move, copy, select or relabel elements, or cast (a cast keeps each
-# element's place; whether it loses precision is the sources' business, boundary._source).
+# element's place; one that loses values is named on the leaf, _leaves).
 REPLAYED = {
     "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze",
     "slice", "select", "split", "split_with_sizes", "narrow", "alias", "as_strided", "unbind", "cat", "stack",
     "clone", "contiguous", "detach", "lift_fresh_copy", "_to_copy",
 }
-LIMIT = 1 << 26          # coordinates replayed for one argument (int64: 512 MiB)
+LIMIT = 1 << 26          # leaf elements replayed for one argument (int64 coordinates: 512 MiB a copy)
 MAX_RUNS = 4096          # longer run lists are written as a digest
 # rlk outputs as leaves, named by role so that the training and the rollout graph name them alike
 _ROLE = {"attention_fwd": "attention", "paged_attention": "attention", "paged_attention_auto": "attention",
@@ -84,33 +89,46 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
 
 
 def _leaves(val, produced: dict, names: dict, inputs: dict):
-    """Walk back from ``val`` through REPLAYED ops. Returns (chain nodes, {leaf node: name})."""
-    chain, leaves, stack = set(), {}, [val]
+    """Walk back from ``val`` through REPLAYED ops. Returns (chain nodes, {leaf node: name}). A leaf reached
+    through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
+    elements they touched."""
+    final = val.meta["val"].dtype
+    chain, leaves, stack = set(), {}, [(val, ())]
     while stack:
-        n = stack.pop()
+        n, casts = stack.pop()
         if not isinstance(n, torch.fx.Node) or n in chain or n in leaves:
             continue
+        via = [c for c in reversed(casts) if _lossy(c, final)]
+        suffix = f" via lossy casts {', '.join(f'{_dt(c.args[0])}->{_dt(c)}' for c in via)}" if via else ""
         if n in produced:
-            leaves[n] = leaf_name(names[n], 0)
+            leaves[n] = leaf_name(names[n], 0) + suffix
         elif n.op == "call_function" and n.target is operator.getitem:
             src = n.args[0]
             if src in produced:
-                leaves[n] = leaf_name(names[src], int(n.args[1]))
+                leaves[n] = leaf_name(names[src], int(n.args[1])) + suffix
             else:   # an item of a split / unbind
                 chain.add(n)
-                stack.append(src)
+                stack.append((src, casts))
         elif n.op == "placeholder":
-            leaves[n] = inputs.get(n, "input:?")
+            leaves[n] = inputs.get(n, "input:?") + suffix
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
                 and n.target.namespace == "aten" and n.target._opname in REPLAYED:
             chain.add(n)
+            more = casts + (n,) if n.target._opname == "_to_copy" else casts
             for a in (*n.args, *n.kwargs.values()):
                 for x in (a if isinstance(a, (list, tuple)) else (a,)):
                     if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), (torch.Tensor, list, tuple)):
-                        stack.append(x)
+                        stack.append((x, more))
         else:
-            leaves[n] = f"computed:{n.target}"
+            leaves[n] = f"computed:{n.target}" + suffix
     return chain, leaves
+
+
+def _lossy(cast: torch.fx.Node, final: torch.dtype) -> bool:
+    """A cast through a dtype narrower than both ends (bf16 -> float8 -> bf16, fp64 -> fp32 -> bf16): it
+    changes values. One into the consumer's dtype (fp32 master weights rounded to bf16 once) or into a
+    dtype that holds its input's does not count."""
+    return _dt(cast) != str(final).replace("torch.", "") and not _widens(cast)
 
 
 def _dt(node) -> str:
@@ -134,15 +152,18 @@ def _widens(node: torch.fx.Node) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and holds(a.dtype, b.dtype)
 
 
-def _runs(keys: torch.Tensor, idx: torch.Tensor) -> list[list[int]]:
-    """Maximal runs of consecutive ``idx`` (step 1) with one ``keys`` value: [[key, start, stop], ...]."""
+def _runs(keys: torch.Tensor, idx: torch.Tensor) -> list[list[int]] | None:
+    """Maximal runs of consecutive ``idx`` (step 1) with one ``keys`` value: [[key, start, stop], ...];
+    None when there are more than MAX_RUNS (a permutation: written as a digest)."""
     if idx.numel() == 0:
         return []
     brk = torch.ones(idx.numel(), dtype=torch.bool)
     brk[1:] = (keys[1:] != keys[:-1]) | (idx[1:] != idx[:-1] + 1)
     starts = brk.nonzero().flatten()
+    if starts.numel() > MAX_RUNS:
+        return None
     stops = torch.cat([starts[1:], torch.tensor([idx.numel()])])
-    return [[int(keys[s]), int(idx[s]), int(idx[e - 1]) + 1] for s, e in zip(starts.tolist(), stops.tolist())]
+    return torch.stack([keys[starts], idx[starts], idx[stops - 1] + 1], 1).tolist()
 
 
 def _digest(*parts) -> str:
@@ -165,19 +186,93 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
     if not bool((k2 == k2[0, 0]).all()):
         return {"mixed": _digest(names, k2, l2)}
     leaf = int(k2[0, 0])
-    width = 1   # the leaf's row: the smallest run of its trailing dims that holds ``feat`` elements
-    for s in reversed(leaf_shapes[leaf]):
-        if width >= feat:
-            break
-        width *= s
+    width = _width(leaf_shapes[leaf], feat)
     row, col = l2 // width, l2 % width
     if not (bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())):
         return {"mixed": _digest(names, k2, l2)}   # a row from several leaf rows, or columns that vary by row
     runs = _runs(torch.zeros_like(col[0]), col[0])
     token = row[:, 0]
+    leaf_rows = int(torch.Size(leaf_shapes[leaf]).numel()) // width
     ordered = bool((token == torch.arange(rows)).all())
-    return {"leaf": names[leaf], "cols": [r[1:] for r in runs] if len(runs) <= MAX_RUNS else _digest(col[0]),
-            "rows": "in order" if ordered else _digest(token)}
+    return {"leaf": names[leaf], "cols": [r[1:] for r in runs] if runs is not None else _digest(col[0]),
+            "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
+            else _digest(token)}
+
+
+def _width(shape, feat: int) -> int:
+    """A leaf's row: the smallest run of its trailing dims that holds ``feat`` elements."""
+    width = 1
+    for s in reversed(shape):
+        if width >= feat:
+            break
+        width *= s
+    return width
+
+
+def _identity(label: str, shape: tuple[int, ...], weight: bool) -> dict:
+    """The map of an argument that is its leaf, unchanged (no replay: an lm_head weight alone can hold
+    more than LIMIT elements)."""
+    if weight:
+        n = int(torch.Size(shape).numel())
+        return {"w": [[label, 0, n]] if n else []}
+    out = {}
+    for f in range(min(len(shape) - 1, 2) + 1):
+        feat = int(torch.Size(shape[len(shape) - f:]).numel())
+        rows = int(torch.Size(shape).numel()) // feat if feat else 0
+        out[str(f)] = {"mixed": "empty"} if rows == 0 else {"leaf": label, "cols": [[0, feat]], "rows": "in order"}
+    return out
+
+
+# single-input ops that keep the row-major order of the elements (a cast keeps their places)
+_FLAT_ORDER = {"view", "_unsafe_view", "reshape", "squeeze", "unsqueeze", "alias", "clone", "contiguous", "detach",
+               "lift_fresh_copy", "_to_copy"}
+
+
+def _flat_runs(node, leaves: dict) -> list | None:
+    """The ``"w"`` runs of ``node`` when it is whole leaves, in row-major order, concatenated along dim 0
+    (``cat([Wq, Wk, Wv])``, through views and casts): read off the graph, no replay. None otherwise."""
+    if node in leaves:
+        n = int(torch.Size(_shape(node)).numel())
+        return [[leaves[node], 0, n]] if n else []
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    name = node.target._opname
+    if name in _FLAT_ORDER:
+        return _flat_runs(node.args[0], leaves) if isinstance(node.args[0], torch.fx.Node) else None
+    if name == "cat":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim != 0 and dim != -len(_shape(node)):
+            return None
+        runs = []
+        for part in node.args[0]:
+            more = _flat_runs(part, leaves) if isinstance(part, torch.fx.Node) else None
+            if more is None:
+                return None
+            for r in more:
+                if runs and runs[-1][0] == r[0] and runs[-1][2] == r[1]:
+                    runs[-1][2] = r[2]
+                else:
+                    runs.append(list(r))
+        return runs
+    return None
+
+
+def _is_weight(label: str) -> bool:
+    return not label.startswith(("input:", "computed:", "rlk:"))
+
+
+def _dense_at_zero(node: torch.fx.Node) -> bool:
+    """The graph's value of ``node`` is contiguous and starts at its storage's first element."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    shape, stride = [_hint(s) for s in val.shape], [_hint(s) for s in val.stride()]
+    expect, acc = [], 1
+    for s in reversed(shape):
+        expect.append(acc)
+        acc *= s
+    return _hint(val.storage_offset()) == 0 and all(
+        sz == 1 or st == e for sz, st, e in zip(shape, stride, reversed(expect)))
 
 
 def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> dict:
@@ -188,6 +283,13 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> 
         return {}
     try:
         chain, leaves = _leaves(val, produced, names, inputs)
+        if not chain:   # the argument is its leaf
+            (label,) = leaves.values()
+            return _identity(label, _shape(val), _is_weight(label))
+        if all(_is_weight(x) for x in leaves.values()):
+            runs = _flat_runs(val, leaves)
+            if runs is not None:   # a weight stacked from whole parameters: no replay (Qwen3-8B's gate_up
+                return {"w": runs}  # cat alone holds more than LIMIT elements)
         leaf_nodes = sorted(leaves, key=order.__getitem__)
         shapes = [_shape(n) for n in leaf_nodes]
         sizes = [int(torch.Size(s).numel()) for s in shapes]
@@ -205,31 +307,27 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> 
         for n in sorted(chain, key=order.__getitem__):
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
-            elif n.target._opname == "_to_copy":
-                env[n] = env[n.args[0]]
+            elif n.target._opname == "_to_copy":   # a new tensor, its values' places kept
+                env[n] = env[n.args[0]].clone()
             else:
+                if n.target._opname == "as_strided" and not (
+                        _dense_at_zero(n.args[0]) and env[n.args[0]].is_contiguous()
+                        and env[n.args[0]].storage_offset() == 0):
+                    # it reads storage: the coordinates' storage is laid out as the graph's only when both
+                    # are dense from their first element
+                    raise ValueError("as_strided over a tensor that is not contiguous from offset 0")
                 env[n] = n.target(*sub(n.args), **sub(n.kwargs))
         out = env[val]
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != _shape(val):
             return {"unresolved": "the replay gave another shape than the graph's"}
     except Exception as e:  # noqa: BLE001 - any op that does not replay on coordinates: say so, bind nothing
         return {"unresolved": f"{type(e).__name__}: {e}"[:200]}
-    # casts keep each element's place, but one through a narrower dtype than both ends (bf16 -> float8 ->
-    # bf16, fp64 -> fp32 -> bf16) changes values: named, so two sides bind only when they cast alike
-    final = val.meta["val"].dtype
-    lossy = sorted({f"{_dt(n.args[0])}->{_dt(n)}" for n in chain
-                    if n.target is not operator.getitem and n.target._opname == "_to_copy"
-                    and _dt(n) != str(final).replace("torch.", "") and not _widens(n)})
     flat = out.reshape(-1)
     key = torch.searchsorted(base[1:], flat, right=True)
     local = flat - base[key]
     label = [leaves[n] for n in leaf_nodes]
-    result = {"casts": lossy} if lossy else {}
-    if all(not (x.startswith(("input:", "computed:", "rlk:"))) for x in label):
+    if all(_is_weight(x) for x in label):
         runs = _runs(key, local)
-        result["w"] = [[label[k], s, e] for k, s, e in runs] if len(runs) <= MAX_RUNS \
-            else _digest(label, key, local)
-        return result   # a weight: its rows are not tokens
-    for f in range(min(out.dim() - 1, 2) + 1):   # f < rank: at least one row dim (the tokens)
-        result[str(f)] = _rows_view(key, local, tuple(out.shape), f, label, shapes)
-    return result
+        return {"w": [[label[k], s, e] for k, s, e in runs] if runs is not None else _digest(label, key, local)}
+    return {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes)
+            for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)

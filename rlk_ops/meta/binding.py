@@ -279,9 +279,8 @@ def _edge(node: dict, arg: str, form: str, rows: bool = True, cols: bool = True)
         return Unobservable(f"{node['op']} has no element map for {arg!r}")
     if "unresolved" in m:
         return Unobservable(f"{node['op']}.{arg}: the element map was not resolved ({m['unresolved']})")
-    via = f" via lossy casts {', '.join(m['casts'])}" if m.get("casts") else ""
     if "w" in m:
-        return _runs_text(m["w"]) + via
+        return _runs_text(m["w"])
     v = m.get(form)
     if v is None:
         return Unobservable(f"{node['op']}.{arg} has no element map in form {form!r}")
@@ -291,7 +290,7 @@ def _edge(node: dict, arg: str, form: str, rows: bool = True, cols: bool = True)
     # a graph input that is no parameter is named by Dynamo after the caller's spelling (l_positions_,
     # l_args_1_ through a functools.partial): which input it is cannot be compared, only that it is one
     leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
-    return leaf + (f"[{span}]" if cols else "") + (f" rows {v['rows']}" if rows else "") + via
+    return leaf + (f"[{span}]" if cols else "") + (f" rows {v['rows']}" if rows else "")
 
 
 def _runs_text(runs, limit: int = 16) -> str:
@@ -325,9 +324,8 @@ def _projection(linear: dict, consumer: dict, arg: str):
             out.append(Unobservable(f"{linear['op']}.{arg_} is not a parameter's elements "
                                     f"({m.get('unresolved', 'computed in the graph or a graph input')})"))
             continue
-        via = f" via lossy casts {', '.join(m['casts'])}" if m.get("casts") else ""
         if isinstance(runs, str):
-            out.append(f"columns {cmap['cols']} of a permuted weight {runs}{via}")
+            out.append(f"columns {cmap['cols']} of a permuted weight {runs}")
             continue
         pieces = []
         for a, b in cmap["cols"]:
@@ -343,15 +341,31 @@ def _projection(linear: dict, consumer: dict, arg: str):
                 pos += e - s
         text = [f"{label}[rows {ps // width}:{pe // width}]" if ps % width == 0 and pe % width == 0
                 else f"{label}[elements {ps}:{pe}]" for label, ps, pe in pieces]
-        out.append((" + ".join(text) if len(text) <= 16 else _runs_text(pieces)) + via)
+        out.append(" + ".join(text) if len(text) <= 16 else _runs_text(pieces))
     return tuple(out)
+
+
+def _cache_read(attention: dict, arg: str, which: str):
+    """How paged attention reads the cache ``paged_kv_append`` wrote: None when it takes the cache as
+    written (each slot's row in order, every column), else the element map's text (a rollout that
+    handed attention a transposed copy of the cache computed other logits and bound: a session 36 review)."""
+    maps = attention.get("maps")
+    if maps is None:
+        return Unobservable(_NO_MAPS)
+    v = (maps.get(arg) or {}).get("2")
+    _, shape = _shape(attention["inputs"][1]) if len(attention["inputs"]) > 1 else ("", [])
+    feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) else None
+    if v is not None and v == {"leaf": f"rlk:kv_cache.{which}", "cols": [[0, feat]], "rows": "in order"}:
+        return None
+    return _edge(attention, arg, "2")
 
 
 def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
     """Follow a tensor back from attention to its projection. Returns the stages in forward order,
     the norm/rope nodes' arguments (in order), the op names, and the flow: what each stage takes
-    from the one before, as element maps (``_edge``; at the projection, its input and the rows of
-    its weight and bias), in forward order. ``consumer``: the attention node and its argument."""
+    from the one before, as element maps (``_edge``), in forward order: at the projection its input,
+    the rows of its weight, its bias and its output's rows. ``consumer``: the attention node and its
+    argument."""
     stages, args, ops, flow = [], [], [], []
     cur = start
     while cur is not None:
@@ -362,19 +376,22 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
         ops.append(node["op"])
         if name == "paged_kv_append":  # output 1/2 is the k/v cache the tensor was written into
             arg = {1: "k", 2: "v"}.get(out, "")
+            read = _cache_read(consumer[0], consumer[1], arg)
+            if read is not None:
+                flow.append(read if isinstance(read, Unobservable) else f"cache read: {read}")
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
-        edge = _edge(consumer[0], consumer[1], "2")
         if name == "linear":
             w, b = _projection(node, *consumer)
-            flow += [edge if isinstance(edge := _edge(*consumer, "2", cols=False), Unobservable)
-                     else f"projection output: {edge}",
-                     w if isinstance(w, Unobservable) else f"projection rows: {w}",
+            outp = _edge(*consumer, "2", cols=False)
+            x = _edge(node, "x", "1")
+            flow += [outp if isinstance(outp, Unobservable) else f"projection output: {outp}",
                      b if isinstance(b, Unobservable) else f"projection bias: {b}",
-                     e if isinstance(e := _edge(node, "x", "1"), Unobservable) else f"projection input: {e}"]
+                     w if isinstance(w, Unobservable) else f"projection rows: {w}",
+                     x if isinstance(x, Unobservable) else f"projection input: {x}"]
             stages.append("linear")
             break
-        flow.append(edge)
+        flow.append(_edge(*consumer, "2"))
         if name == "rope":
             stages.append("rope")
             args.append({"rope": node["args"], "positions": _edge(node, "positions", "0")})
@@ -387,6 +404,12 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
             args += [{"rope": {"theta": a["theta"], "rotary_dim": a["rotary_dim"]},
                       "positions": _edge(node, "positions", "0")},
                      {"rmsnorm": {"eps": a["eps"]}, "weight": _param(node, "q_weight" if out == 0 else "k_weight")}]
+            # inside the op rope takes the norm's rows in order, every column: the edge the two ops in
+            # sequence show (else a fused side never bound a split one)
+            _, shape = _shape(node["inputs"][out]) if len(node["inputs"]) > out else ("", [])
+            feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
+                else "?"
+            flow.append(f"rlk:qk_rmsnorm[0:{feat}] rows in order")
             arg = "q" if out == 0 else "k"
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
@@ -966,6 +989,11 @@ def _check_node(bad, where_: str, j: int, n) -> None:
         causal = n["args"].get("causal", True)
         if not (isinstance(causal, bool) or causal in (0, 1)):   # bool("0") is True
             bad(f"{where_}.args.causal", "a bool or 0 / 1", causal)
+    if name == "linear" and len(n["inputs"]) > 1 and not (
+            _TENSOR_DESC.fullmatch(n["inputs"][1]) and len(_shape(n["inputs"][1])[1]) >= 1):
+        # the projection's rows are read with its weight's last dim (binding._projection)
+        bad(f"{where_}.inputs[1]", "a tensor description 'dtype[d0x...]' of the weight (1 dim or more)",
+            n["inputs"][1])
     for arg in _NEEDED_ARGS.get(name, ()):
         if arg not in n["args"]:
             bad(f"{where_}.args", f"an object with {', '.join(_NEEDED_ARGS[name])} ({n['op']})", n["args"])
@@ -975,7 +1003,7 @@ def _check_node(bad, where_: str, j: int, n) -> None:
         bad(f"{where_}.sources", "an object of tensor argument -> source name (strings)", sources)
     maps = n.get("maps")   # since session 36 (absent: the flow fields are unobservable)
     if maps is not None:
-        if not isinstance(maps, dict):
+        if not isinstance(maps, dict) or not all(isinstance(k, str) for k in maps):
             bad(f"{where_}.maps", "an object of tensor argument -> element map", maps)
         for arg, m in maps.items():
             _check_map(bad, f"{where_}.maps.{arg}", m)
@@ -993,12 +1021,10 @@ def _is_int(x) -> bool:
 
 def _check_map(bad, where_: str, m) -> None:
     """One element map as compile/element_maps.py writes it."""
-    if not isinstance(m, dict) or not set(m) <= {"w", "0", "1", "2", "unresolved", "casts"}:
-        bad(where_, "an object with keys among w, 0, 1, 2, unresolved, casts", m)
+    if not isinstance(m, dict) or not set(m) <= {"w", "0", "1", "2", "unresolved"}:
+        bad(where_, "an object with keys among w, 0, 1, 2, unresolved", m)
     if "unresolved" in m and not isinstance(m["unresolved"], str):
         bad(f"{where_}.unresolved", "a string", m["unresolved"])
-    if "casts" in m and not (isinstance(m["casts"], list) and all(isinstance(c, str) for c in m["casts"])):
-        bad(f"{where_}.casts", "a list of strings", m["casts"])
     w = m.get("w")
     if w is not None and not isinstance(w, str) and not (isinstance(w, list) and all(
             isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and _is_int(r[1]) and _is_int(r[2])
