@@ -21,6 +21,7 @@ from rlk_ops.compile.boundary import inspect_boundary
 from rlk_ops.meta import binding, probe
 from rlk_ops.meta.binding import SEMANTIC, SideFormatError, Unobservable, bind
 from rlk_ops.rollout.cache import PagedKVCache
+from rlk_ops.rollout.glue import swiglu
 from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
 
 # o_proj square (4 * 16 == 64), so its transpose type-checks
@@ -121,8 +122,37 @@ def _cache_transposed(self, hidden_states, positions, k_cache, v_cache, page_tab
     return (out, attn, lse) if return_attention else out
 
 
-def _rollout_model(qkv=None, forward=None):
+def _page_tables_swapped(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                         return_attention=False):
+    """Qwen3Attention.forward_rollout whose attention reads each sequence's keys through the other one's page
+    table row (two sequences: rows swapped by views)."""
+    b, sq, hidden = hidden_states.shape
+    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
+    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache,
+                                        torch.stack([page_table[1], page_table[0]]), seq_lens,
+                                        split_kv=self.config.split_kv)
+    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
+    return (out, attn, lse) if return_attention else out
+
+
+def _mlp_scaled(self, x):
+    """The MLP's output scaled before the residual add: compute outside any rlk op."""
+    return rlk_ops.linear(swiglu(rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))),
+                          self.down_proj.weight) * 1.5
+
+
+def _mlp_halves_swapped(self, x):
+    """SwiGLU fed [up, gate] instead of [gate, up]: the halves swapped by views after the product."""
+    gate_up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+    half = gate_up.shape[-1] // 2
+    return rlk_ops.linear(swiglu(torch.cat([gate_up[..., half:], gate_up[..., :half]], -1)), self.down_proj.weight)
+
+
+def _rollout_model(qkv=None, forward=None, mlp=None):
     m = _model()
+    if mlp is not None:
+        m.layers[0].mlp.forward = types.MethodType(mlp, m.layers[0].mlp)
     attn = m.layers[0].self_attn
     if qkv is not None:
         attn._qkv = types.MethodType(qkv, attn)
@@ -149,12 +179,25 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
          "layer[0].k_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor")}),
     "attention reading a transposed copy of the k cache": (
         lambda: _rollout_model(forward=_cache_transposed),
-        {"layer[0].k.flow": ("rlk:rope[0:32] rows in order", "cache read: rlk:kv_cache.k[0:1,2:3,")}),
+        {"layer[0].k.flow": ("rlk:rope@L0[0:32] rows in order", "cache read: rlk:kv_cache.k@L0[0:1,2:3,")}),
     "only q's rows cast through float8": (
         lambda: _rollout_model(_qkv(weight=lambda self: torch.cat([
             self.q_proj.weight.to(torch.float8_e4m3fn).to(torch.bfloat16), self.k_proj.weight, self.v_proj.weight]))),
         {"layer[0].q.flow": ("q_proj.weight[rows 0:64]",
                              "q_proj.weight via lossy casts bfloat16->float8_e4m3fn[rows 0:64]")}),
+    "attention reading the other sequence's page table row": (
+        lambda: _rollout_model(forward=_page_tables_swapped),
+        {"layer[0].attention.metadata": ("whole", "rows sha256:")}),
+    "v's rows of the fused weight bit-cast through float16": (
+        lambda: _rollout_model(_qkv(weight=lambda self: torch.cat(
+            [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight.view(torch.float16).to(torch.bfloat16)]))),
+        {f"layer[0].{p}.flow": ("rows 0:", "unobservable") for p in "qkv"}),
+    "the MLP's output scaled before the residual add": (
+        lambda: _rollout_model(mlp=_mlp_scaled),
+        {"model.qk_rmsnorm.inputs": ("computed:aten.add.Tensor#", "computed:aten.add.Tensor#")}),
+    "SwiGLU fed the gate and up halves swapped": (
+        lambda: _rollout_model(mlp=_mlp_halves_swapped),
+        {"model.linear.inputs": ("computed:rlk_model.swiglu.default#", "computed:rlk_model.swiglu.default#")}),
     "o_proj weight transposed": (
         lambda: _rollout_model(forward=_o_proj_transposed),
         {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[0:4096]", "4096 runs sha256:")}),
@@ -252,14 +295,15 @@ def test_element_maps_of_a_small_graph():
     report = inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False)
     lin, norm, lin2 = report.forward
     assert lin.maps["weight"] == {"w": [["b.weight", 0, 16], ["a.weight", 0, 48]]}
-    assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "rows": "in order"}
+    assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8, "rows": "in order"}
     # element (i, j) of a token's [2, 2] is column 2 + 3 * j + i of the product
-    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear", "cols": [[2, 3], [5, 6], [3, 4], [6, 7]],
-                                   "rows": "in order"}
+    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear@L0", "cols": [[2, 3], [5, 6], [3, 4], [6, 7]],
+                                   "width": 8, "rows": "in order"}
     assert "mixed" in norm.maps["x"]["1"]   # read as rows of 2, each row takes other columns
     assert norm.maps["weight"] == {"w": [["norm_w via lossy casts float32->float16", 0, 2]]}
     assert lin2.maps["weight"] == {"w": [["w", 2, 6], ["w", 10, 14], ["w", 18, 22], ["w", 26, 30]]}
-    assert lin2.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 4]], "rows": "the first 4 of 5 in order"}
+    assert lin2.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 4]], "width": 8,
+                                   "rows": "the first 4 of 5 in order"}
 
     def strided(self, x):   # as_strided straight over the slice: storage the coordinates do not share
         return rlk_ops.linear(x[:, :4], self.w[:, 2:6].as_strided((4, 4), (8, 1)))
@@ -303,7 +347,8 @@ def test_unresolved_maps_and_older_side_files_fail_closed(train, monkeypatch):
     (5, "maps"),
     ({"x": {"w": [["a", 3, 1]]}}, "maps.x.w"),
     ({"x": {"2": {"leaf": "rlk:linear", "cols": [[0, 2]]}}}, "maps.x.2"),
-    ({"x": {"1": {"leaf": "rlk:linear", "cols": [[0, "2"]], "rows": "in order"}}}, "maps.x.1"),
+    ({"x": {"1": {"leaf": "rlk:linear", "cols": [[0, "2"]], "width": 2, "rows": "in order"}}}, "maps.x.1"),
+    ({"x": {"1": {"leaf": "rlk:linear", "cols": [[0, 2]], "width": -1, "rows": "in order"}}}, "maps.x.1"),
     ({1: {"w": []}}, "maps"),
     ({"x": {"huh": 1}}, "maps.x"),
 ])

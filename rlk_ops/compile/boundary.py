@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from rlk_ops.compile.element_maps import element_map, holds
+from rlk_ops.compile.element_maps import ATTENTION, computed_label, element_map, holds, moves, node_label
 from rlk_ops.meta.specs import REGISTRY
 
 _aten = torch.ops.aten
@@ -329,7 +329,7 @@ def _source(val, inputs: dict) -> str | None:
             return inputs[val] + ("".join(reversed(steps)) if changed else "")
         name = getattr(val.target, "_opname", None)
         if not (val.op == "call_function" and isinstance(val.target, torch._ops.OpOverload)
-                and name in _SAME_ELEMENTS):
+                and name in _SAME_ELEMENTS and moves(val)):   # moves: not a view into another dtype (a bitcast)
             return None
         text, moved, cast = _step(val)
         steps.append(text)
@@ -347,7 +347,8 @@ def _dtype(node) -> torch.dtype | None:
 
 def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict, inputs: dict,
                  maps: tuple | None = None) -> tuple[dict, dict, dict, dict]:
-    """``maps``: (rlk op names by node, node positions) to write element maps with; None: none."""
+    """``maps``: (rlk op labels by node, node positions, computing nodes' labels) to write element maps
+    with; None: none."""
     args, producers, sources, elements = {}, {}, {}, {}
     for pos, arg in enumerate(target._schema.arguments):
         val = _schema_value(node, arg, pos, via)
@@ -357,7 +358,7 @@ def _call_record(node: torch.fx.Node, target, via: str | None, produced: dict, i
             if src is not None:
                 sources[arg.name] = src
             if maps is not None:
-                m = element_map(val, produced, maps[0], inputs, maps[1])
+                m = element_map(val, produced, maps[0], inputs, maps[1], maps[2])
                 if m:
                     elements[arg.name] = m
         else:
@@ -374,8 +375,10 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
     if every position agrees in shape and dtype."""
     nodes = []
     produced: dict[torch.fx.Node, int] = {}
-    op_names: dict[torch.fx.Node, str] = {}
-    maps = (op_names, {n: i for i, n in enumerate(gm.graph.nodes)}) if graph == "forward" else None
+    op_names: dict[torch.fx.Node, tuple[str, str]] = {}
+    memo: dict[torch.fx.Node, str] = {}   # computing nodes' labels (element_maps.computed_label), in graph order
+    maps = (op_names, {n: i for i, n in enumerate(gm.graph.nodes)}, memo) if graph == "forward" else None
+    layer = sum(n.op.split("::")[1] in ATTENTION for n in report.forward) if graph == "forward" else 0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = {}
     if input_names is not None and len(input_names) == len(placeholders):
@@ -395,7 +398,8 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
             args, producers, sources, elements = _call_record(node, target, via, produced, inputs, maps)
             produced[node] = first_index + len(nodes)
-            op_names[node] = name
+            op_names[node] = (name, node_label(layer, sources.get("weight") if name == "qk_rmsnorm" else None))
+            layer += name in ATTENTION
             nodes.append(RlkNode(
                 index=first_index + len(nodes), op=f"rlk::{name}", via=via,
                 tags=[str(t).split(".")[-1] for t in target.tags],
@@ -406,6 +410,8 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             continue
         if target is operator.getitem or _is_shape_math(node):
             continue
+        if maps is not None and not moves(node):
+            computed_label(node, produced, op_names, inputs, *maps[1:])
         name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
         if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and name in _MOVEMENT \
                 and not _converting_copy(name, node):

@@ -20,10 +20,11 @@ batch layouts differ (packed ``[T, ...]`` and ``[B, S, ...]``):
   order as runs ``[leaf, start, stop]`` of flat indices into each leaf (a digest past MAX_RUNS);
 * ``"0"``, ``"1"``, ``"2"`` (each f below the argument's rank; not for weights): the argument read as
   rows of its last f dims (f = 0: one element per row, e.g. positions; 1: the last dim, e.g. a
-  linear's input; 2: ``[..., H, D]``, e.g. q, k, v). ``{"leaf", "cols", "rows"}`` when every row
-  comes from one leaf row with the same column pattern: ``cols`` are runs ``[start, stop]`` of that
-  leaf row's columns in the argument's order, ``rows`` is ``"in order"`` when row i is the leaf's
-  row i for every leaf row. Else ``{"mixed": digest}``. These two forms do not depend on the batch
+  linear's input; 2: ``[..., H, D]``, e.g. q, k, v). ``{"leaf", "cols", "width", "rows"}`` when every
+  row comes from one leaf row with the same column pattern: ``cols`` are runs ``[start, stop]`` of that
+  leaf row's columns in the argument's order, ``width`` the leaf row's length, ``rows`` is
+  ``"in order"`` when row i is the leaf's row i for every leaf row (``"N of M in order"``: some of
+  them, in their order). Else ``{"mixed": digest}``. These two forms do not depend on the batch
   layout; a digest (mixed, or rows out of order) is one of this call's layout, so it binds only
   against the same digest;
 * ``{"unresolved": why}`` when the replay was not possible (a size without a hint, more than
@@ -56,15 +57,26 @@ _ROLE = {"attention_fwd": "attention", "paged_attention": "attention", "paged_at
          "qk_norm_rope": "rope"}
 
 
-def leaf_name(op: str, out: int) -> str:
+ATTENTION = ("attention_fwd", "paged_attention", "paged_attention_auto")
+
+
+def leaf_name(op: str, out: int, where: str = "") -> str:
     """An rlk op's output as a leaf name: ``rlk:<role>`` (``.lse`` for attention's second output, the
-    cache for paged_kv_append's)."""
+    cache for paged_kv_append's), then ``where`` (``node_label``)."""
     if op == "paged_kv_append":
-        return f"rlk:kv_cache.{'kv'[out - 1] if out in (1, 2) else out}"
+        return f"rlk:kv_cache.{'kv'[out - 1] if out in (1, 2) else out}{where}"
     role = _ROLE.get(op, op)
     if role == "attention" and out == 1:
-        return "rlk:attention.lse"
-    return f"rlk:{role}" + (f".{out}" if out and role not in ("rope", "attention") else "")
+        return f"rlk:attention.lse{where}"
+    return f"rlk:{role}" + (f".{out}" if out and role not in ("rope", "attention") else "") + where
+
+
+def node_label(layer: int, weight: str | None) -> str:
+    """Which call an rlk output is, in words both sides share: ``@L<layer>``, the number of attention
+    calls before it (layer 1's input norm is ``@L1``, layer 0's o_proj too), and a norm's weight, so
+    that a projection fed by another layer's or another norm's output is not named alike (a session 36
+    audit)."""
+    return f"@L{layer}" + (f"({weight})" if weight else "")
 
 
 def _hint(v):
@@ -81,6 +93,12 @@ def _hint(v):
     return v
 
 
+def _numel(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return sum(int(torch.Size([_hint(s) for s in v.shape]).numel()) for v in vals if isinstance(v, torch.Tensor))
+
+
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -88,7 +106,7 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(_hint(s) for s in val.shape)
 
 
-def _leaves(val, produced: dict, names: dict, inputs: dict):
+def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None):
     """Walk back from ``val`` through REPLAYED ops. Returns (chain nodes, {leaf node: name}). A leaf reached
     through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
     elements they touched."""
@@ -101,18 +119,17 @@ def _leaves(val, produced: dict, names: dict, inputs: dict):
         via = [c for c in reversed(casts) if _lossy(c, final)]
         suffix = f" via lossy casts {', '.join(f'{_dt(c.args[0])}->{_dt(c)}' for c in via)}" if via else ""
         if n in produced:
-            leaves[n] = leaf_name(names[n], 0) + suffix
+            leaves[n] = leaf_name(*names[n][:1], 0, names[n][1]) + suffix
         elif n.op == "call_function" and n.target is operator.getitem:
             src = n.args[0]
             if src in produced:
-                leaves[n] = leaf_name(names[src], int(n.args[1])) + suffix
+                leaves[n] = leaf_name(names[src][0], int(n.args[1]), names[src][1]) + suffix
             else:   # an item of a split / unbind
                 chain.add(n)
                 stack.append((src, casts))
         elif n.op == "placeholder":
             leaves[n] = inputs.get(n, "input:?") + suffix
-        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-                and n.target.namespace == "aten" and n.target._opname in REPLAYED:
+        elif moves(n):
             chain.add(n)
             more = casts + (n,) if n.target._opname == "_to_copy" else casts
             for a in (*n.args, *n.kwargs.values()):
@@ -120,8 +137,25 @@ def _leaves(val, produced: dict, names: dict, inputs: dict):
                     if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), (torch.Tensor, list, tuple)):
                         stack.append((x, more))
         else:
-            leaves[n] = f"computed:{n.target}" + suffix
+            leaves[n] = (computed_label(n, produced, names, inputs, order, memo) if memo is not None
+                         else f"computed:{n.target}") + suffix
     return chain, leaves
+
+
+def moves(n) -> bool:
+    """``n`` is a REPLAYED aten op that keeps its input's dtype, or a cast (``_to_copy``). A view into another
+    dtype (``w.view(torch.int16)``) reinterprets the bits: a computing node, not a move."""
+    if not (isinstance(n, torch.fx.Node) and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "aten" and n.target._opname in REPLAYED):
+        return False
+    if n.target._opname == "_to_copy":
+        return True
+    src = n.args[0] if n.args else None
+    src = src[0] if isinstance(src, (list, tuple)) and src else src
+    a = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    b = n.meta.get("val")
+    b = b[0] if isinstance(b, (list, tuple)) and b else b
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
 def _lossy(cast: torch.fx.Node, final: torch.dtype) -> bool:
@@ -194,9 +228,11 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
     token = row[:, 0]
     leaf_rows = int(torch.Size(leaf_shapes[leaf]).numel()) // width
     ordered = bool((token == torch.arange(rows)).all())
+    rising = bool((token[1:] > token[:-1]).all())
     return {"leaf": names[leaf], "cols": [r[1:] for r in runs] if runs is not None else _digest(col[0]),
+            "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
-            else _digest(token)}
+            else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
 
 
 def _width(shape, feat: int) -> int:
@@ -219,7 +255,8 @@ def _identity(label: str, shape: tuple[int, ...], weight: bool) -> dict:
     for f in range(min(len(shape) - 1, 2) + 1):
         feat = int(torch.Size(shape[len(shape) - f:]).numel())
         rows = int(torch.Size(shape).numel()) // feat if feat else 0
-        out[str(f)] = {"mixed": "empty"} if rows == 0 else {"leaf": label, "cols": [[0, feat]], "rows": "in order"}
+        out[str(f)] = {"mixed": "empty"} if rows == 0 else {"leaf": label, "cols": [[0, feat]], "width": feat,
+                                                            "rows": "in order"}
     return out
 
 
@@ -234,7 +271,7 @@ def _flat_runs(node, leaves: dict) -> list | None:
     if node in leaves:
         n = int(torch.Size(_shape(node)).numel())
         return [[leaves[node], 0, n]] if n else []
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if not moves(node):
         return None
     name = node.target._opname
     if name in _FLAT_ORDER:
@@ -275,14 +312,15 @@ def _dense_at_zero(node: torch.fx.Node) -> bool:
         sz == 1 or st == e for sz, st, e in zip(shape, stride, reversed(expect)))
 
 
-def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> dict:
+def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None = None) -> dict:
     """The element map of one tensor argument ``val`` (module docstring). ``produced``: the rlk op
-    nodes seen so far; ``names``: node -> rlk op name; ``inputs``: placeholder -> its source;
-    ``order``: node -> position in the graph."""
+    nodes seen so far; ``names``: node -> (rlk op name, ``node_label``); ``inputs``: placeholder -> its source;
+    ``order``: node -> position in the graph; ``memo``: computing node -> its label (``computed_label``;
+    None: computing nodes are named by their op only)."""
     if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
         return {}
     try:
-        chain, leaves = _leaves(val, produced, names, inputs)
+        chain, leaves = _leaves(val, produced, names, inputs, order, memo)
         if not chain:   # the argument is its leaf
             (label,) = leaves.values()
             return _identity(label, _shape(val), _is_weight(label))
@@ -295,6 +333,9 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> 
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         if sum(sizes) > LIMIT:
             return {"unresolved": f"{sum(sizes)} leaf elements (more than {LIMIT} are not replayed)"}
+        made = max((_numel(n) for n in chain), default=0)   # an expand copied makes more than it reads
+        if made > LIMIT:
+            return {"unresolved": f"a movement op makes {made} elements (more than {LIMIT} are not replayed)"}
         base = torch.tensor([0, *sizes]).cumsum(0)
         env = {n: (torch.arange(sizes[i]) + base[i]).reshape(shapes[i]) for i, n in enumerate(leaf_nodes)}
 
@@ -322,7 +363,7 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> 
             return {"unresolved": "the replay gave another shape than the graph's"}
     except Exception as e:  # noqa: BLE001 - any op that does not replay on coordinates: say so, bind nothing
         return {"unresolved": f"{type(e).__name__}: {e}"[:200]}
-    flat = out.reshape(-1)
+    flat = out.reshape(-1).contiguous()
     key = torch.searchsorted(base[1:], flat, right=True)
     local = flat - base[key]
     label = [leaves[n] for n in leaf_nodes]
@@ -331,3 +372,54 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict) -> 
         return {"w": [[label[k], s, e] for k, s, e in runs] if runs is not None else _digest(label, key, local)}
     return {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes)
             for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
+
+
+def computed_label(n: torch.fx.Node, produced: dict, names: dict, inputs: dict, order: dict, memo: dict) -> str:
+    """A computing node (a residual add, the embedding, an op of another namespace) as a leaf name:
+    ``computed:<op>#<digest>`` of its op, output dtype, scalar arguments and the element maps of its tensor
+    arguments (their own computing leaves by their digests). Two sides name one alike only when the same
+    op takes the same elements of the same leaves: a residual that scales the attention output, the
+    embedding of other tokens or another table, a norm fed the residual of another point bound while
+    their leaves were "computed:<op>" alike (a session 36 audit). Graph inputs count by kind only, and
+    symbolic sizes not at all (both depend on the caller's spelling and the batch layout). ``memo`` holds
+    the labels made so far: a graph is labelled in its order, so a label's arguments are already there."""
+    if n in memo:
+        return memo[n]
+    unresolved = []
+
+    def part(a):
+        if isinstance(a, torch.fx.Node):
+            if not isinstance(a.meta.get("val"), torch.Tensor):
+                return "sym"
+            m = element_map(a, produced, names, inputs, order, memo)
+            if "unresolved" in m:
+                unresolved.append(m["unresolved"])
+            return _arg_text(m)
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(part(x) for x in a) + "]"
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return "sym"
+        return repr(a)
+    text = ", ".join([part(a) for a in n.args] + [f"{k}={part(v)}" for k, v in sorted(n.kwargs.items())])
+    full = f"{n.target}[{_dt(n)}]({text})"
+    memo[n] = f"computed:{n.target}#" + ("unresolved" if unresolved else
+                                         hashlib.sha256(full.encode()).hexdigest()[:16])
+    return memo[n]
+
+
+def _arg_text(m: dict) -> str:
+    """One tensor argument of a computing node, from its element map: the leaf whole (every element in
+    order: the flat form), else its rows' form."""
+    if "unresolved" in m:
+        return "unresolved"
+    if "w" in m:
+        return repr(m["w"])
+    f0 = m.get("0")
+    if f0 is not None and "leaf" in f0 and f0["rows"] == "in order" and f0["cols"] == [[0, 1]] and f0["width"] == 1:
+        leaf = "graph input" if f0["leaf"].startswith("input:") else f0["leaf"]
+        return f"{leaf} whole"
+    v = m.get("1") or f0
+    if v is None or "mixed" in v:
+        return f"mixed {v['mixed'] if v else ''}"
+    leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
+    return f"{leaf}[{v['cols']}]/{v['width']} rows {v['rows']}"

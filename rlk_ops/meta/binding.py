@@ -210,6 +210,8 @@ RULES: dict[str, Rule] = {
     "attention.p_rounding": Rule(SEMANTIC, _want("p_rounding", "P rounding")),
     "attention.reduction_order": Rule(SEMANTIC),
     "attention.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict"),
+    "attention.metadata": Rule(SEMANTIC, lambda v, m, ctx: None if v == "whole" else
+                               "the sequence metadata reaches attention reordered or in part"),
     "attention.op": Rule(RECORDED), "attention.backend": Rule(RECORDED), "attention.kernel": Rule(RECORDED),
     "path.stages": Rule(SEMANTIC, _m_stages), "path.ops": Rule(RECORDED), "path.flow": Rule(SEMANTIC),
     "norm.eps": Rule(SEMANTIC, _want("rms_norm_eps", "eps")),
@@ -264,11 +266,12 @@ def _param(node: dict, arg: str) -> str | None:
 _NO_MAPS = "a side file written before session 36 (no element maps in its graph)"
 
 
-def _edge(node: dict, arg: str, form: str, rows: bool = True, cols: bool = True):
+def _edge(node: dict, arg: str, form: str, rows: bool | str = True, cols: bool = True):
     """What ``node`` takes as ``arg``, from its element map (compile/element_maps.py) read as rows of
     ``form`` ("0", "1", "2") or, for a weight, "w": text that does not depend on the batch layout, or
     Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
-    every token in order on both sides; which tokens an engine projects to logits is its own).
+    every token in order on both sides; "subset": rows in their order, which of them not compared:
+    which tokens an engine projects to logits is its own).
     ``cols``: whether the leaf's columns are (not for a projection's output: ``_projection`` names
     the weight rows behind them, which a fused and a separate weight share)."""
     maps = node.get("maps")
@@ -286,11 +289,17 @@ def _edge(node: dict, arg: str, form: str, rows: bool = True, cols: bool = True)
         return Unobservable(f"{node['op']}.{arg} has no element map in form {form!r}")
     if "mixed" in v:
         return f"mixed {v['mixed']}"
+    if v["leaf"].split(" via ")[0].endswith("#unresolved"):
+        return Unobservable(f"{node['op']}.{arg}: a computing node it takes could not be named (one of its "
+                            "arguments' element maps was not resolved)")
     span = v["cols"] if isinstance(v["cols"], str) else ",".join(f"{a}:{b}" for a, b in v["cols"])
     # a graph input that is no parameter is named by Dynamo after the caller's spelling (l_positions_,
     # l_args_1_ through a functools.partial): which input it is cannot be compared, only that it is one
     leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
-    return leaf + (f"[{span}]" if cols else "") + (f" rows {v['rows']}" if rows else "")
+    order = v["rows"]
+    if rows == "subset":
+        order = "in order (some or all)" if order == "in order" or order.endswith(" in order") else order
+    return leaf + (f"[{span}]" if cols else "") + (f" rows {order}" if rows else "")
 
 
 def _runs_text(runs, limit: int = 16) -> str:
@@ -345,7 +354,43 @@ def _projection(linear: dict, consumer: dict, arg: str):
     return tuple(out)
 
 
-def _cache_read(attention: dict, arg: str, which: str):
+def _whole(v: dict | None, leaf: str | None = None) -> bool:
+    """An element map form that is its leaf as it is: every row in order, every column (``leaf``: that
+    leaf; None: any leaf)."""
+    return isinstance(v, dict) and "leaf" in v and v["rows"] == "in order" and v["cols"] == [[0, v["width"]]] and (
+        leaf is None or v["leaf"] == leaf)
+
+
+_METADATA = ("cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens")
+
+
+def _metadata(node: dict):
+    """How an attention call takes its sequence metadata (cu_seqlens; the paged ops' page table and
+    lengths): "whole" when each is its leaf's rows in order, every column, whatever made the leaf (a
+    graph input, the allocator's tables built in the graph). Else their element maps: a page table with
+    two sequences' rows swapped by views bound (a session 36 audit). Metadata computed in the graph is
+    not compared (the ops outside rlk, like the residual adds, are recorded as leaks only)."""
+    maps = node.get("maps")
+    if maps is None:
+        return Unobservable(_NO_MAPS)
+    odd = {}
+    for arg in _METADATA:
+        m = maps.get(arg)
+        if m is None:
+            continue
+        v = m.get("1", m.get("0"))
+        if not _whole(v):
+            odd[arg] = _edge(node, arg, "1" if "1" in m else "0")
+    bad = next((v for v in odd.values() if isinstance(v, Unobservable)), None)
+    return bad or (odd if odd else "whole")
+
+
+def _layer(nodes: list[dict], idx: int) -> int:
+    """The attention calls before node ``idx``: element_maps.node_label's layer."""
+    return sum(n["op"].split("::")[1] in ATTENTION_OPS for n in nodes[:idx])
+
+
+def _cache_read(attention: dict, arg: str, which: str, layer: int):
     """How paged attention reads the cache ``paged_kv_append`` wrote: None when it takes the cache as
     written (each slot's row in order, every column), else the element map's text (a rollout that
     handed attention a transposed copy of the cache computed other logits and bound: a session 36 review)."""
@@ -353,9 +398,7 @@ def _cache_read(attention: dict, arg: str, which: str):
     if maps is None:
         return Unobservable(_NO_MAPS)
     v = (maps.get(arg) or {}).get("2")
-    _, shape = _shape(attention["inputs"][1]) if len(attention["inputs"]) > 1 else ("", [])
-    feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) else None
-    if v is not None and v == {"leaf": f"rlk:kv_cache.{which}", "cols": [[0, feat]], "rows": "in order"}:
+    if _whole(v, f"rlk:kv_cache.{which}@L{layer}"):
         return None
     return _edge(attention, arg, "2")
 
@@ -376,7 +419,7 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
         ops.append(node["op"])
         if name == "paged_kv_append":  # output 1/2 is the k/v cache the tensor was written into
             arg = {1: "k", 2: "v"}.get(out, "")
-            read = _cache_read(consumer[0], consumer[1], arg)
+            read = _cache_read(consumer[0], consumer[1], arg, _layer(nodes, idx))
             if read is not None:
                 flow.append(read if isinstance(read, Unobservable) else f"cache read: {read}")
             cur, consumer = node["producers"].get(arg), (node, arg)
@@ -409,7 +452,8 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
             _, shape = _shape(node["inputs"][out]) if len(node["inputs"]) > out else ("", [])
             feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
                 else "?"
-            flow.append(f"rlk:qk_rmsnorm[0:{feat}] rows in order")
+            w = (node.get("sources") or {}).get("q_weight" if out == 0 else "k_weight")
+            flow.append(f"rlk:qk_rmsnorm@L{_layer(nodes, idx)}" + (f"({w})" if w else "") + f"[0:{feat}] rows in order")
             arg = "q" if out == 0 else "k"
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
@@ -487,6 +531,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             modes.append("decode" if q[1] == 1 else ("chunked prefill" if isinstance(q[1], int) else "symbolic"))
             pages.append(k[1])
         _backend_facts(put, L, op, n, by_op.get(op), plans, policy, q_dtype)
+        put(f"{L}.attention.metadata", "attention.metadata", _metadata(n),
+            f"{g}: element maps of {n['op']}'s sequence metadata")
         q_src = n["producers"].get("q")
         k_src = n["producers"].get("k" if op == "attention_fwd" else "k_cache")
         v_src = n["producers"].get("v" if op == "attention_fwd" else "v_cache")
@@ -530,6 +576,7 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
     rest: dict[str, list] = {}
     inputs: dict[str, list] = {}
+    last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward
     for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
         # they take must agree too, call by call in graph order (a set of distinct values let one side move
         # an eps to another layer, or drop a call whose values another call also had)
@@ -547,7 +594,10 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         seen = {}
         for a, m in sorted(n["maps"].items()):
             form = next((f for f in ("1", "0") if f in m), "w")
-            seen[a] = _edge(n, a, form, rows=False)
+            # rows in order, as on the paths (o_proj or the MLP reading other tokens' rows bound: a session 36
+            # audit); the graph's last rlk op (the logits) may take some of them, in order: which tokens an
+            # engine projects there is its own
+            seen[a] = _edge(n, a, form, rows=True if n["index"] != last else "subset")
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
         inputs.setdefault(n["op"], []).append(bad or json.dumps(seen, sort_keys=True))
     for op, args in rest.items():
@@ -1036,11 +1086,11 @@ def _check_map(bad, where_: str, m) -> None:
             continue
         if isinstance(v, dict) and set(v) == {"mixed"} and isinstance(v["mixed"], str):
             continue
-        if not (isinstance(v, dict) and set(v) == {"leaf", "cols", "rows"} and isinstance(v["leaf"], str)
-                and isinstance(v["rows"], str) and (isinstance(v["cols"], str) or (isinstance(v["cols"], list) and all(
-                    isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and _is_int(c[1]) and c[0] < c[1]
-                    for c in v["cols"])))):
-            bad(f"{where_}.{f}", "{leaf, cols (a digest or [start, stop] runs), rows} or {mixed}", v)
+        if not (isinstance(v, dict) and set(v) == {"leaf", "cols", "width", "rows"} and isinstance(v["leaf"], str)
+                and isinstance(v["rows"], str) and _is_int(v["width"]) and (isinstance(v["cols"], str) or (
+                    isinstance(v["cols"], list) and all(isinstance(c, list) and len(c) == 2 and _is_int(c[0])
+                                                        and _is_int(c[1]) and c[0] < c[1] for c in v["cols"])))):
+            bad(f"{where_}.{f}", "{leaf, cols (a digest or [start, stop] runs), width, rows} or {mixed}", v)
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
