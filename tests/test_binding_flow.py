@@ -122,6 +122,19 @@ def _cache_transposed(self, hidden_states, positions, k_cache, v_cache, page_tab
     return (out, attn, lse) if return_attention else out
 
 
+def _slots_as_positions(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                        return_attention=False):
+    """Qwen3Attention.forward_rollout rotating q and k by the slot mapping (another int64 input of one row per
+    token) instead of the positions; the cache write keeps the positions (its own check refuses others)."""
+    b, sq, hidden = hidden_states.shape
+    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), slot_mapping)
+    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
+    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+                                        seq_lens, split_kv=self.config.split_kv)
+    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
+    return (out, attn, lse) if return_attention else out
+
+
 def _page_tables_swapped(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
                          return_attention=False):
     """Qwen3Attention.forward_rollout whose attention reads each sequence's keys through the other one's page
@@ -175,8 +188,12 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
         {"layer[0].q.flow": ("q_proj.weight[rows 0:64]", "projection rows: 64 runs sha256:")}),
     "rope positions doubled": (
         lambda: _rollout_model(_qkv(positions=lambda p: p * 2)),
-        {"layer[0].q_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor"),
-         "layer[0].k_rope.positions": ("graph input[0:1] rows in order", "computed:aten.mul.Tensor")}),
+        {"layer[0].q_rope.positions": ("graph input positions[0:1] rows in order", "computed:aten.mul.Tensor#"),
+         "layer[0].k_rope.positions": ("graph input positions[0:1] rows in order", "computed:aten.mul.Tensor#")}),
+    "rope fed the slot mapping as positions": (
+        lambda: _rollout_model(forward=_slots_as_positions),
+        {"layer[0].q_rope.positions": ("graph input positions[0:1]", "graph input slot_mapping[0:1]"),
+         "layer[0].k_rope.positions": ("graph input positions[0:1]", "graph input slot_mapping[0:1]")}),
     "attention reading a transposed copy of the k cache": (
         lambda: _rollout_model(forward=_cache_transposed),
         {"layer[0].k.flow": ("rlk:rope@L0[0:32] rows in order", "cache read: rlk:kv_cache.k@L0[0:1,2:3,")}),

@@ -520,7 +520,8 @@ def _compare_eager(eager: EagerRun, out, params: list) -> tuple[bool | None, str
 
 
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
-                     more_calls: tuple[tuple, ...] = (), eager: EagerRun | None = None, **kwargs) -> BoundaryReport:
+                     more_calls: tuple[tuple, ...] = (), eager: EagerRun | None = None, roles: dict | None = None,
+                     **kwargs) -> BoundaryReport:
     """Compile ``fn`` (no fullgraph requirement, so breaks are counted rather than
     raised), run it on ``args`` and, if ``backward`` and an output requires grad,
     run one backward of the sum of its outputs (this accumulates ``.grad`` on leaves).
@@ -529,7 +530,10 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     the reported rlk nodes are those of the first call's graphs. ``eager``: ``eager_outputs``
     of the same call (``backward`` alike), compared bitwise with the first call's outputs and its
     parameters' gradients (``eager_equal``, ``eager_note``; gradients held before the call are set aside
-    during it and the new ones added to them after, as autograd accumulates)."""
+    during it and the new ones added to them after, as autograd accumulates). ``roles``: {role: tensor}
+    for arguments the graphs should name by what they are (``input:=positions``), not by Dynamo's
+    spelling of the caller's variable (``l_positions_``, ``l_args_1_``), so two sides' element maps
+    can say which input feeds rope."""
     from rlk_ops.meta import provenance
 
     if not callable(fn):
@@ -561,6 +565,7 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     dynamo_graphs = []
     dynamo_inputs = []
     params = parameter_names(fn)
+    named = {id(t): f"input:={role}" for role, t in (roles or {}).items() if isinstance(t, torch.Tensor)}
 
     def backend(gm, example_inputs):
         # Dynamo may call the backend again after restarting its analysis (e.g. when
@@ -570,7 +575,8 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
         # each input as a source: the parameter it is (by identity), else the input's graph name
         phs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         dynamo_inputs.append([
-            (params.get(id(t), f"input:{ph}"), tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor)
+            (params.get(id(t)) or named.get(id(t), f"input:{ph}"), tuple(t.shape), t.dtype)
+            if isinstance(t, torch.Tensor)
             else (f"input:{ph}", None, None) for ph, t in zip(phs, example_inputs)]
             if len(phs) == len(example_inputs) else None)
         return compiled_fn

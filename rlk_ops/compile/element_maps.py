@@ -407,6 +407,15 @@ def computed_label(n: torch.fx.Node, produced: dict, names: dict, inputs: dict, 
     return memo[n]
 
 
+def input_name(leaf: str) -> str:
+    """A leaf as the binding words it: a graph input named by its role (``input:=positions``, from
+    ``inspect_boundary(roles=...)``) as "graph input positions"; any other graph input as "graph input"
+    (Dynamo spells it after the caller's variable); anything else as it is."""
+    if leaf.startswith("input:="):
+        return "graph input " + leaf[len("input:="):]
+    return "graph input" if leaf.startswith("input:") else leaf
+
+
 def _arg_text(m: dict) -> str:
     """One tensor argument of a computing node, from its element map: the leaf whole (every element in
     order: the flat form), else its rows' form."""
@@ -416,10 +425,8 @@ def _arg_text(m: dict) -> str:
         return repr(m["w"])
     f0 = m.get("0")
     if f0 is not None and "leaf" in f0 and f0["rows"] == "in order" and f0["cols"] == [[0, 1]] and f0["width"] == 1:
-        leaf = "graph input" if f0["leaf"].startswith("input:") else f0["leaf"]
-        return f"{leaf} whole"
+        return f"{input_name(f0['leaf'])} whole"
     v = m.get("1") or f0
     if v is None or "mixed" in v:
         return f"mixed {v['mixed'] if v else ''}"
-    leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
-    return f"{leaf}[{v['cols']}]/{v['width']} rows {v['rows']}"
+    return f"{input_name(v['leaf'])}[{v['cols']}]/{v['width']} rows {v['rows']}"

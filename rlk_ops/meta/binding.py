@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlk_ops.compile.element_maps import input_name
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
@@ -294,8 +295,9 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True, cols: bool =
                             "arguments' element maps was not resolved)")
     span = v["cols"] if isinstance(v["cols"], str) else ",".join(f"{a}:{b}" for a, b in v["cols"])
     # a graph input that is no parameter is named by Dynamo after the caller's spelling (l_positions_,
-    # l_args_1_ through a functools.partial): which input it is cannot be compared, only that it is one
-    leaf = "graph input" if v["leaf"].startswith("input:") else v["leaf"]
+    # l_args_1_ through a functools.partial): compared by the role the describe step gave it, else only
+    # as "a graph input"
+    leaf = input_name(v["leaf"])
     order = v["rows"]
     if rows == "subset":
         order = "in order (some or all)" if order == "in order" or order.endswith(" in order") else order

@@ -220,20 +220,21 @@ def flashinfer_plans(records: list[dict]) -> list[dict]:
     return out
 
 
-def run_entry(name: str, fn, *args, backward: bool = False, **kwargs) -> dict:
+def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None = None, **kwargs) -> dict:
     """Compile ``fn`` with the capturing backend, run it on ``args`` (and one backward
     when asked), and return the entry's evidence: graph, provenance, plan records, and
     the strict mode it ran under. The same call also runs eagerly first, on copies of the
     arguments: the graph counts as the entry's computation only if its outputs (and, with backward,
     the parameters' gradients) are bitwise that run's (``graph.eager_equal``: an engine that runs the
-    entry eagerly runs what was bound)."""
+    entry eagerly runs what was bound). ``roles``: {role: tensor argument} named alike on both sides
+    (``inspect_boundary``): the describe functions name tokens, positions and the sequence metadata."""
     from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
     from rlk_ops.kernels.dispatch import strict_mode
 
     eager = eager_outputs(fn, args, kwargs, backward=backward)   # before the capture: not the entry's evidence
     before = _plan_logs()
     with provenance.capture() as log:
-        report = inspect_boundary(fn, *args, backward=backward, eager=eager, **kwargs)
+        report = inspect_boundary(fn, *args, backward=backward, eager=eager, roles=roles, **kwargs)
     plans = [r for k, (r, calls) in _plan_logs().items() if calls > before.get(k, (None, 0))[1]]
     graph = {"forward": [asdict(n) for n in report.forward], "backward": [asdict(n) for n in report.backward],
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
@@ -287,7 +288,8 @@ def describe_train(model, *, lengths=(5, 3), backward: bool = True, model_id: st
     tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=g).to(device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    entry = run_entry("train", model.forward_train, tokens, positions, cu, max(lengths), backward=backward)
+    entry = run_entry("train", model.forward_train, tokens, positions, cu, max(lengths), backward=backward,
+                      roles={"tokens": tokens, "positions": positions, "cu_seqlens": cu})
     model.zero_grad(set_to_none=True)
     return describe_side("train", [entry], topology=topology, compiled=compiled, **_identity(model, model_id))
 
@@ -322,10 +324,12 @@ def describe_rollout(model, *, page_size: int = 16, prompt: int = 5, batch: int 
         if "prefill" in entries:
             tokens = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g).to(device)
             positions = torch.arange(prompt).expand(batch, prompt).contiguous().to(device)
-            done.append(run_entry("prefill", fn, tokens, positions, cache, seqs, slots))
+            done.append(run_entry("prefill", fn, tokens, positions, cache, seqs, slots,
+                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots}))
         if "decode" in entries:
             slots = torch.cat([cache.reserve(s, 1) for s in seqs])
             tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(device)
             positions = torch.full((batch, 1), prompt, dtype=torch.int64, device=device)
-            done.append(run_entry("decode", fn, tokens, positions, cache, seqs, slots))
+            done.append(run_entry("decode", fn, tokens, positions, cache, seqs, slots,
+                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots}))
     return describe_side("rollout", done, topology=topology, compiled=compiled, **_identity(model, model_id))
