@@ -94,59 +94,33 @@ def _qkv(weight=None, view=None, positions=None, separate=False, fused=False):
     return qkv
 
 
-def _o_proj_transposed(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
-                       return_attention=False):
-    """Qwen3Attention.forward_rollout with ``o_proj.weight.t()`` (no bias in TINY)."""
-    b, sq, hidden = hidden_states.shape
-    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
-    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
-    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
-                                        seq_lens, split_kv=self.config.split_kv)
-    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight.t())
-    out = out.reshape(b, sq, hidden)
-    return (out, attn, lse) if return_attention else out
+def _forward(rope_positions=None, k_cache_read=None, page_table_read=None, o_weight=None):
+    """Qwen3Attention.forward_rollout (TINY has no bias) with one step replaced: ``rope_positions(positions,
+    slot_mapping)`` what q and k are rotated by (the cache write keeps the positions: its own check refuses
+    others), ``k_cache_read(k_cache)`` and ``page_table_read(page_table)`` what attention reads,
+    ``o_weight(weight)`` o_proj's weight."""
+    def forward(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                return_attention=False):
+        b, sq, hidden = hidden_states.shape
+        pos = rope_positions(positions, slot_mapping) if rope_positions else positions.reshape(b * sq)
+        q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), pos)
+        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens,
+                                positions)
+        attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]),
+                                            k_cache_read(k_cache) if k_cache_read else k_cache, v_cache,
+                                            page_table_read(page_table) if page_table_read else page_table,
+                                            seq_lens, split_kv=self.config.split_kv)
+        weight = o_weight(self.o_proj.weight) if o_weight else self.o_proj.weight
+        out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), weight).reshape(b, sq, hidden)
+        return (out, attn, lse) if return_attention else out
+    return forward
 
 
-def _cache_transposed(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
-                      return_attention=False):
-    """Qwen3Attention.forward_rollout handing attention a copy of the k cache whose [Hkv, D] rows were
-    reinterpreted as [D, Hkv] and transposed back: same shape, other elements."""
-    b, sq, hidden = hidden_states.shape
-    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
-    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
+def _transposed_copy(k_cache):
+    """The k cache with its [Hkv, D] rows reinterpreted as [D, Hkv] and transposed back: same shape, other
+    elements."""
     p, ps, h, d = k_cache.shape
-    bad = k_cache.reshape(p, ps, d, h).transpose(-1, -2).contiguous()
-    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), bad, v_cache, page_table,
-                                        seq_lens, split_kv=self.config.split_kv)
-    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
-    return (out, attn, lse) if return_attention else out
-
-
-def _slots_as_positions(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
-                        return_attention=False):
-    """Qwen3Attention.forward_rollout rotating q and k by the slot mapping (another int64 input of one row per
-    token) instead of the positions; the cache write keeps the positions (its own check refuses others)."""
-    b, sq, hidden = hidden_states.shape
-    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), slot_mapping)
-    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
-    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
-                                        seq_lens, split_kv=self.config.split_kv)
-    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
-    return (out, attn, lse) if return_attention else out
-
-
-def _page_tables_swapped(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
-                         return_attention=False):
-    """Qwen3Attention.forward_rollout whose attention reads each sequence's keys through the other one's page
-    table row (two sequences: rows swapped by views)."""
-    b, sq, hidden = hidden_states.shape
-    q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
-    rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens, positions)
-    attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache,
-                                        torch.stack([page_table[1], page_table[0]]), seq_lens,
-                                        split_kv=self.config.split_kv)
-    out = rlk_ops.linear(attn.reshape(b * sq, attn.shape[2] * attn.shape[3]), self.o_proj.weight).reshape(b, sq, hidden)
-    return (out, attn, lse) if return_attention else out
+    return k_cache.reshape(p, ps, d, h).transpose(-1, -2).contiguous()
 
 
 def _mlp_scaled(self, x):
@@ -191,11 +165,11 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
         {"layer[0].q_rope.positions": ("graph input positions[0:1] rows in order", "computed:aten.mul.Tensor#"),
          "layer[0].k_rope.positions": ("graph input positions[0:1] rows in order", "computed:aten.mul.Tensor#")}),
     "rope fed the slot mapping as positions": (
-        lambda: _rollout_model(forward=_slots_as_positions),
+        lambda: _rollout_model(forward=_forward(rope_positions=lambda positions, slots: slots)),
         {"layer[0].q_rope.positions": ("graph input positions[0:1]", "graph input slot_mapping[0:1]"),
          "layer[0].k_rope.positions": ("graph input positions[0:1]", "graph input slot_mapping[0:1]")}),
     "attention reading a transposed copy of the k cache": (
-        lambda: _rollout_model(forward=_cache_transposed),
+        lambda: _rollout_model(forward=_forward(k_cache_read=_transposed_copy)),
         {"layer[0].k.flow": ("rlk:rope@L0[0:32] rows in order", "cache read: rlk:kv_cache.k@L0[0:1,2:3,")}),
     "only q's rows cast through float8": (
         lambda: _rollout_model(_qkv(weight=lambda self: torch.cat([
@@ -203,7 +177,7 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
         {"layer[0].q.flow": ("q_proj.weight[rows 0:64]",
                              "q_proj.weight via lossy casts bfloat16->float8_e4m3fn[rows 0:64]")}),
     "attention reading the other sequence's page table row": (
-        lambda: _rollout_model(forward=_page_tables_swapped),
+        lambda: _rollout_model(forward=_forward(page_table_read=lambda t: torch.stack([t[1], t[0]]))),
         {"layer[0].attention.metadata": ("whole", "rows sha256:")}),
     "v's rows of the fused weight bit-cast through float16": (
         lambda: _rollout_model(_qkv(weight=lambda self: torch.cat(
@@ -216,7 +190,7 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
         lambda: _rollout_model(mlp=_mlp_halves_swapped),
         {"model.linear.inputs": ("computed:rlk_model.swiglu.default#", "computed:rlk_model.swiglu.default#")}),
     "o_proj weight transposed": (
-        lambda: _rollout_model(forward=_o_proj_transposed),
+        lambda: _rollout_model(forward=_forward(o_weight=lambda w: w.t())),
         {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[0:4096]", "4096 runs sha256:")}),
 }
 
