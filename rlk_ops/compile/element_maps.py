@@ -28,13 +28,15 @@ batch layouts differ (packed ``[T, ...]`` and ``[B, S, ...]``):
   layout; a digest (mixed, or rows out of order) is one of this call's layout, so it binds only
   against the same digest;
 * ``{"unresolved": why}`` when the replay was not possible (a size without a hint, more than
-  ``LIMIT`` leaf elements, an op that failed on coordinates): the binding reads that as unobservable.
+  ``LIMIT`` leaf or made elements, ``as_strided`` over a tensor not dense from offset 0, one node
+  reached through different lossy casts, an op that failed on coordinates): the binding reads that as
+  unobservable.
 
 A leaf reached through a cast that loses values is named with the casts (``... via lossy casts
 bfloat16->float8_e4m3fn``), so two sides bind only when they cast the same elements alike. A leaf's
-row is the smallest run of its trailing dims that holds an argument row: a ``[T, N]`` projection
-output feeding ``q [T, H, D]`` has rows of N; a ``[T, H, D]`` rope output feeding attention has
-rows of ``H * D``.
+row is the smallest run of its trailing dims that holds an argument row (for f >= 1, its last dim at
+least): a ``[T, N]`` projection output feeding ``q [T, H, D]`` has rows of N; a ``[T, H, D]`` rope
+output feeding attention has rows of ``H * D``.
 """
 from __future__ import annotations
 
@@ -111,13 +113,18 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
     through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
     elements they touched."""
     final = val.meta["val"].dtype
-    chain, leaves, stack = set(), {}, [(val, ())]
+    chain, leaves, stack, seen = set(), {}, [(val, ())], {}
     while stack:
         n, casts = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in chain or n in leaves:
+        if not isinstance(n, torch.fx.Node):
             continue
         via = [c for c in reversed(casts) if _lossy(c, final)]
         suffix = f" via lossy casts {', '.join(f'{_dt(c.args[0])}->{_dt(c)}' for c in via)}" if via else ""
+        if n in seen:   # one node reached by two routes: its elements carry one name, so the casts must agree
+            if seen[n] != suffix:   # (else a cast on one route was lost: a session 36 review)
+                raise ValueError(f"{n.name} is reached through different lossy casts")
+            continue
+        seen[n] = suffix
         if n in produced:
             leaves[n] = leaf_name(*names[n][:1], 0, names[n][1]) + suffix
         elif n.op == "call_function" and n.target is operator.getitem:
@@ -220,7 +227,7 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
     if not bool((k2 == k2[0, 0]).all()):
         return {"mixed": _digest(names, k2, l2)}
     leaf = int(k2[0, 0])
-    width = _width(leaf_shapes[leaf], feat)
+    width = _width(leaf_shapes[leaf], feat, f)
     row, col = l2 // width, l2 % width
     if not (bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())):
         return {"mixed": _digest(names, k2, l2)}   # a row from several leaf rows, or columns that vary by row
@@ -235,11 +242,13 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
             else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
 
 
-def _width(shape, feat: int) -> int:
-    """A leaf's row: the smallest run of its trailing dims that holds ``feat`` elements."""
+def _width(shape, feat: int, f: int) -> int:
+    """A leaf's row: the smallest run of its trailing dims that holds ``feat`` elements, and for rows of a
+    last dim or more (f >= 1) at least the leaf's last dim (one column of a [B, P] page table is a column of
+    its rows, not a row of its own)."""
     width = 1
-    for s in reversed(shape):
-        if width >= feat:
+    for i, s in enumerate(reversed(shape)):
+        if width >= feat and not (i == 0 and f >= 1):
             break
         width *= s
     return width
@@ -374,15 +383,22 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
             for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
 
 
+# where a made tensor lives, not what it holds: left out of a computing node's digest (a trainer on cuda:0
+# and a rollout on cuda:1 compute the same numbers)
+_PLACEMENT = {"device", "pin_memory", "layout"}
+
+
 def computed_label(n: torch.fx.Node, produced: dict, names: dict, inputs: dict, order: dict, memo: dict) -> str:
     """A computing node (a residual add, the embedding, an op of another namespace) as a leaf name:
     ``computed:<op>#<digest>`` of its op, output dtype, scalar arguments and the element maps of its tensor
     arguments (their own computing leaves by their digests). Two sides name one alike only when the same
     op takes the same elements of the same leaves: a residual that scales the attention output, the
     embedding of other tokens or another table, a norm fed the residual of another point bound while
-    their leaves were "computed:<op>" alike (a session 36 audit). Graph inputs count by kind only, and
-    symbolic sizes not at all (both depend on the caller's spelling and the batch layout). ``memo`` holds
-    the labels made so far: a graph is labelled in its order, so a label's arguments are already there."""
+    their leaves were "computed:<op>" alike (a session 36 audit). Graph inputs count by their role, else
+    by kind (``input_name``), when an argument is a plain run of rows; a mixed or reordered argument is a
+    digest of this call's layout, raw names included. Symbolic sizes, placement (device) and the
+    embedding's gradient-only arguments (padding_idx, ...) are left out. ``memo`` holds the labels made so
+    far: a graph is labelled in its order, so a label's arguments are already there."""
     if n in memo:
         return memo[n]
     unresolved = []
@@ -400,7 +416,9 @@ def computed_label(n: torch.fx.Node, produced: dict, names: dict, inputs: dict, 
         if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return "sym"
         return repr(a)
-    text = ", ".join([part(a) for a in n.args] + [f"{k}={part(v)}" for k, v in sorted(n.kwargs.items())])
+    args = n.args[:2] if n.target is torch.ops.aten.embedding.default else n.args   # padding_idx and the rest
+    text = ", ".join([part(a) for a in args] + [f"{k}={part(v)}" for k, v in sorted(n.kwargs.items())   # only
+                                                if k not in _PLACEMENT])                                   # steer grads
     full = f"{n.target}[{_dt(n)}]({text})"
     memo[n] = f"computed:{n.target}#" + ("unresolved" if unresolved else
                                          hashlib.sha256(full.encode()).hexdigest()[:16])
@@ -411,9 +429,12 @@ def input_name(leaf: str) -> str:
     """A leaf as the binding words it: a graph input named by its role (``input:=positions``, from
     ``inspect_boundary(roles=...)``) as "graph input positions"; any other graph input as "graph input"
     (Dynamo spells it after the caller's variable); anything else as it is."""
-    if leaf.startswith("input:="):
-        return "graph input " + leaf[len("input:="):]
-    return "graph input" if leaf.startswith("input:") else leaf
+    base, sep, casts = leaf.partition(" via ")   # a cast on the way stays in the name
+    if base.startswith("input:="):
+        base = "graph input " + base[len("input:="):]
+    elif base.startswith("input:"):
+        base = "graph input"
+    return base + sep + casts
 
 
 def _arg_text(m: dict) -> str:

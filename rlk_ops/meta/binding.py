@@ -368,10 +368,11 @@ _METADATA = ("cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens")
 
 def _metadata(node: dict):
     """How an attention call takes its sequence metadata (cu_seqlens; the paged ops' page table and
-    lengths): "whole" when each is its leaf's rows in order, every column, whatever made the leaf (a
-    graph input, the allocator's tables built in the graph). Else their element maps: a page table with
-    two sequences' rows swapped by views bound (a session 36 audit). Metadata computed in the graph is
-    not compared (the ops outside rlk, like the residual adds, are recorded as leaks only)."""
+    lengths): "whole" when each is the front of its leaf (rows in order from the first, columns from the
+    first), whatever made the leaf (a graph input, the allocator's tables built in the graph, a wider
+    persistent buffer), or is built from several leaves (``cat([zeros(1), cumsum(lengths)])``). Else their
+    element maps: a page table with two sequences' rows swapped by views bound (a session 36 audit). How
+    computing ops made the metadata is not judged: rows swapped by ``flip`` or an index still bind."""
     maps = node.get("maps")
     if maps is None:
         return Unobservable(_NO_MAPS)
@@ -381,10 +382,17 @@ def _metadata(node: dict):
         if m is None:
             continue
         v = m.get("1", m.get("0"))
-        if not _whole(v):
+        if not (_prefix(v) or (isinstance(v, dict) and "mixed" in v)):
             odd[arg] = _edge(node, arg, "1" if "1" in m else "0")
     bad = next((v for v in odd.values() if isinstance(v, Unobservable)), None)
     return bad or (odd if odd else "whole")
+
+
+def _prefix(v) -> bool:
+    """Rows in order from the first, each from its first column: the leaf, or the front of a wider buffer
+    (vLLM's ``block_table[:num_reqs]``, a CUDA-graph buffer)."""
+    return isinstance(v, dict) and "leaf" in v and isinstance(v["cols"], list) and len(v["cols"]) == 1 \
+        and v["cols"][0][0] == 0 and (v["rows"] == "in order" or v["rows"].startswith("the first "))
 
 
 def _layer(nodes: list[dict], idx: int) -> int:
