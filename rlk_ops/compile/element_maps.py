@@ -78,7 +78,7 @@ def node_label(layer: int, weight: str | None) -> str:
     calls before it (layer 1's input norm is ``@L1``, layer 0's o_proj too), and a norm's weight, so
     that a projection fed by another layer's or another norm's output is not named alike (a session 36
     audit)."""
-    return f"@L{layer}" + (f"({weight})" if weight else "")
+    return f"@L{layer}" + (f"({input_name(weight)})" if weight else "")
 
 
 def _hint(v):

@@ -463,7 +463,8 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
             feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
                 else "?"
             w = (node.get("sources") or {}).get("q_weight" if out == 0 else "k_weight")
-            flow.append(f"rlk:qk_rmsnorm@L{_layer(nodes, idx)}" + (f"({w})" if w else "") + f"[0:{feat}] rows in order")
+            flow.append(f"rlk:qk_rmsnorm@L{_layer(nodes, idx)}" + (f"({input_name(w)})" if w else "")
+                        + f"[0:{feat}] rows in order")   # element_maps.node_label's name of the split norm
             arg = "q" if out == 0 else "k"
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
