@@ -181,6 +181,9 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
     "attention reading the other sequence's page table row": (
         lambda: _rollout_model(forward=_forward(page_table_read=lambda t: torch.stack([t[1], t[0]]))),
         {"layer[0].attention.metadata": ("whole", "rows sha256:")}),
+    "attention reading one more key of the second sequence (lengths rebuilt by a cat)": (
+        lambda: _rollout_model(forward=_forward(seq_lens_read=lambda n: torch.cat([n[:1], n[1:] + 1]))),
+        {"layer[0].attention.metadata": ("whole", "mixed sha256:")}),
     "v's rows of the fused weight bit-cast through float16": (
         lambda: _rollout_model(_qkv(weight=lambda self: torch.cat(
             [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight.view(torch.float16).to(torch.bfloat16)]))),

@@ -118,7 +118,7 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
         n, casts = stack.pop()
         if not isinstance(n, torch.fx.Node):
             continue
-        via = [c for c in reversed(casts) if _lossy(c, final)]
+        via = _lossy(n, casts, final)
         suffix = f" via lossy casts {', '.join(f'{_dt(c.args[0])}->{_dt(c)}' for c in via)}" if via else ""
         if n in seen:   # one node reached by two routes: its elements carry one name, so the casts must agree
             if seen[n] != suffix:   # (else a cast on one route was lost: a session 36 review)
@@ -165,11 +165,26 @@ def moves(n) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
-def _lossy(cast: torch.fx.Node, final: torch.dtype) -> bool:
-    """A cast through a dtype narrower than both ends (bf16 -> float8 -> bf16, fp64 -> fp32 -> bf16): it
-    changes values. One into the consumer's dtype (fp32 master weights rounded to bf16 once) or into a
-    dtype that holds its input's does not count."""
-    return _dt(cast) != str(final).replace("torch.", "") and not _widens(cast)
+def _lossy(node: torch.fx.Node, casts: tuple, final: torch.dtype) -> list:
+    """The casts on the way from ``node`` to the argument (``casts``: argument first) that change values:
+    each into a dtype that cannot hold every value the elements can have by then (``node``'s dtype, or a
+    narrower one an earlier cast made), unless it is the one rounding into the consumer's dtype (fp32
+    master weights cast to bf16 once). bf16 -> float8 -> bf16 and fp64 -> fp32 -> bf16 are lossy; bf16 ->
+    fp64 -> fp32 -> bf16 is not (every bf16 value survives each step)."""
+    val = node.meta.get("val")
+    narrowest = val.dtype if isinstance(val, torch.Tensor) else None
+    out = []
+    for c in reversed(casts):
+        dst = c.meta.get("val")
+        dst = dst.dtype if isinstance(dst, torch.Tensor) else None
+        if dst is None or narrowest is None:
+            out.append(c)
+            narrowest = dst
+        elif not holds(dst, narrowest):
+            if dst != final:
+                out.append(c)
+            narrowest = dst
+    return out
 
 
 def _dt(node) -> str:
@@ -185,12 +200,6 @@ def holds(a: torch.dtype, b: torch.dtype) -> bool:
         return False
     fa, fb = torch.finfo(a), torch.finfo(b)
     return fa.eps <= fb.eps and fa.max >= fb.max and fa.smallest_normal <= fb.smallest_normal
-
-
-def _widens(node: torch.fx.Node) -> bool:
-    """A ``_to_copy`` into a dtype that holds every value of its input's."""
-    a, b = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and holds(a.dtype, b.dtype)
 
 
 def _runs(keys: torch.Tensor, idx: torch.Tensor) -> list[list[int]] | None:
@@ -225,6 +234,10 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
         return {"mixed": "empty"}
     k2, l2 = key.reshape(rows, feat), local.reshape(rows, feat)
     if not bool((k2 == k2[0, 0]).all()):
+        whole = _whole_leaves(key, local, leaf_shapes) if f == 0 else None
+        if whole is not None:   # cat([zeros(1), cumsum(lengths)]): leaves one after another, each whole
+            return {"leaf": "cat(" + " + ".join(names[k] for k in whole) + ")", "cols": [[0, 1]], "width": 1,
+                    "rows": "in order"}
         return {"mixed": _digest(names, k2, l2)}
     leaf = int(k2[0, 0])
     width = _width(leaf_shapes[leaf], feat, f)
@@ -240,6 +253,20 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
             "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
             else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
+
+
+def _whole_leaves(key, local, leaf_shapes) -> list[int] | None:
+    """The leaves, in order, when the elements are whole leaves one after another, each in its order."""
+    order, at = [], 0
+    while at < key.numel():
+        k = int(key[at])
+        n = int(torch.Size(leaf_shapes[k]).numel())
+        if k in order or at + n > key.numel() or not bool((key[at:at + n] == k).all()) \
+                or not bool((local[at:at + n] == torch.arange(n)).all()):
+            return None
+        order.append(k)
+        at += n
+    return order
 
 
 def _width(shape, feat: int, f: int) -> int:

@@ -370,9 +370,10 @@ def _metadata(node: dict):
     """How an attention call takes its sequence metadata (cu_seqlens; the paged ops' page table and
     lengths): "whole" when each is the front of its leaf (rows in order from the first, columns from the
     first), whatever made the leaf (a graph input, the allocator's tables built in the graph, a wider
-    persistent buffer), or is built from several leaves (``cat([zeros(1), cumsum(lengths)])``). Else their
-    element maps: a page table with two sequences' rows swapped by views bound (a session 36 audit). How
-    computing ops made the metadata is not judged: rows swapped by ``flip`` or an index still bind."""
+    persistent buffer; ``cat([zeros(1), cumsum(lengths)])``: whole leaves one after another). Else their
+    element maps: a page table with two sequences' rows swapped, or transposed, by views bound (session 36
+    audits). How computing ops made the metadata is not judged: rows swapped by ``flip`` or an index
+    still bind."""
     maps = node.get("maps")
     if maps is None:
         return Unobservable(_NO_MAPS)
@@ -381,8 +382,7 @@ def _metadata(node: dict):
         m = maps.get(arg)
         if m is None:
             continue
-        v = m.get("1", m.get("0"))
-        if not (_prefix(v) or (isinstance(v, dict) and "mixed" in v)):
+        if not _prefix(m.get("1", m.get("0"))):
             odd[arg] = _edge(node, arg, "1" if "1" in m else "0")
     bad = next((v for v in odd.values() if isinstance(v, Unobservable)), None)
     return bad or (odd if odd else "whole")
