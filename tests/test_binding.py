@@ -810,7 +810,7 @@ def test_an_attention_node_without_its_tensors_is_named(tmp_path, train, rollout
     def emptied(side):
         out = json.loads(json.dumps(side))
         nodes = out["entries"][0]["graph"]["forward"]
-        j = next(i for i, n in enumerate(nodes) if n["op"].split("::")[1] in binding._ATTENTION_OPS)
+        j = next(i for i, n in enumerate(nodes) if n["op"].split("::")[1] in binding.ATTENTION_OPS)
         nodes[j][key] = []
         return out, j
 

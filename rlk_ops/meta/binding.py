@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlk_ops.compile.element_maps import input_name
+from rlk_ops.compile.element_maps import ATTENTION, input_name, leaf_name, node_label
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
 
 IDENTICAL, SEMANTIC, RECORDED = "IDENTICAL", "SEMANTIC", "RECORDED"
-ATTENTION_OPS = ("attention_fwd", "paged_attention", "paged_attention_auto")
+ATTENTION_OPS = ATTENTION
 
 
 @dataclass(frozen=True)
@@ -400,7 +400,7 @@ def _layer(nodes: list[dict], idx: int) -> int:
     return sum(n["op"].split("::")[1] in ATTENTION_OPS for n in nodes[:idx])
 
 
-def _cache_read(attention: dict, arg: str, which: str, layer: int):
+def _cache_read(attention: dict, arg: str, out: int, layer: int):
     """How paged attention reads the cache ``paged_kv_append`` wrote: None when it takes the cache as
     written (each slot's row in order, every column), else the element map's text (a rollout that
     handed attention a transposed copy of the cache computed other logits and bound: a session 36 review)."""
@@ -408,7 +408,7 @@ def _cache_read(attention: dict, arg: str, which: str, layer: int):
     if maps is None:
         return Unobservable(_NO_MAPS)
     v = (maps.get(arg) or {}).get("2")
-    if _whole(v, f"rlk:kv_cache.{which}@L{layer}"):
+    if _whole(v, leaf_name("paged_kv_append", out, node_label(layer, None))):   # output ``out`` as written
         return None
     return _edge(attention, arg, "2")
 
@@ -429,7 +429,7 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
         ops.append(node["op"])
         if name == "paged_kv_append":  # output 1/2 is the k/v cache the tensor was written into
             arg = {1: "k", 2: "v"}.get(out, "")
-            read = _cache_read(consumer[0], consumer[1], arg, _layer(nodes, idx))
+            read = _cache_read(consumer[0], consumer[1], out, _layer(nodes, idx))
             if read is not None:
                 flow.append(read if isinstance(read, Unobservable) else f"cache read: {read}")
             cur, consumer = node["producers"].get(arg), (node, arg)
@@ -463,8 +463,8 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
             feat = shape[-1] * shape[-2] if len(shape) >= 2 and all(isinstance(d, int) for d in shape[-2:]) \
                 else "?"
             w = (node.get("sources") or {}).get("q_weight" if out == 0 else "k_weight")
-            flow.append(f"rlk:qk_rmsnorm@L{_layer(nodes, idx)}" + (f"({input_name(w)})" if w else "")
-                        + f"[0:{feat}] rows in order")   # element_maps.node_label's name of the split norm
+            flow.append(leaf_name("qk_rmsnorm", 0, node_label(_layer(nodes, idx), w))   # the split norm's name
+                        + f"[0:{feat}] rows in order")
             arg = "q" if out == 0 else "k"
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
@@ -927,7 +927,6 @@ class SideFormatError(ValueError):
 _SIDE_DICTS = ("model", "topology", "runtime", "environment")
 _NODE_KEYS = ("op", "index", "inputs", "outputs", "producers", "args")
 _RECORD_KEYS = ("op", "device", "requested_backend", "actual_backend", "fallback", "fallback_reason")
-_ATTENTION_OPS = ("attention_fwd", "paged_attention", "paged_attention_auto")  # read: inputs[0..1], outputs[1]
 
 
 _TENSOR_DESC = re.compile(r"[A-Za-z0-9_]+\[[^\[\]]*\]")           # "bfloat16[2x1x4x16]" (dims may be symbols)
@@ -1036,7 +1035,7 @@ def _check_node(bad, where_: str, j: int, n) -> None:
         if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, list) else [v])):
             bad(f"{where_}.args.{k}", "finite (no op records NaN or an infinity)", v)
     name = n["op"].split("::")[1]
-    if name in _ATTENTION_OPS:
+    if name in ATTENTION_OPS:   # read: inputs[0..1], outputs[1]
         if len(n["inputs"]) < 2 or len(n["outputs"]) < 2:
             bad(f"{where_} ({n['op']})", "an attention node with q, k inputs and out, lse outputs",
                 {"inputs": n["inputs"], "outputs": n["outputs"]})
