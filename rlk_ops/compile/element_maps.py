@@ -464,6 +464,13 @@ def input_name(leaf: str) -> str:
     return base + sep + casts
 
 
+def whole(v: dict | None, leaf: str | None = None) -> bool:
+    """A rows form (``"0"``, ``"1"``, ``"2"``) that is its leaf as it is: every row in order, every column
+    (``leaf``: that leaf; None: any leaf)."""
+    return isinstance(v, dict) and "leaf" in v and v["rows"] == "in order" and v["cols"] == [[0, v["width"]]] and (
+        leaf is None or v["leaf"] == leaf)
+
+
 def _arg_text(m: dict) -> str:
     """One tensor argument of a computing node, from its element map: the leaf whole (every element in
     order: the flat form), else its rows' form."""
@@ -472,7 +479,7 @@ def _arg_text(m: dict) -> str:
     if "w" in m:
         return repr(m["w"])
     f0 = m.get("0")
-    if f0 is not None and "leaf" in f0 and f0["rows"] == "in order" and f0["cols"] == [[0, 1]] and f0["width"] == 1:
+    if whole(f0):
         return f"{input_name(f0['leaf'])} whole"
     v = m.get("1") or f0
     if v is None or "mixed" in v:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlk_ops.compile.element_maps import ATTENTION, input_name, leaf_name, node_label
+from rlk_ops.compile.element_maps import ATTENTION, input_name, leaf_name, node_label, whole
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
@@ -356,13 +356,6 @@ def _projection(linear: dict, consumer: dict, arg: str):
     return tuple(out)
 
 
-def _whole(v: dict | None, leaf: str | None = None) -> bool:
-    """An element map form that is its leaf as it is: every row in order, every column (``leaf``: that
-    leaf; None: any leaf)."""
-    return isinstance(v, dict) and "leaf" in v and v["rows"] == "in order" and v["cols"] == [[0, v["width"]]] and (
-        leaf is None or v["leaf"] == leaf)
-
-
 _METADATA = ("cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens")
 
 
@@ -408,7 +401,7 @@ def _cache_read(attention: dict, arg: str, out: int, layer: int):
     if maps is None:
         return Unobservable(_NO_MAPS)
     v = (maps.get(arg) or {}).get("2")
-    if _whole(v, leaf_name("paged_kv_append", out, node_label(layer, None))):   # output ``out`` as written
+    if whole(v, leaf_name("paged_kv_append", out, node_label(layer, None))):   # output ``out`` as written
         return None
     return _edge(attention, arg, "2")
 
