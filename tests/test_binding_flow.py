@@ -317,6 +317,12 @@ def test_element_maps_of_a_small_graph():
     assert lin2.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 4]], "width": 8,
                                    "rows": "the first 4 of 5 in order"}
 
+    def split(self, x):   # one parameter split, one piece through float64 and back: exact, so one name
+        a, b = self.w.split([2, 2])
+        return rlk_ops.linear(x[:, :8], torch.cat([a.double().float(), b]))
+    m = inspect_boundary(types.MethodType(split, mod), torch.randn(5, 8), backward=False).forward[0].maps
+    assert m["weight"] == {"w": [["w", 0, 32]]}
+
     def strided(self, x):   # as_strided straight over the slice: storage the coordinates do not share
         return rlk_ops.linear(x[:, :4], self.w[:, 2:6].as_strided((4, 4), (8, 1)))
     m = inspect_boundary(types.MethodType(strided, mod), torch.randn(5, 8), backward=False).forward[0].maps

@@ -172,6 +172,7 @@ def _lossy(node: torch.fx.Node, casts: tuple, final: torch.dtype) -> list:
     master weights cast to bf16 once). bf16 -> float8 -> bf16 and fp64 -> fp32 -> bf16 are lossy; bf16 ->
     fp64 -> fp32 -> bf16 is not (every bf16 value survives each step)."""
     val = node.meta.get("val")
+    val = val[0] if isinstance(val, (list, tuple)) and val else val   # a split's pieces share its dtype
     narrowest = val.dtype if isinstance(val, torch.Tensor) else None
     out = []
     for c in reversed(casts):
