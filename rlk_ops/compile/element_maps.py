@@ -41,6 +41,7 @@ output feeding attention has rows of ``H * D``.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 
 import torch
@@ -226,10 +227,7 @@ def _digest(*parts) -> str:
 
 def _rows_view(key, local, shape, f, names, leaf_shapes):
     """The ``"f"`` form (module docstring) of one argument's coordinates."""
-    rank = len(shape)
-    feat = 1
-    for s in shape[rank - f:]:
-        feat *= s
+    feat = _feat(shape, f)
     rows = key.numel() // feat if feat else 0
     if rows == 0:
         return {"mixed": "empty"}
@@ -254,6 +252,11 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
             "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
             else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
+
+
+def _feat(shape, f: int) -> int:
+    """Elements in one row of the ``"f"`` form: the product of the last f dims."""
+    return math.prod(shape[len(shape) - f:])
 
 
 def _whole_leaves(key, local, leaf_shapes) -> list[int] | None:
@@ -290,8 +293,8 @@ def _identity(label: str, shape: tuple[int, ...], weight: bool) -> dict:
         return {"w": [[label, 0, n]] if n else []}
     out = {}
     for f in range(min(len(shape) - 1, 2) + 1):
-        feat = int(torch.Size(shape[len(shape) - f:]).numel())
-        rows = int(torch.Size(shape).numel()) // feat if feat else 0
+        feat = _feat(shape, f)
+        rows = math.prod(shape) // feat if feat else 0
         out[str(f)] = {"mixed": "empty"} if rows == 0 else {"leaf": label, "cols": [[0, feat]], "width": feat,
                                                             "rows": "in order"}
     return out
