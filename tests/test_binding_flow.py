@@ -138,6 +138,28 @@ def _mlp_halves_swapped(self, x):
     return rlk_ops.linear(swiglu(torch.cat([gate_up[..., half:], gate_up[..., :half]], -1)), self.down_proj.weight)
 
 
+def _mlp_separate(swap=False):
+    """Gate and up as two linears, cat for the SwiGLU op (``swap``: [up, gate])."""
+    def mlp(self, x):
+        gate, up = rlk_ops.linear(x, self.gate_proj.weight), rlk_ops.linear(x, self.up_proj.weight)
+        return rlk_ops.linear(swiglu(torch.cat([up, gate] if swap else [gate, up], -1)), self.down_proj.weight)
+    return mlp
+
+
+def _mlp_hf(fused=False, swap=False):
+    """The MLP as HF writes it, ``silu(gate) * up`` in aten ops: two linears, or (``fused``) one over
+    ``cat([Wg, Wu])`` split after the product as vLLM's gate_up; ``swap``: gate and up exchanged."""
+    def mlp(self, x):
+        if fused:
+            gate, up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, -1)
+        else:
+            gate, up = rlk_ops.linear(x, self.gate_proj.weight), rlk_ops.linear(x, self.up_proj.weight)
+        if swap:
+            gate, up = up, gate
+        return rlk_ops.linear(torch.nn.functional.silu(gate) * up, self.down_proj.weight)
+    return mlp
+
+
 def _rollout_model(qkv=None, forward=None, mlp=None):
     m = _model()
     if mlp is not None:
@@ -154,6 +176,9 @@ def _kv_swapped(self):
     return torch.cat([self.q_proj.weight, self.v_proj.weight, self.k_proj.weight])
 
 
+# a wrong product feeds the residual add, whose digest names it: the next norm's input differs too (session 37)
+RESIDUAL = {"model.qk_rmsnorm.inputs": ("computed:aten.add.Tensor#", "computed:aten.add.Tensor#")}
+
 WRONG = {   # name: (rollout model, {failing field: (train substring, rollout substring)})
     "k and v swapped in the fused weight": (
         lambda: _rollout_model(_qkv(weight=_kv_swapped)),
@@ -161,7 +186,7 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
          "layer[0].v.flow": ("v_proj.weight[rows 0:32]", "k_proj.weight[rows 0:32]")}),
     "q heads read through a transpose": (
         lambda: _rollout_model(_qkv(view=lambda q, n, h, d: q.reshape(n, d, h).transpose(-1, -2))),
-        {"layer[0].q.flow": ("q_proj.weight[rows 0:64]", "projection rows: 64 runs sha256:")}),
+        {"layer[0].q.flow": ("q_proj.weight[rows 0:64]", "[64 runs sha256:")}),
     "rope positions doubled": (
         lambda: _rollout_model(_qkv(positions=lambda p: p * 2)),
         {"layer[0].q_rope.positions": ("graph input positions[0:1] rows in order", "computed:aten.mul.Tensor#"),
@@ -187,20 +212,26 @@ WRONG = {   # name: (rollout model, {failing field: (train substring, rollout su
     "v's rows of the fused weight bit-cast through float16": (
         lambda: _rollout_model(_qkv(weight=lambda self: torch.cat(
             [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight.view(torch.float16).to(torch.bfloat16)]))),
-        {f"layer[0].{p}.flow": ("rows 0:", "unobservable") for p in "qkv"}),
+        {f"layer[0].{p}.flow": ("rows 0:", "weight cat(layers.0.self_attn.q_proj.weight + layers.0.self_attn.k_proj"
+                                           ".weight + computed:aten.view.dtype#") for p in "qkv"}),
     "the MLP's output scaled before the residual add": (
         lambda: _rollout_model(mlp=_mlp_scaled),
         {"model.qk_rmsnorm.inputs": ("computed:aten.add.Tensor#", "computed:aten.add.Tensor#")}),
     "SwiGLU fed the gate and up halves swapped": (
         lambda: _rollout_model(mlp=_mlp_halves_swapped),
-        {"model.linear.inputs": ("computed:rlk_model.swiglu.default#", "computed:rlk_model.swiglu.default#")}),
+        {"model.linear.inputs": ("computed:rlk_model.swiglu.default#", "computed:rlk_model.swiglu.default#"),
+         **RESIDUAL}),
+    "separate gate and up linears fed to SwiGLU swapped": (
+        lambda: _rollout_model(mlp=_mlp_separate(swap=True)),
+        {"model.linear.inputs": ("computed:rlk_model.swiglu.default#", "computed:rlk_model.swiglu.default#"),
+         **RESIDUAL}),
     "o_proj's weight with one half cast through float8": (   # one parameter reached by two routes
         lambda: _rollout_model(forward=_forward(o_weight=lambda w: torch.cat(
             [w[:32].to(torch.float8_e4m3fn).to(torch.bfloat16), w[32:]]))),
-        {"model.linear.inputs": ("o_proj.weight[0:4096]", "reached through different lossy casts")}),
+        {"model.linear.inputs": ("o_proj.weight[rows 0:64]", "reached through different lossy casts"), **RESIDUAL}),
     "o_proj weight transposed": (
         lambda: _rollout_model(forward=_forward(o_weight=lambda w: w.t())),
-        {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[0:4096]", "4096 runs sha256:")}),
+        {"model.linear.inputs": ("layers.0.self_attn.o_proj.weight[rows 0:64]", "4096 runs sha256:"), **RESIDUAL}),
 }
 
 
@@ -246,18 +277,70 @@ SAME = {
 }
 
 
+MLP_SAME = {
+    "separate gate and up linears instead of the fused gate_up": _mlp_separate(),
+}
+
+
 FORWARD_SAME = {
     "page table and lengths read from the front of wider buffers":
         _forward(page_table_read=_front, seq_lens_read=_front),
 }
 
 
-@pytest.mark.parametrize("name", list(SAME) + list(FORWARD_SAME))
+@pytest.mark.parametrize("name", list(SAME) + list(MLP_SAME) + list(FORWARD_SAME))
 def test_the_same_numbers_spelled_otherwise_still_bind(train, name):
-    m = _rollout_model(SAME[name]) if name in SAME else _rollout_model(forward=FORWARD_SAME[name])
+    m = _rollout_model(SAME[name]) if name in SAME else _rollout_model(mlp=MLP_SAME[name]) if name in MLP_SAME \
+        else _rollout_model(forward=FORWARD_SAME[name])
     assert torch.equal(_logits(m), _stock_logits())
     result = bind(train, probe.describe_rollout(m))
     assert result.passed, result.summary()
+
+
+def test_an_hf_mlp_binds_fused_or_separate_and_fails_with_gate_and_up_swapped():
+    """``silu(gate) * up`` (HF's Qwen3MLP) on both sides. Until session 37 every linear of a layer was one leaf
+    name, ``rlk:linear@L1``, so the product's digest was the same with gate and up exchanged: that rollout bound
+    while its logits differed. Now a linear's output is named by its input and the weight rows behind each
+    column, so the exchange fails, and a vLLM-style fused gate_up split after the product binds two linears."""
+    train_model = _rollout_model(mlp=_mlp_hf())
+    train = probe.describe_train(train_model, backward=False)
+    fused = _rollout_model(mlp=_mlp_hf(fused=True))
+    assert torch.equal(_logits(fused), _logits(train_model))
+    result = bind(train, probe.describe_rollout(fused))
+    assert result.passed, result.summary()
+    swapped = _rollout_model(mlp=_mlp_hf(swap=True))
+    assert not torch.equal(_logits(swapped), _logits(train_model))
+    result = bind(train, probe.describe_rollout(swapped))
+    assert result.comparable and not result.passed
+    assert {f.field for f in result.failures} == {"model.linear.inputs", "model.qk_rmsnorm.inputs"}
+    assert "computed:aten.mul.Tensor#" in json.dumps(result.failure("model.linear.inputs").rollout)
+
+
+def test_a_linear_output_names_the_weight_rows_behind_its_columns():
+    """The product leaf's columns, checked by hand: a fused [Wg; Wu] split after the product and two separate
+    linears name the same rows; a bias rides on its weight rows, shifted when its elements are not the rows'."""
+    mod = torch.nn.Module()
+    for name, shape in (("g", (3, 4)), ("u", (3, 4)), ("b", (6,))):
+        mod.register_parameter(name, torch.nn.Parameter(torch.randn(*shape)))
+
+    def fused(self, x):
+        gate, up = rlk_ops.linear(x, torch.cat([self.g, self.u]), self.b).chunk(2, -1)
+        return rlk_ops.qk_rmsnorm(torch.stack([up, gate], 1), torch.ones(3), 1e-6)
+
+    def separate(self, x):
+        gate, up = rlk_ops.linear(x, self.g, self.b[:3]), rlk_ops.linear(x, self.u, self.b[3:])
+        return rlk_ops.qk_rmsnorm(torch.stack([up, gate], 1), torch.ones(3), 1e-6)
+
+    def shifted(self, x):   # u's rows with g's bias elements: other columns than the fused up's
+        return rlk_ops.qk_rmsnorm(rlk_ops.linear(x, self.u, self.b[:3]).unsqueeze(1), torch.ones(3), 1e-6)
+    x = torch.randn(5, 4)
+    want = {"leaf": "rlk:linear@L0(x: graph input whole)", "cols": [["u + b@+3", 0, 3], ["g + b", 0, 3]],
+            "width": 6, "rows": "in order"}
+    for fn in (fused, separate):
+        norm = inspect_boundary(types.MethodType(fn, mod), x, backward=False).forward[-1]
+        assert norm.maps["x"]["2"] == want, fn.__name__
+    norm = inspect_boundary(types.MethodType(shifted, mod), x, backward=False).forward[-1]
+    assert norm.maps["x"]["2"]["cols"] == [["u + b", 0, 3]]
 
 
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
@@ -309,7 +392,9 @@ def test_element_maps_of_a_small_graph():
     assert lin.maps["weight"] == {"w": [["b.weight", 0, 16], ["a.weight", 0, 48]]}
     assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8, "rows": "in order"}
     # element (i, j) of a token's [2, 2] is column 2 + 3 * j + i of the product
-    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear@L0", "cols": [[2, 3], [5, 6], [3, 4], [6, 7]],
+    # (session 37: named as the rows of a.weight behind those columns: 0, 3, 1, 4)
+    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear@L0(x: graph input whole)",
+                                   "cols": [["a.weight", 0, 1], ["a.weight", 3, 4], ["a.weight", 1, 2], ["a.weight", 4, 5]],
                                    "width": 8, "rows": "in order"}
     assert "mixed" in norm.maps["x"]["1"]   # read as rows of 2, each row takes other columns
     assert norm.maps["weight"] == {"w": [["norm_w via lossy casts float32->float16", 0, 2]]}

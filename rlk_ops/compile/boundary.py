@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from rlk_ops.compile.element_maps import ATTENTION, computed_label, element_map, holds, moves, node_label
+from rlk_ops.compile.element_maps import (ATTENTION, computed_label, element_map, holds, moves, node_label,
+                                          product_label)
 from rlk_ops.meta.specs import REGISTRY
 
 _aten = torch.ops.aten
@@ -398,7 +399,7 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             kw_vals = _arg_vals(node.kwargs.values()) if via else _arg_vals(node.args)
             args, producers, sources, elements = _call_record(node, target, via, produced, inputs, maps)
             produced[node] = first_index + len(nodes)
-            op_names[node] = (name, node_label(layer, sources.get("weight") if name == "qk_rmsnorm" else None))
+            op_names[node] = _label(node, name, layer, sources, elements) if maps is not None else (name, "", None)
             layer += name in ATTENTION
             nodes.append(RlkNode(
                 index=first_index + len(nodes), op=f"rlk::{name}", via=via,
@@ -419,6 +420,14 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
     return nodes
+
+
+def _label(node: torch.fx.Node, name: str, layer: int, sources: dict, elements: dict) -> tuple:
+    """An rlk output's leaf name parts for element maps: (op, where, a product's columns or None). A norm
+    carries its weight, a linear its input and the weight rows behind its columns (session 37)."""
+    if name == "linear":
+        return (name, *product_label(layer, elements, node))
+    return name, node_label(layer, sources.get("weight") if name == "qk_rmsnorm" else None), None
 
 
 def _converting_copy(name: str, node: torch.fx.Node) -> bool:

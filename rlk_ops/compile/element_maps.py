@@ -225,8 +225,9 @@ def _digest(*parts) -> str:
     return "sha256:" + h.hexdigest()[:16]
 
 
-def _rows_view(key, local, shape, f, names, leaf_shapes):
-    """The ``"f"`` form (module docstring) of one argument's coordinates."""
+def _rows_view(key, local, shape, f, names, leaf_shapes, columns=None):
+    """The ``"f"`` form (module docstring) of one argument's coordinates. ``columns``: per leaf, None or a
+    product's columns (``_products``: its sorted column ids and their labels)."""
     feat = _feat(shape, f)
     rows = key.numel() // feat if feat else 0
     if rows == 0:
@@ -243,13 +244,22 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
     row, col = l2 // width, l2 % width
     if not (bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())):
         return {"mixed": _digest(names, k2, l2)}   # a row from several leaf rows, or columns that vary by row
-    runs = _runs(torch.zeros_like(col[0]), col[0])
+    product = columns[leaf] if columns else None
+    if product is not None and width != product[0].numel():   # rows that are not one token's columns (an
+        n = product[0].numel()                                  # element each, or several tokens): no labels
+        return {"mixed": _digest(names[leaf], product[1], l2 // n, product[0][l2 % n])}
+    if product is not None:   # the columns as the weight rows (and bias elements) that make them
+        ids = product[0][col[0]]
+        runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
+        cols = [[product[1][k], s, e] for k, s, e in runs] if runs is not None else _digest(product[1], ids)
+    else:
+        runs = _runs(torch.zeros_like(col[0]), col[0])
+        cols = [r[1:] for r in runs] if runs is not None else _digest(col[0])
     token = row[:, 0]
     leaf_rows = int(torch.Size(leaf_shapes[leaf]).numel()) // width
     ordered = bool((token == torch.arange(rows)).all())
     rising = bool((token[1:] > token[:-1]).all())
-    return {"leaf": names[leaf], "cols": [r[1:] for r in runs] if runs is not None else _digest(col[0]),
-            "width": width,
+    return {"leaf": names[leaf], "cols": cols, "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
             else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
 
@@ -257,6 +267,112 @@ def _rows_view(key, local, shape, f, names, leaf_shapes):
 def _feat(shape, f: int) -> int:
     """Elements in one row of the ``"f"`` form: the product of the last f dims."""
     return math.prod(shape[len(shape) - f:])
+
+
+_SHIFT = 40   # a product's column id: (label number << _SHIFT) + weight row
+
+
+def _columns(node, names: dict):
+    """The columns of an rlk::linear output leaf (``product_label``), else None."""
+    entry = names.get(node) if isinstance(node, torch.fx.Node) else None
+    return entry[2] if entry is not None and len(entry) > 2 else None
+
+
+def _products(key, local, labels, shapes, tables):
+    """rlk::linear outputs as their products (session 37). A linear's output element (token t, column c) is
+    the product of its input's row t with weight row r(c) (plus bias element e(c)): ``tables`` gives, per
+    leaf, those columns as runs ``[label, first row, stop]`` (``product_label``), else None. Outputs that
+    share a label (the same input, the same layer) are one product whose columns are every weight row
+    they hold, sorted by label and row: a fused ``cat([Wg, Wu])`` and two linears over Wg and Wu are one
+    leaf, and ``cat([gate, up], -1)`` of the two reads the same columns as the fused output. Returns the
+    coordinates renumbered over the merged leaves (a product's shape is [tokens, its columns]) and, per
+    leaf, None or (its sorted column ids, their labels)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, t in enumerate(tables):
+        if t:
+            groups.setdefault((labels[k], math.prod(shapes[k][:-1])), []).append(k)
+    if not groups:
+        return key, local, labels, shapes, [None] * len(labels)
+    member = {k: g for g, ks in groups.items() for k in ks}
+    remap, local = torch.empty(len(labels), dtype=torch.long), local.clone()
+    out_labels, out_shapes, columns, made = [], [], [], {}
+    for k in range(len(labels)):
+        g = member.get(k)
+        if g in made:
+            remap[k] = made[g]
+            continue
+        remap[k] = len(out_labels)
+        out_labels.append(labels[k])
+        if g is None:
+            out_shapes.append(shapes[k])
+            columns.append(None)
+            continue
+        made[g] = remap[k]
+        names = sorted({c[0] for kk in groups[g] for c in tables[kk]})
+        ids = {kk: torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in tables[kk]])
+               for kk in groups[g]}
+        uniq = torch.unique(torch.cat(list(ids.values())))
+        for kk in groups[g]:
+            at, n = key == kk, shapes[kk][-1]
+            loc = local[at]
+            local[at] = loc // n * uniq.numel() + torch.searchsorted(uniq, ids[kk][loc % n])
+        out_shapes.append((g[1], uniq.numel()))
+        columns.append((uniq, names))
+    return remap[key], local, out_labels, out_shapes, columns
+
+
+def product_columns(maps: dict, n_out: int):
+    """An rlk::linear call's output columns as runs ``[label, first, stop]`` of whole weight rows, each with
+    its bias element when there is a bias (``"<weight> + <bias>"``, ``@<shift>`` when the bias element is not
+    the row's index): from its weight's (and bias's) element maps. A string saying why not otherwise (a
+    weight that is not whole rows of parameters: computed, a graph input, permuted, unresolved)."""
+    w = maps.get("weight") or {}
+    runs = w.get("w")
+    if not isinstance(runs, list):
+        return "weight " + ("#unresolved" if "unresolved" in w else _arg_text(w))
+    total = sum(e - s for _, s, e in runs)
+    k = total // n_out if n_out > 0 else 0
+    if k == 0 or total != k * n_out or any(s % k or e % k for _, s, e in runs):
+        return f"weight {runs!r}"
+    cols = [[label, s // k, e // k] for label, s, e in runs]
+    b = maps.get("bias")
+    if b is None:
+        return cols
+    bruns = b.get("w")
+    if not isinstance(bruns, list) or sum(e - s for _, s, e in bruns) != n_out:
+        return "bias " + ("#unresolved" if "unresolved" in b else _arg_text(b))
+    out, wi, bi = [], [list(r) for r in cols], [list(r) for r in bruns]
+    i = j = 0
+    while i < len(wi) and j < len(bi):
+        (wl, ws, we), (bl, bs, be) = wi[i], bi[j]
+        n = min(we - ws, be - bs)
+        label = f"{wl} + {bl}" + (f"@{bs - ws:+d}" if bs != ws else "")
+        if out and out[-1][0] == label and out[-1][2] == ws:
+            out[-1][2] = ws + n
+        else:
+            out.append([label, ws, ws + n])
+        wi[i][1] += n
+        bi[j][1] += n
+        i += wi[i][1] == we
+        j += bi[j][1] == be
+    return out
+
+
+def product_label(layer: int, maps: dict, node: torch.fx.Node) -> tuple[str, list | None]:
+    """An rlk::linear output as a leaf (session 37): ``@L<layer>(x: <its input's element map>)`` and its
+    columns (``product_columns``), so that a consumer's map names the weight rows behind the columns it
+    takes. Before, every linear of a layer was ``rlk:linear@L<n>``: an MLP written ``silu(gate) * up``
+    bound with gate and up swapped. Without whole weight rows the label names the weight and the
+    columns are None (positions, as for any leaf). ``node``: the call's output."""
+    x = maps.get("x") or {}
+    text = "#unresolved" if "unresolved" in x else _arg_text(x) if x else "none"
+    try:
+        cols = product_columns(maps, _shape(node)[-1])
+    except ValueError:   # no size hint
+        cols = "#unresolved"
+    if isinstance(cols, str):
+        return f"@L{layer}(x: {text}; {cols})", None
+    return f"@L{layer}(x: {text})", cols
 
 
 def _whole_leaves(key, local, leaf_shapes) -> list[int] | None:
@@ -361,7 +477,7 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         return {}
     try:
         chain, leaves = _leaves(val, produced, names, inputs, order, memo)
-        if not chain:   # the argument is its leaf
+        if not chain and _columns(next(iter(leaves)), names) is None:   # the argument is its leaf
             (label,) = leaves.values()
             return _identity(label, _shape(val), _is_weight(label))
         if all(_is_weight(x) for x in leaves.values()):
@@ -410,7 +526,9 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
     if all(_is_weight(x) for x in label):
         runs = _runs(key, local)
         return {"w": [[label[k], s, e] for k, s, e in runs] if runs is not None else _digest(label, key, local)}
-    return {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes)
+    key, local, label, shapes, columns = _products(key, local, label, shapes,
+                                                   [_columns(n, names) for n in leaf_nodes])
+    return {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
             for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
 
 
@@ -488,4 +606,11 @@ def _arg_text(m: dict) -> str:
     v = m.get("1") or f0
     if v is None or "mixed" in v:
         return f"mixed {v['mixed'] if v else ''}"
+    if labelled(v):   # a product: its columns name weight rows, its width is how many the merged leaf has
+        return f"{v['leaf']}[{v['cols']}] rows {v['rows']}"
     return f"{input_name(v['leaf'])}[{v['cols']}]/{v['width']} rows {v['rows']}"
+
+
+def labelled(v) -> bool:
+    """A rows form whose columns are a product's weight rows (``[label, first, stop]`` runs)."""
+    return isinstance(v, dict) and isinstance(v.get("cols"), list) and bool(v["cols"]) and len(v["cols"][0]) == 3

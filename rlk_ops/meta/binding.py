@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlk_ops.compile.element_maps import ATTENTION, input_name, leaf_name, node_label, whole
+from rlk_ops.compile.element_maps import (ATTENTION, input_name, labelled, leaf_name, node_label, product_columns,
+                                          whole)
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
@@ -267,14 +268,14 @@ def _param(node: dict, arg: str) -> str | None:
 _NO_MAPS = "a side file written before session 36 (no element maps in its graph)"
 
 
-def _edge(node: dict, arg: str, form: str, rows: bool | str = True, cols: bool = True):
+def _edge(node: dict, arg: str, form: str, rows: bool | str = True):
     """What ``node`` takes as ``arg``, from its element map (compile/element_maps.py) read as rows of
     ``form`` ("0", "1", "2") or, for a weight, "w": text that does not depend on the batch layout, or
     Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
     every token in order on both sides; "subset": rows in their order, which of them not compared:
-    which tokens an engine projects to logits is its own).
-    ``cols``: whether the leaf's columns are (not for a projection's output: ``_projection`` names
-    the weight rows behind them, which a fused and a separate weight share)."""
+    which tokens an engine projects to logits is its own). A projection's output reads as its input and
+    the weight rows behind the columns taken (element_maps.product_label), which a fused and a separate
+    weight share."""
     maps = node.get("maps")
     if maps is None:
         return Unobservable(_NO_MAPS)
@@ -290,10 +291,11 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True, cols: bool =
         return Unobservable(f"{node['op']}.{arg} has no element map in form {form!r}")
     if "mixed" in v:
         return f"mixed {v['mixed']}"
-    if v["leaf"].split(" via ")[0].endswith("#unresolved"):
-        return Unobservable(f"{node['op']}.{arg}: a computing node it takes could not be named (one of its "
-                            "arguments' element maps was not resolved)")
-    span = v["cols"] if isinstance(v["cols"], str) else ",".join(f"{a}:{b}" for a, b in v["cols"])
+    if "#unresolved" in v["leaf"]:
+        return Unobservable(f"{node['op']}.{arg}: a computing node or projection it takes could not be named (one "
+                            "of its arguments' element maps was not resolved)")
+    span = v["cols"] if isinstance(v["cols"], str) else _runs_text(v["cols"], rows=True) if labelled(v) else \
+        ",".join(f"{a}:{b}" for a, b in v["cols"])
     # a graph input that is no parameter is named by Dynamo after the caller's spelling (l_positions_,
     # l_args_1_ through a functools.partial): compared by the role the describe step gave it, else only
     # as "a graph input"
@@ -301,59 +303,26 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True, cols: bool =
     order = v["rows"]
     if rows == "subset":
         order = "in order (some or all)" if order == "in order" or order.endswith(" in order") else order
-    return leaf + (f"[{span}]" if cols else "") + (f" rows {order}" if rows else "")
+    return leaf + f"[{span}]" + (f" rows {order}" if rows else "")
 
 
-def _runs_text(runs, limit: int = 16) -> str:
+def _runs_text(runs, limit: int = 16, rows: bool = False) -> str:
+    """Runs ``[label, start, stop]`` as text (``rows``: of weight rows, a product's columns)."""
     if isinstance(runs, str):
         return f"permuted {runs}"
-    parts = [f"{label}[{a}:{b}]" for label, a, b in runs]
+    parts = [f"{label}[{'rows ' if rows else ''}{a}:{b}]" for label, a, b in runs]
     return " + ".join(parts) if len(parts) <= limit else \
         f"{len(parts)} runs sha256:{hashlib.sha256(repr(runs).encode()).hexdigest()[:16]}"
 
 
-def _projection(linear: dict, consumer: dict, arg: str):
-    """The rows of the parameters behind the columns of ``linear``'s output that ``consumer`` takes as
-    ``arg``: a fused weight (``cat([Wq, Wk, Wv])`` split after the product) and separate weights
-    name the same rows ("...k_proj.weight[rows 0:32]"); a swapped cat or a transposed weight does not."""
-    lmap, cm = linear.get("maps"), consumer.get("maps")
-    if lmap is None or cm is None:
-        return Unobservable(_NO_MAPS), Unobservable(_NO_MAPS)
-    cmap = (cm.get(arg) or {}).get("2")
-    if cmap is None or "mixed" in cmap or isinstance(cmap["cols"], str):
-        why = (cm.get(arg) or {}).get("unresolved") or f"not a run list: {cmap}"
-        return (Unobservable(f"the columns {consumer['op']}.{arg} takes from the projection: {why}"),) * 2
-    k = _shape(linear["inputs"][1])[1][-1] if len(linear["inputs"]) > 1 else None
-    out = []
-    for arg_, width in (("weight", k), ("bias", 1)):
-        m = lmap.get(arg_)
-        if m is None:
-            out.append("none")
-            continue
-        runs = m.get("w")
-        if runs is None or not isinstance(width, int):
-            out.append(Unobservable(f"{linear['op']}.{arg_} is not a parameter's elements "
-                                    f"({m.get('unresolved', 'computed in the graph or a graph input')})"))
-            continue
-        if isinstance(runs, str):
-            out.append(f"columns {cmap['cols']} of a permuted weight {runs}")
-            continue
-        pieces = []
-        for a, b in cmap["cols"]:
-            lo, hi, pos = a * width, b * width, 0
-            for label, s, e in runs:
-                x, y = max(lo, pos), min(hi, pos + e - s)
-                if x < y:
-                    ps, pe = s + x - pos, s + y - pos
-                    if pieces and pieces[-1][0] == label and pieces[-1][2] == ps:
-                        pieces[-1][2] = pe
-                    else:
-                        pieces.append([label, ps, pe])
-                pos += e - s
-        text = [f"{label}[rows {ps // width}:{pe // width}]" if ps % width == 0 and pe % width == 0
-                else f"{label}[elements {ps}:{pe}]" for label, ps, pe in pieces]
-        out.append(" + ".join(text) if len(text) <= 16 else _runs_text(pieces))
-    return tuple(out)
+def _products(node: dict) -> list[str] | None:
+    """An rlk::linear call's output columns, one text per run of whole weight rows (with their bias
+    elements), in column order; None for another op, or a weight that is not whole parameter rows."""
+    if node["op"] != "rlk::linear" or not node.get("outputs"):
+        return None
+    n_out = _shape(node["outputs"][0])[1][-1:]
+    cols = product_columns(node["maps"], n_out[0]) if n_out and isinstance(n_out[0], int) else None
+    return [_runs_text([c], rows=True) for c in cols] if isinstance(cols, list) else None
 
 
 _METADATA = ("cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens")
@@ -427,15 +396,10 @@ def _chain(nodes: list[dict], start, visited: set, consumer: tuple[dict, str]):
                 flow.append(read if isinstance(read, Unobservable) else f"cache read: {read}")
             cur, consumer = node["producers"].get(arg), (node, arg)
             continue
-        if name == "linear":
-            w, b = _projection(node, *consumer)
-            outp = _edge(*consumer, "2", cols=False)
-            x = _edge(node, "x", "1")
-            flow += [outp if isinstance(outp, Unobservable) else f"projection output: {outp}",
-                     b if isinstance(b, Unobservable) else f"projection bias: {b}",
-                     w if isinstance(w, Unobservable) else f"projection rows: {w}",
-                     x if isinstance(x, Unobservable) else f"projection input: {x}"]
-            stages.append("linear")
+        if name == "linear":   # the product's leaf names its input and the weight rows behind the columns taken
+            outp = _edge(*consumer, "2")   # (compile/element_maps.product_label): a fused cat([Wq, Wk, Wv]) split
+            flow.append(outp if isinstance(outp, Unobservable) else f"projection: {outp}")   # after the product
+            stages.append("linear")                                          # and three linears name the same rows
             break
         flow.append(_edge(*consumer, "2"))
         if name == "rope":
@@ -603,6 +567,11 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             # engine projects there is its own
             seen[a] = _edge(n, a, form, rows=True if n["index"] != last else "subset")
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
+        products = _products(n) if bad is None else None
+        if products is not None:   # a linear as its products, one per run of weight rows: a fused gate_up and
+            inputs.setdefault(n["op"], []).extend(   # separate gate and up linears list the same (session 37)
+                json.dumps({"x": seen["x"], "columns": p}, sort_keys=True) for p in products)
+            continue
         inputs.setdefault(n["op"], []).append(bad or json.dumps(seen, sort_keys=True))
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
@@ -1091,9 +1060,15 @@ def _check_map(bad, where_: str, m) -> None:
             continue
         if not (isinstance(v, dict) and set(v) == {"leaf", "cols", "width", "rows"} and isinstance(v["leaf"], str)
                 and isinstance(v["rows"], str) and _is_int(v["width"]) and (isinstance(v["cols"], str) or (
-                    isinstance(v["cols"], list) and all(isinstance(c, list) and len(c) == 2 and _is_int(c[0])
-                                                        and _is_int(c[1]) and c[0] < c[1] for c in v["cols"])))):
-            bad(f"{where_}.{f}", "{leaf, cols (a digest or [start, stop] runs), width, rows} or {mixed}", v)
+                    isinstance(v["cols"], list) and (all(_span(c) for c in v["cols"]) or all(
+                        isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and _span(c[1:])
+                        for c in v["cols"]))))):
+            bad(f"{where_}.{f}", "{leaf, cols (a digest, [start, stop] runs or a product's [weight, first row, "
+                "stop] runs), width, rows} or {mixed}", v)
+
+
+def _span(c) -> bool:
+    return isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and _is_int(c[1]) and c[0] < c[1]
 
 
 def bind(train: dict, rollout: dict, mandate: Mandate | None = None) -> BindingResult:
