@@ -343,6 +343,65 @@ def test_a_linear_output_names_the_weight_rows_behind_its_columns():
     assert norm.maps["x"]["2"]["cols"] == [["u + b", 0, 3]]
 
 
+def _last_token_logits(rows=lambda m, h: m.norm(h)):
+    """``forward_paged`` projecting logits for each sequence's last token only, through an index
+    (vLLM's ``hidden_states[logits_indices]``); ``rows(model, h)``: what the index picks from."""
+    def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
+        b, sq = tokens.shape
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
+                                                    page_table, seq_lens, slot_mapping)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = torch.arange(b, device=tokens.device) * sq + (sq - 1)
+        return rlk_ops.linear(rows(self, h).reshape(b * sq, -1)[last], self.lm_head.weight).reshape(b, 1, -1)
+    return forward_paged
+
+
+def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
+    """A rollout that projects only each sequence's last token through an index computes those tokens'
+    logits bitwise (the projection is batch invariant) and binds: the logits projection may take any of the
+    final norm's rows. Until session 37 the index was a computing node and the pair failed. Picking the rows
+    from the residual before the final norm computes other logits and fails."""
+    stock = _stock_logits()   # 2 sequences x 5 prefill tokens, then 2 x 1 decode token
+    last = stock[[4, 9, 10, 11]]
+    m = _model()
+    m.forward_paged = types.MethodType(_last_token_logits(), m)
+    assert torch.equal(_logits(m), last)
+    result = bind(train, probe.describe_rollout(m))
+    assert result.passed, result.summary()
+    field = next(f for f in result.fields if f.field == "model.linear.inputs")
+    lm_head = json.loads(field.rollout[-1])   # prefill and decode agree: one list
+    assert lm_head["x"] == "rlk:qk_rmsnorm@L1(norm.weight)[0:64] rows some or all (in order, or picked by an index)"
+
+    m = _model()
+    m.forward_paged = types.MethodType(_last_token_logits(rows=lambda m, h: h), m)
+    assert not torch.equal(_logits(m), last)
+    result = bind(train, probe.describe_rollout(m))
+    assert {f.field for f in result.failures} == {"model.linear.inputs", "model.qk_rmsnorm.args",   # no final
+                                                  "model.qk_rmsnorm.inputs"}                       # norm call
+    lm_head = json.loads(result.failure("model.linear.inputs").rollout[-1])
+    assert lm_head["x"].startswith("computed:aten.add.Tensor#") and lm_head["x"].endswith("picked by an index)")
+
+
+def test_the_element_map_of_a_row_selection():
+    """``x[idx]`` and ``index_select(x, 0, idx)`` of a 2-D x, taken whole: the rows of x's leaf, picked by the
+    index; sliced after the pick, or of a 3-D x: the selection is a leaf of its own."""
+    w = torch.randn(3, 8)
+    picked = {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8,
+              "rows": "selected by graph input whole from rows in order"}
+    for pick in (lambda x, i: x[i], lambda x, i: torch.index_select(x, 0, i)):
+        node = inspect_boundary(lambda x, i: rlk_ops.linear(pick(x, i), w), torch.randn(5, 8), torch.tensor([3, 1]),
+                                backward=False).forward[0]
+        assert node.maps["x"]["1"] == picked
+    node = inspect_boundary(lambda x, i: rlk_ops.linear(x[i][:, :4], w[:, :4]), torch.randn(5, 8),
+                            torch.tensor([3, 1]), backward=False).forward[0]
+    assert node.maps["x"]["1"]["leaf"] == "select:graph input whole by graph input whole"
+    node = inspect_boundary(lambda x, i: rlk_ops.linear(x[i].reshape(-1, 8), w), torch.randn(5, 2, 8),
+                            torch.tensor([3, 1]), backward=False).forward[0]
+    assert node.maps["x"]["1"]["leaf"].startswith("computed:aten.index.Tensor#")
+
+
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
     single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""

@@ -114,7 +114,7 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
     through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
     elements they touched."""
     final = val.meta["val"].dtype
-    chain, leaves, stack, seen = set(), {}, [(val, ())], {}
+    chain, leaves, stack, seen, selected = set(), {}, [(val, ())], {}, {}
     while stack:
         n, casts = stack.pop()
         if not isinstance(n, torch.fx.Node):
@@ -137,6 +137,13 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
                 stack.append((src, casts))
         elif n.op == "placeholder":
             leaves[n] = inputs.get(n, "input:?") + suffix
+        elif _selection(n) is not None:   # x[idx]: rows of x picked by data (session 37)
+            x, idx = _selection(n)
+            xm, im = (element_map(a, produced, names, inputs, order, memo) for a in (x, idx))
+            label = f"select:{_arg_text(xm)} by {_arg_text(im)}"
+            leaves[n] = label + suffix
+            if xm.get("1") and "leaf" in xm["1"]:
+                selected[label] = (xm["1"], _arg_text(im))
         elif moves(n):
             chain.add(n)
             more = casts + (n,) if n.target._opname == "_to_copy" else casts
@@ -147,7 +154,36 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
         else:
             leaves[n] = (computed_label(n, produced, names, inputs, order, memo) if memo is not None
                          else f"computed:{n.target}") + suffix
-    return chain, leaves
+    return chain, leaves, selected
+
+
+def _selection(n):
+    """(x, index) when ``n`` picks whole rows of a 2-D ``x`` by a 1-D integer index (``x[idx]``,
+    ``index_select(x, 0, idx)``: vLLM's ``hidden_states[logits_indices]``), else None."""
+    if not (isinstance(n, torch.fx.Node) and n.op == "call_function"):
+        return None
+    if n.target is torch.ops.aten.index.Tensor and len(n.args) == 2 and len(n.args[1]) == 1:
+        x, idx = n.args[0], n.args[1][0]
+    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and n.args[1] in (0, -2):
+        x, idx = n.args[0], n.args[2]
+    else:
+        return None
+    xv, iv = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, idx))
+    if isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(iv, torch.Tensor) and iv.dim() == 1 \
+            and iv.dtype in (torch.int64, torch.int32):
+        return x, idx
+    return None
+
+
+def _selected(forms: dict, selected: dict) -> dict:
+    """An argument that takes a row selection whole (``_selection``) as rows of the selected tensor's leaf:
+    its "1" form names that leaf, its columns and width, and ``rows`` "selected by <index> from rows
+    <the leaf rows it picked from>": which rows is data (the binding lets the logits projection take any)."""
+    v = forms.get("1")
+    if isinstance(v, dict) and v.get("leaf") in selected and whole(v):
+        x, idx = selected[v["leaf"]]
+        forms = {**forms, "1": {**x, "rows": f"selected by {idx} from rows {x['rows']}"}}
+    return forms
 
 
 def moves(n) -> bool:
@@ -451,7 +487,7 @@ def _flat_runs(node, leaves: dict) -> list | None:
 
 
 def _is_weight(label: str) -> bool:
-    return not label.startswith(("input:", "computed:", "rlk:"))
+    return not label.startswith(("input:", "computed:", "rlk:", "select:"))
 
 
 def _dense_at_zero(node: torch.fx.Node) -> bool:
@@ -476,10 +512,10 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
     if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
         return {}
     try:
-        chain, leaves = _leaves(val, produced, names, inputs, order, memo)
+        chain, leaves, selected = _leaves(val, produced, names, inputs, order, memo)
         if not chain and _columns(next(iter(leaves)), names) is None:   # the argument is its leaf
             (label,) = leaves.values()
-            return _identity(label, _shape(val), _is_weight(label))
+            return _selected(_identity(label, _shape(val), _is_weight(label)), selected)
         if all(_is_weight(x) for x in leaves.values()):
             runs = _flat_runs(val, leaves)
             if runs is not None:   # a weight stacked from whole parameters: no replay (Qwen3-8B's gate_up
@@ -528,8 +564,8 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         return {"w": [[label[k], s, e] for k, s, e in runs] if runs is not None else _digest(label, key, local)}
     key, local, label, shapes, columns = _products(key, local, label, shapes,
                                                    [_columns(n, names) for n in leaf_nodes])
-    return {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
-            for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
+    return _selected({str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
+                      for f in range(min(out.dim() - 1, 2) + 1)}, selected)   # f < rank: a row dim (the tokens)
 
 
 # where a made tensor lives, not what it holds: left out of a computing node's digest (a trainer on cuda:0
