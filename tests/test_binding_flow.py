@@ -402,6 +402,64 @@ def test_the_element_map_of_a_row_selection():
     assert node.maps["x"]["1"]["leaf"].startswith("computed:aten.index.Tensor#")
 
 
+PACKED = {"qkv_proj": [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)], "gate_up_proj": [("gate_proj", 128),
+                                                                                        ("up_proj", 128)]}
+
+
+def _vllm_model(order=("q_proj", "k_proj", "v_proj")):
+    """The tiny model with vLLM's fused parameters: ``qkv_proj.weight`` (the checkpoint's q, k, v projections
+    stacked in ``order``) and ``gate_up_proj.weight``, the separate ones gone."""
+    m = _model()
+    attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
+    attn.qkv_proj = torch.nn.Linear(64, 128, bias=False)
+    attn.qkv_proj.weight = torch.nn.Parameter(torch.cat([getattr(attn, n).weight for n in order]).detach().clone())
+    mlp.gate_up_proj = torch.nn.Linear(64, 256, bias=False)
+    mlp.gate_up_proj.weight = torch.nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone())
+    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+    attn._qkv = types.MethodType(_qkv(weight=lambda self: self.qkv_proj.weight), attn)
+    mlp.forward = types.MethodType(
+        lambda self, x: rlk_ops.linear(swiglu(rlk_ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight), mlp)
+    return m
+
+
+def test_fused_parameters_bind_under_a_declared_packing(train):
+    """vLLM's ``qkv_proj`` and ``gate_up_proj`` parameters, declared as their checkpoint parts, bind against
+    the trainer's own parameters: the model id hashes the parts, and the element maps name their rows. Until
+    session 37 such a side was never comparable. Undeclared, it is still not comparable (other names, other
+    hash); declared in the wrong order, the hash says so; and with a given checkpoint id (the caller's word
+    for the values) the element maps still see k read from what the declaration calls v_proj."""
+    m = _vllm_model()
+    assert torch.equal(_logits(m), _stock_logits())
+    side = probe.describe_rollout(m, packed=PACKED)
+    assert side["model"]["id"] == train["model"]["id"] and side["model"]["packed"]["qkv_proj"][1] == ["k_proj", 32]
+    result = bind(train, side)
+    assert result.passed, result.summary()
+    assert not bind(train, probe.describe_rollout(m)).comparable
+    wrong = {**PACKED, "qkv_proj": [("q_proj", 64), ("v_proj", 32), ("k_proj", 32)]}
+    result = bind(train, probe.describe_rollout(m, packed=wrong))
+    assert not result.comparable and result.failure("model.id") is not None
+    result = bind(probe.describe_train(_model(), backward=False, model_id="ckpt"),
+                  probe.describe_rollout(m, packed=wrong, model_id="ckpt"))
+    assert result.comparable and not result.passed
+    assert "layers.0.self_attn.v_proj.weight[rows 0:32]" in json.dumps(result.failure("layer[0].k.flow").rollout)
+
+
+@pytest.mark.parametrize("packed, match", [
+    ({"qkv": [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)]}, "no parameter of the model belongs to a module "
+                                                               "named 'qkv'"),
+    ({"qkv_proj": [("q_proj", 64), ("k_proj", 32), ("v_proj", 31)]}, "sum to layers.0.self_attn.qkv_proj.weight's "
+                                                                     "dim 0, expected 128, got 127"),
+    ({"qkv_proj": [("q_proj", 64), ("k_proj", 0), ("v_proj", 64)]}, r"rows > 0\), got \('k_proj', 0\)"),
+    ({"qkv_proj": [("q_proj", 128)]}, "at least two"),
+    ({"qkv_proj": [("o_proj", 64), ("k_proj", 64)]}, "o_proj.weight is already a parameter"),
+    ({"a.qkv_proj": [("q_proj", 64), ("k_proj", 64)]}, "without dots"),
+    ([("qkv_proj", 128)], "must be a dict"),
+])
+def test_a_bad_packing_is_refused(packed, match):
+    with pytest.raises(ValueError, match=match):
+        probe.describe_rollout(_vllm_model(), packed=packed)
+
+
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
     single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""

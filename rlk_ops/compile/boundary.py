@@ -530,7 +530,7 @@ def _compare_eager(eager: EagerRun, out, params: list) -> tuple[bool | None, str
 
 def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = True,
                      more_calls: tuple[tuple, ...] = (), eager: EagerRun | None = None, roles: dict | None = None,
-                     **kwargs) -> BoundaryReport:
+                     packed: dict | None = None, **kwargs) -> BoundaryReport:
     """Compile ``fn`` (no fullgraph requirement, so breaks are counted rather than
     raised), run it on ``args`` and, if ``backward`` and an output requires grad,
     run one backward of the sum of its outputs (this accumulates ``.grad`` on leaves).
@@ -542,7 +542,8 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     during it and the new ones added to them after, as autograd accumulates). ``roles``: {role: tensor}
     for arguments the graphs should name by what they are (``input:=positions``), not by Dynamo's
     spelling of the caller's variable (``l_positions_``, ``l_args_1_``), so two sides' element maps
-    can say which input feeds rope."""
+    can say which input feeds rope. ``packed``: fused parameters named as the checkpoint's parts in the
+    element maps (meta/packing.py; validated there)."""
     from rlk_ops.meta import provenance
 
     if not callable(fn):
@@ -574,6 +575,10 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     dynamo_graphs = []
     dynamo_inputs = []
     params = parameter_names(fn)
+    if packed:
+        from rlk_ops.meta import packing
+        root = _root_module(fn)
+        params = packing.labels(root, params, packing.check(packed, root))
     named = {id(t): f"input:={role}" for role, t in (roles or {}).items() if isinstance(t, torch.Tensor)}
 
     def backend(gm, example_inputs):

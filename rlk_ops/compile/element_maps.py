@@ -442,7 +442,7 @@ def _identity(label: str, shape: tuple[int, ...], weight: bool) -> dict:
     more than LIMIT elements)."""
     if weight:
         n = int(torch.Size(shape).numel())
-        return {"w": [[label, 0, n]] if n else []}
+        return {"w": _unpack([[label, 0, n]]) if n else []}
     out = {}
     for f in range(min(len(shape) - 1, 2) + 1):
         feat = _feat(shape, f)
@@ -486,6 +486,35 @@ def _flat_runs(node, leaves: dict) -> list | None:
     return None
 
 
+def packed_label(parts: list[tuple[str, int]]) -> str:
+    """A packed parameter's leaf name (meta/packing.py): its parts and their element counts in order."""
+    return "packed:" + "|".join(f"{name}={n}" for name, n in parts)
+
+
+def _unpack(runs: list) -> list:
+    """``"w"`` runs with every packed parameter's elements named as its parts' (``packed_label``), a cast on
+    the way kept on each part; adjacent runs of one leaf merged."""
+    out = []
+    for label, s, e in runs:
+        base, sep, casts = label.partition(" via ")
+        if not base.startswith("packed:"):
+            pieces = [(label, s, e)]
+        else:
+            pieces, at = [], 0
+            for part in base[len("packed:"):].split("|"):
+                name, _, n = part.rpartition("=")
+                lo, hi = max(s, at), min(e, at + int(n))
+                if lo < hi:
+                    pieces.append((name + sep + casts, lo - at, hi - at))
+                at += int(n)
+        for name, a, b in pieces:
+            if out and out[-1][0] == name and out[-1][2] == a:
+                out[-1][2] = b
+            else:
+                out.append([name, a, b])
+    return out
+
+
 def _is_weight(label: str) -> bool:
     return not label.startswith(("input:", "computed:", "rlk:", "select:"))
 
@@ -519,7 +548,7 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         if all(_is_weight(x) for x in leaves.values()):
             runs = _flat_runs(val, leaves)
             if runs is not None:   # a weight stacked from whole parameters: no replay (Qwen3-8B's gate_up
-                return {"w": runs}  # cat alone holds more than LIMIT elements)
+                return {"w": _unpack(runs)}  # cat alone holds more than LIMIT elements)
         leaf_nodes = sorted(leaves, key=order.__getitem__)
         shapes = [_shape(n) for n in leaf_nodes]
         sizes = [int(torch.Size(s).numel()) for s in shapes]
@@ -561,7 +590,8 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
     label = [leaves[n] for n in leaf_nodes]
     if all(_is_weight(x) for x in label):
         runs = _runs(key, local)
-        return {"w": [[label[k], s, e] for k, s, e in runs] if runs is not None else _digest(label, key, local)}
+        return {"w": _unpack([[label[k], s, e] for k, s, e in runs]) if runs is not None
+                else _digest(label, key, local)}
     key, local, label, shapes, columns = _products(key, local, label, shapes,
                                                    [_columns(n, names) for n in leaf_nodes])
     return _selected({str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlk_ops.meta import provenance
+from rlk_ops.meta import packing, provenance
 
 FORMAT = "rlk_ops.binding.side/1"
 
@@ -184,12 +184,13 @@ class Topology:
         return asdict(self)
 
 
-def weights_id(module: torch.nn.Module) -> str:
+def weights_id(module: torch.nn.Module, packed: dict | None = None) -> str:
     """sha256 over every state_dict entry (name, dtype, shape, raw bytes), in name order.
     The dtype is part of it: the same checkpoint held in fp16 and bf16 is two sets of
-    numbers (pass a checkpoint id to ``describe_*`` to bind those as one model)."""
+    numbers (pass a checkpoint id to ``describe_*`` to bind those as one model). ``packed``
+    (meta/packing.py): a fused parameter counts as its parts, by their names."""
     h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
+    for name, t in sorted(packing.state_items(module, packing.check(packed, module)), key=lambda x: x[0]):
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():  # raw bytes without numpy (the package depends on torch only)
@@ -220,21 +221,23 @@ def flashinfer_plans(records: list[dict]) -> list[dict]:
     return out
 
 
-def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None = None, **kwargs) -> dict:
+def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None = None, packed: dict | None = None,
+              **kwargs) -> dict:
     """Compile ``fn`` with the capturing backend, run it on ``args`` (and one backward
     when asked), and return the entry's evidence: graph, provenance, plan records, and
     the strict mode it ran under. The same call also runs eagerly first, on copies of the
     arguments: the graph counts as the entry's computation only if its outputs (and, with backward,
     the parameters' gradients) are bitwise that run's (``graph.eager_equal``: an engine that runs the
     entry eagerly runs what was bound). ``roles``: {role: tensor argument} named alike on both sides
-    (``inspect_boundary``): the describe functions name tokens, positions and the sequence metadata."""
+    (``inspect_boundary``): the describe functions name tokens, positions and the sequence metadata.
+    ``packed``: fused parameters named as their parts (meta/packing.py)."""
     from rlk_ops.compile.boundary import eager_outputs, inspect_boundary
     from rlk_ops.kernels.dispatch import strict_mode
 
     eager = eager_outputs(fn, args, kwargs, backward=backward)   # before the capture: not the entry's evidence
     before = _plan_logs()
     with provenance.capture() as log:
-        report = inspect_boundary(fn, *args, backward=backward, eager=eager, roles=roles, **kwargs)
+        report = inspect_boundary(fn, *args, backward=backward, eager=eager, roles=roles, packed=packed, **kwargs)
     plans = [r for k, (r, calls) in _plan_logs().items() if calls > before.get(k, (None, 0))[1]]
     graph = {"forward": [asdict(n) for n in report.forward], "backward": [asdict(n) for n in report.backward],
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
@@ -246,9 +249,10 @@ def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None =
 
 
 def describe_side(side: str, entries: list[dict], *, model_id: str, model_id_kind: str = "given",
-                  topology: Topology | None = None, compiled: bool = False) -> dict:
+                  topology: Topology | None = None, compiled: bool = False, packed: dict | None = None) -> dict:
     """A side description from executed entries (``run_entry``). ``compiled``: whether
-    this side's production path runs under torch.compile (recorded only). ``runtime.strict``
+    this side's production path runs under torch.compile (recorded only). ``packed``: the packing the
+    entries and the model id read the parameters with (recorded as ``model.packed``). ``runtime.strict``
     is the mode the entries ran under (entries that ran under different modes are refused);
     with no entries, the mode now (a configured side)."""
     from rlk_ops.kernels.dispatch import strict_mode
@@ -260,7 +264,8 @@ def describe_side(side: str, entries: list[dict], *, model_id: str, model_id_kin
     strict = next(iter(modes.values())) if modes else strict_mode()
     return {
         "format": FORMAT, "side": side,
-        "model": {"id": model_id, "kind": model_id_kind},
+        "model": {"id": model_id, "kind": model_id_kind,
+                  **({"packed": {k: [list(p) for p in v] for k, v in packed.items()}} if packed else {})},
         "topology": (topology or Topology()).as_dict(),
         "runtime": {"compiled": compiled, "strict": strict},
         "entries": [{k: v for k, v in e.items() if k != "plans"} for e in entries],
@@ -269,44 +274,49 @@ def describe_side(side: str, entries: list[dict], *, model_id: str, model_id_kin
     }
 
 
-def _identity(model, model_id: str | None) -> dict:
+def _identity(model, model_id: str | None, packed: dict | None = None) -> dict:
     if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
         # '' once fell back to the weights' sha256 silently (a session 34 audit)
         raise ValueError(f"model_id must be a non-empty string (a checkpoint id) or None (the weights' "
                          f"sha256), got {type(model_id).__name__} {model_id!r}")
     return {"model_id": model_id, "model_id_kind": "given"} if model_id is not None else \
-        {"model_id": weights_id(model), "model_id_kind": "weights_sha256"}
+        {"model_id": weights_id(model, packed), "model_id_kind": "weights_sha256"}
 
 
 def describe_train(model, *, lengths=(5, 3), backward: bool = True, model_id: str | None = None,
-                   topology: Topology | None = None, compiled: bool = False) -> dict:
+                   topology: Topology | None = None, compiled: bool = False, packed: dict | None = None) -> dict:
     """The training side of a model with ``forward_train(tokens, positions, cu_seqlens,
     max_seqlen)``: one packed varlen batch (forward, and backward when asked; the
-    gradients it leaves are cleared)."""
+    gradients it leaves are cleared). ``packed``: fused parameters and their parts (meta/packing.py)."""
+    packed = packing.check(packed, model)
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=g).to(device)
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     entry = run_entry("train", model.forward_train, tokens, positions, cu, max(lengths), backward=backward,
-                      roles={"tokens": tokens, "positions": positions, "cu_seqlens": cu})
+                      roles={"tokens": tokens, "positions": positions, "cu_seqlens": cu}, packed=packed)
     model.zero_grad(set_to_none=True)
-    return describe_side("train", [entry], topology=topology, compiled=compiled, **_identity(model, model_id))
+    return describe_side("train", [entry], topology=topology, compiled=compiled, packed=packed,
+                         **_identity(model, model_id, packed))
 
 
 def describe_rollout(model, *, page_size: int = 16, prompt: int = 5, batch: int = 2,
                      entries=("prefill", "decode"), model_id: str | None = None,
-                     topology: Topology | None = None, compiled: bool = False, forward=None) -> dict:
+                     topology: Topology | None = None, compiled: bool = False, forward=None,
+                     packed: dict | None = None) -> dict:
     """The rollout side of a model with ``forward_rollout(tokens, positions, cache, seqs,
     slot_mapping)``: a chunked prefill of ``prompt`` tokens for ``batch`` sequences and/or
     one batched decode step, each its own entry (graph + provenance). A decode-only side
     still reserves the prompt's slots (their cache rows stay zero: valid keys).
     ``forward(model, ...)``: another rollout forward with that signature (e.g. the plain
-    PyTorch negative control, rollout/plain.py)."""
+    PyTorch negative control, rollout/plain.py). ``packed``: fused parameters and their parts, vLLM's
+    ``qkv_proj`` and ``gate_up_proj`` (meta/packing.py)."""
     from rlk_ops.ops._validate import positive_ints
     from rlk_ops.rollout.cache import PagedKVCache
 
     positive_ints("describe_rollout", page_size=page_size, prompt=prompt, batch=batch)
+    packed = packing.check(packed, model)
     fn = model.forward_rollout if forward is None else functools.partial(forward, model)
     cfg = model.config
     device = next(model.parameters()).device
@@ -325,11 +335,14 @@ def describe_rollout(model, *, page_size: int = 16, prompt: int = 5, batch: int 
             tokens = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g).to(device)
             positions = torch.arange(prompt).expand(batch, prompt).contiguous().to(device)
             done.append(run_entry("prefill", fn, tokens, positions, cache, seqs, slots,
-                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots}))
+                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots},
+                                  packed=packed))
         if "decode" in entries:
             slots = torch.cat([cache.reserve(s, 1) for s in seqs])
             tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g).to(device)
             positions = torch.full((batch, 1), prompt, dtype=torch.int64, device=device)
             done.append(run_entry("decode", fn, tokens, positions, cache, seqs, slots,
-                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots}))
-    return describe_side("rollout", done, topology=topology, compiled=compiled, **_identity(model, model_id))
+                                  roles={"tokens": tokens, "positions": positions, "slot_mapping": slots},
+                                  packed=packed))
+    return describe_side("rollout", done, topology=topology, compiled=compiled, packed=packed,
+                         **_identity(model, model_id, packed))
