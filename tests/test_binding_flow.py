@@ -160,6 +160,23 @@ def _mlp_hf(fused=False, swap=False):
     return mlp
 
 
+def _mlp_respelled(how):
+    """The stock MLP's numbers with its products spelled otherwise (a session 37 audit's false FAILs)."""
+    def mlp(self, x):
+        wg, wu = self.gate_proj.weight, self.up_proj.weight
+        if how == "up first":
+            up = rlk_ops.linear(x, wu)
+            gate_up = torch.cat([rlk_ops.linear(x, wg), up], -1)
+        elif how == "fused up then gate":
+            ug = rlk_ops.linear(x, torch.cat([wu, wg]))
+            gate_up = torch.cat([ug[..., 128:], ug[..., :128]], -1)
+        else:   # two column-parallel shards, each half of gate and half of up
+            a, b = (rlk_ops.linear(x, torch.cat([wg[s], wu[s]])) for s in (slice(0, 64), slice(64, 128)))
+            gate_up = torch.cat([a[..., :64], b[..., :64], a[..., 64:], b[..., 64:]], -1)
+        return rlk_ops.linear(swiglu(gate_up), self.down_proj.weight)
+    return mlp
+
+
 def _rollout_model(qkv=None, forward=None, mlp=None):
     m = _model()
     if mlp is not None:
@@ -279,6 +296,9 @@ SAME = {
 
 MLP_SAME = {
     "separate gate and up linears instead of the fused gate_up": _mlp_separate(),
+    "separate linears, up computed first": _mlp_respelled("up first"),
+    "one linear over [Wu; Wg], its halves exchanged after": _mlp_respelled("fused up then gate"),
+    "two column-parallel shards of gate and up": _mlp_respelled("shards"),
 }
 
 
@@ -334,7 +354,7 @@ def test_a_linear_output_names_the_weight_rows_behind_its_columns():
     def shifted(self, x):   # u's rows with g's bias elements: other columns than the fused up's
         return rlk_ops.qk_rmsnorm(rlk_ops.linear(x, self.u, self.b[:3]).unsqueeze(1), torch.ones(3), 1e-6)
     x = torch.randn(5, 4)
-    want = {"leaf": "rlk:linear@L0(x: graph input whole)", "cols": [["u + b@+3", 0, 3], ["g + b", 0, 3]],
+    want = {"leaf": "rlk:linear@L0(x: graph input whole; rows of 4)", "cols": [["u + b@+3", 0, 3], ["g + b", 0, 3]],
             "width": 6, "rows": "in order"}
     for fn in (fused, separate):
         norm = inspect_boundary(types.MethodType(fn, mod), x, backward=False).forward[-1]
@@ -460,6 +480,66 @@ def test_a_bad_packing_is_refused(packed, match):
         probe.describe_rollout(_vllm_model(), packed=packed)
 
 
+def test_o_proj_in_two_halves_binds(train):
+    """o_proj as two linears over halves of its weight's rows, outputs side by side (row-parallel shards
+    gathered): one product of the attention output, the same rows."""
+    def forward(self, hidden_states, positions, k_cache, v_cache, page_table, seq_lens, slot_mapping,
+                return_attention=False):
+        b, sq, hidden = hidden_states.shape
+        q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
+        rlk_ops.paged_kv_append(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, page_table, seq_lens,
+                                positions)
+        attn, lse = rlk_ops.paged_attention(q.detach().reshape(b, sq, *q.shape[1:]), k_cache, v_cache, page_table,
+                                            seq_lens, split_kv=self.config.split_kv)
+        a = attn.reshape(b * sq, attn.shape[2] * attn.shape[3])
+        w = self.o_proj.weight
+        out = torch.cat([rlk_ops.linear(a, w[:32]), rlk_ops.linear(a, w[32:])], -1).reshape(b, sq, hidden)
+        return (out, attn, lse) if return_attention else out
+    m = _rollout_model(forward=forward)
+    assert torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert result.passed, result.summary()
+
+
+def test_a_linear_output_read_unchanged_needs_no_replay(train, monkeypatch):
+    """gate_up into SwiGLU, down into the residual: maps written from the call's columns, not replayed, so a
+    product over the replay limit still binds (Qwen3-8B's gate_up output is [T, 24576]: over 2730 tokens it
+    was unresolved after the first products commit, a session 37 audit). Here the limit is lowered below
+    the gate_up output's 2560 elements."""
+    monkeypatch.setattr(element_maps, "LIMIT", 2000)
+    rollout = probe.describe_rollout(_model())
+    gate_up = [n for n in rollout["entries"][0]["graph"]["forward"] if n["op"] == "rlk::linear"][2]
+    assert "unresolved" not in json.dumps(gate_up["maps"])
+    result = bind(probe.describe_train(_model(), backward=False), rollout)
+    assert result.passed, result.summary()
+
+
+def test_a_product_names_its_rows_width():
+    """Weight "rows" are counted in the product's input width: ``linear(x, w)[:, :3]`` and
+    ``linear(x.reshape(-1, 4), w.reshape(12, 4))[:, :3]`` both take "rows 0:3", of 8 and of 4 elements."""
+    mod = torch.nn.Module()
+    mod.register_parameter("w", torch.nn.Parameter(torch.randn(6, 8)))
+
+    def whole_rows(self, x):
+        return rlk_ops.qk_rmsnorm(rlk_ops.linear(x, self.w)[:, :3], torch.ones(3), 1e-6)
+
+    def half_rows(self, x):
+        return rlk_ops.qk_rmsnorm(rlk_ops.linear(x.reshape(-1, 4), self.w.reshape(12, 4))[:, :3], torch.ones(3),
+                                  1e-6)
+    leaves = [inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False).forward[-1]
+              .maps["x"]["1"]["leaf"] for fn in (whole_rows, half_rows)]
+    assert leaves[0].endswith("rows of 8)") and leaves[1].endswith("rows of 4)")
+
+
+def test_a_linear_without_an_input_map_fails_closed(train):
+    """A side file whose linear has no map for x binds nothing on that call (it once raised KeyError)."""
+    side = json.loads(json.dumps(probe.describe_rollout(_model())))
+    for e in side["entries"]:
+        [n for n in e["graph"]["forward"] if n["op"] == "rlk::linear"][-1]["maps"].pop("x")
+    result = bind(train, side)
+    assert result.comparable and {f.field for f in result.failures} == {"model.linear.inputs"}
+
+
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
     single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""
@@ -510,7 +590,7 @@ def test_element_maps_of_a_small_graph():
     assert lin.maps["x"]["1"] == {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8, "rows": "in order"}
     # element (i, j) of a token's [2, 2] is column 2 + 3 * j + i of the product
     # (session 37: named as the rows of a.weight behind those columns: 0, 3, 1, 4)
-    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear@L0(x: graph input whole)",
+    assert norm.maps["x"]["2"] == {"leaf": "rlk:linear@L0(x: graph input whole; rows of 8)",
                                    "cols": [["a.weight", 0, 1], ["a.weight", 3, 4], ["a.weight", 1, 2], ["a.weight", 4, 5]],
                                    "width": 8, "rows": "in order"}
     assert "mixed" in norm.maps["x"]["1"]   # read as rows of 2, each row takes other columns

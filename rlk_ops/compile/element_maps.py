@@ -278,12 +278,12 @@ def _rows_view(key, local, shape, f, names, leaf_shapes, columns=None):
     leaf = int(k2[0, 0])
     width = _width(leaf_shapes[leaf], feat, f)
     row, col = l2 // width, l2 % width
+    product = columns[leaf] if columns else None
+    if product is not None and not (width == product[0].numel() and bool((row == row[:, :1]).all())
+                                    and bool((col == col[:1]).all())):
+        return {"mixed": _product_digest(names[leaf], product, l2)}   # not rows of one token's same columns
     if not (bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())):
         return {"mixed": _digest(names, k2, l2)}   # a row from several leaf rows, or columns that vary by row
-    product = columns[leaf] if columns else None
-    if product is not None and width != product[0].numel():   # rows that are not one token's columns (an
-        n = product[0].numel()                                  # element each, or several tokens): no labels
-        return {"mixed": _digest(names[leaf], product[1], l2 // n, product[0][l2 % n])}
     if product is not None:   # the columns as the weight rows (and bias elements) that make them
         ids = product[0][col[0]]
         runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
@@ -298,6 +298,42 @@ def _rows_view(key, local, shape, f, names, leaf_shapes, columns=None):
     return {"leaf": names[leaf], "cols": cols, "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
             else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
+
+
+def _product_digest(label: str, product, l2) -> str:
+    """A product's elements that are not rows of one token's columns, as a digest of (token, weight label,
+    row) per element: the same whichever other outputs the product was merged with (``_products``)."""
+    uniq, labels = product
+    n = uniq.numel()
+    ids = uniq[l2 % n]
+    used, lid = torch.unique(ids >> _SHIFT, return_inverse=True)
+    return _digest("product", label, [labels[i] for i in used.tolist()], l2 // n, lid, ids & ((1 << _SHIFT) - 1))
+
+
+def _product_forms(forms: dict, shape) -> dict:
+    """When the ``"1"`` form is a product's rows (``labelled``), the other forms are its elements grouped
+    otherwise: written as a digest of the ``"1"`` form and the grouping, so that they do not depend on how
+    the map was made (a replay or ``_product_identity``)."""
+    if not labelled(forms.get("1")):
+        return forms
+    return {f: v if f == "1" or labelled(v) else
+            {"mixed": _digest("rows of", repr(forms["1"]), tuple(shape[len(shape) - int(f):]))}
+            for f, v in forms.items()}
+
+
+def _product_identity(label: str, shape, table: list) -> dict:
+    """The map of an argument that is an rlk::linear output, unchanged: its rows' columns from the call's
+    table (``product_label``), no replay (Qwen3-8B's gate_up output over 2731 tokens holds more than LIMIT
+    elements)."""
+    names = sorted({c[0] for c in table})
+    ids = torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in table])
+    runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
+    rows = math.prod(shape[:-1])
+    one = {"mixed": "empty"} if rows == 0 else {
+        "leaf": label, "cols": [[names[k], a, b] for k, a, b in runs] if runs is not None else _digest(names, ids),
+        "width": torch.unique(ids).numel(), "rows": "in order"}
+    return _product_forms({str(f): one if f == 1 else {"mixed": ""} for f in range(min(len(shape) - 1, 2) + 1)},
+                          shape)
 
 
 def _feat(shape, f: int) -> int:
@@ -366,10 +402,9 @@ def product_columns(maps: dict, n_out: int):
     runs = w.get("w")
     if not isinstance(runs, list):
         return "weight " + ("#unresolved" if "unresolved" in w else _arg_text(w))
-    total = sum(e - s for _, s, e in runs)
-    k = total // n_out if n_out > 0 else 0
-    if k == 0 or total != k * n_out or any(s % k or e % k for _, s, e in runs):
-        return f"weight {runs!r}"
+    k = _row_width(runs, n_out)
+    if k == 0 or any(s % k or e % k for _, s, e in runs):
+        return f"weight {runs!r}" if len(runs) <= 16 else f"weight {len(runs)} runs {_digest(runs)}"
     cols = [[label, s // k, e // k] for label, s, e in runs]
     b = maps.get("bias")
     if b is None:
@@ -394,6 +429,13 @@ def product_columns(maps: dict, n_out: int):
     return out
 
 
+def _row_width(runs: list, n_out: int) -> int:
+    """The elements of one weight row (the product's input width): the runs' total over the output
+    columns; 0 when that is not a whole number."""
+    total = sum(e - s for _, s, e in runs)
+    return total // n_out if n_out > 0 and total % n_out == 0 else 0
+
+
 def product_label(layer: int, maps: dict, node: torch.fx.Node) -> tuple[str, list | None]:
     """An rlk::linear output as a leaf (session 37): ``@L<layer>(x: <its input's element map>)`` and its
     columns (``product_columns``), so that a consumer's map names the weight rows behind the columns it
@@ -408,7 +450,9 @@ def product_label(layer: int, maps: dict, node: torch.fx.Node) -> tuple[str, lis
         cols = "#unresolved"
     if isinstance(cols, str):
         return f"@L{layer}(x: {text}; {cols})", None
-    return f"@L{layer}(x: {text})", cols
+    # the rows' width is in the label: "rows 0:3" of a weight read through w.reshape(12, 4) are not w's
+    # rows 0:3 (a session 37 audit)
+    return f"@L{layer}(x: {text}; rows of {_row_width(maps['weight']['w'], _shape(node)[-1])})", cols
 
 
 def _whole_leaves(key, local, leaf_shapes) -> list[int] | None:
@@ -542,8 +586,11 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         return {}
     try:
         chain, leaves, selected = _leaves(val, produced, names, inputs, order, memo)
-        if not chain and _columns(next(iter(leaves)), names) is None:   # the argument is its leaf
-            (label,) = leaves.values()
+        if not chain:   # the argument is its leaf
+            ((node, label),) = leaves.items()
+            table = _columns(node, names)
+            if table:
+                return _product_identity(label, _shape(val), table)
             return _selected(_identity(label, _shape(val), _is_weight(label)), selected)
         if all(_is_weight(x) for x in leaves.values()):
             runs = _flat_runs(val, leaves)
@@ -594,8 +641,9 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
                 else _digest(label, key, local)}
     key, local, label, shapes, columns = _products(key, local, label, shapes,
                                                    [_columns(n, names) for n in leaf_nodes])
-    return _selected({str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
-                      for f in range(min(out.dim() - 1, 2) + 1)}, selected)   # f < rank: a row dim (the tokens)
+    forms = {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
+             for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
+    return _selected(_product_forms(forms, tuple(out.shape)), selected)
 
 
 # where a made tensor lives, not what it holds: left out of a computing node's digest (a trainer on cuda:0

@@ -317,14 +317,25 @@ def _runs_text(runs, limit: int = 16, rows: bool = False) -> str:
         f"{len(parts)} runs sha256:{hashlib.sha256(repr(runs).encode()).hexdigest()[:16]}"
 
 
-def _products(node: dict) -> list[str] | None:
-    """An rlk::linear call's output columns, one text per run of whole weight rows (with their bias
-    elements), in column order; None for another op, or a weight that is not whole parameter rows."""
+def _products(node: dict) -> list[list] | None:
+    """An rlk::linear call's output columns as runs ``[weight (+ bias), first row, stop]``; None for another
+    op, or a weight that is not whole parameter rows."""
     if node["op"] != "rlk::linear" or not node.get("outputs"):
         return None
     n_out = _shape(node["outputs"][0])[1][-1:]
     cols = product_columns(node["maps"], n_out[0]) if n_out and isinstance(n_out[0], int) else None
-    return [_runs_text([c], rows=True) for c in cols] if isinstance(cols, list) else None
+    return cols if isinstance(cols, list) else None
+
+
+def _merged(runs: list[list]) -> list[list]:
+    """Runs sorted by weight and row, adjacent ones joined (a row taken twice stays twice)."""
+    out = []
+    for label, a, b in sorted(runs, key=lambda r: (r[0], r[1], r[2])):
+        if out and out[-1][0] == label and out[-1][2] == a:
+            out[-1][2] = b
+        else:
+            out.append([label, a, b])
+    return out
 
 
 _METADATA = ("cu_seqlens_q", "cu_seqlens_k", "page_table", "seq_lens")
@@ -546,6 +557,7 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     put("runtime.page_size", "runtime.page_size", _one(sorted(set(pages), key=str), None), g + " k_cache shape")
     rest: dict[str, list] = {}
     inputs: dict[str, list] = {}
+    groups: dict[str, list] = {}   # a linear's input -> the weight rows of every linear taking it
     last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward
     for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
         # they take must agree too, call by call in graph order (a set of distinct values let one side move
@@ -569,12 +581,17 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             # engine projects there is its own
             seen[a] = _edge(n, a, form, rows=True if n["index"] != last else "subset")
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
-        products = _products(n) if bad is None else None
-        if products is not None:   # a linear as its products, one per run of weight rows: a fused gate_up and
-            inputs.setdefault(n["op"], []).extend(   # separate gate and up linears list the same (session 37)
-                json.dumps({"x": seen["x"], "columns": p}, sort_keys=True) for p in products)
+        products = _products(n) if bad is None and "x" in seen else None
+        if products is not None:   # a linear as the weight rows it multiplies its input by, merged over every
+            if seen["x"] not in groups:   # linear with that input (session 37): a fused gate_up, gate and up
+                inputs.setdefault(n["op"], []).append(seen["x"])   # in either order, shards, o_proj in halves
+            groups.setdefault(seen["x"], []).extend(products)
             continue
         inputs.setdefault(n["op"], []).append(bad or json.dumps(seen, sort_keys=True))
+    for x, runs in groups.items():
+        at = inputs["rlk::linear"].index(x)
+        inputs["rlk::linear"][at] = json.dumps({"x": x, "columns": _runs_text(_merged(runs), rows=True)},
+                                               sort_keys=True)
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
@@ -1062,7 +1079,7 @@ def _check_map(bad, where_: str, m) -> None:
             continue
         if not (isinstance(v, dict) and set(v) == {"leaf", "cols", "width", "rows"} and isinstance(v["leaf"], str)
                 and isinstance(v["rows"], str) and _is_int(v["width"]) and (isinstance(v["cols"], str) or (
-                    isinstance(v["cols"], list) and (all(_span(c) for c in v["cols"]) or all(
+                    isinstance(v["cols"], list) and v["cols"] and (all(_span(c) for c in v["cols"]) or all(
                         isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and _span(c[1:])
                         for c in v["cols"]))))):
             bad(f"{where_}.{f}", "{leaf, cols (a digest, [start, stop] runs or a product's [weight, first row, "
