@@ -540,6 +540,20 @@ def test_a_linear_without_an_input_map_fails_closed(train):
     assert result.comparable and {f.field for f in result.failures} == {"model.linear.inputs"}
 
 
+def test_logits_reordered_after_the_projection_fail(train):
+    """A rollout that hands back its logits with the vocabulary halves exchanged samples from other
+    numbers; every rlk call is as the trainer's, so until session 37 it bound (a session 37 audit): now the
+    graph's outputs that hold lm_head's elements are compared (``model.logits``)."""
+    m = _model()
+    paged = m.forward_paged
+    m.forward_paged = lambda *a, **k: (lambda y: torch.cat([y[..., 32:], y[..., :32]], -1))(paged(*a, **k))
+    assert not torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert {f.field for f in result.failures} == {"model.logits"}
+    assert result.failure("model.logits").rollout == [
+        "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows some or all (in order, or picked by an index)"]
+
+
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
     single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""

@@ -26,8 +26,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from rlk_ops.compile.element_maps import (ATTENTION, computed_label, element_map, holds, moves, node_label,
-                                          product_label)
+from rlk_ops.compile.element_maps import (ATTENTION, computed_label, element_map, holds, leaf_nodes, moves,
+                                          node_label, product_label)
 from rlk_ops.meta.specs import REGISTRY
 
 _aten = torch.ops.aten
@@ -104,6 +104,9 @@ class BoundaryReport:
     outside_calls: dict[str, int] = field(default_factory=dict)
     eager_equal: bool | None = None
     eager_note: str = ""   # what was compared (outputs, gradients), or why nothing was
+    # the element maps of the forward graph's outputs that hold the last rlk op's output elements (the
+    # logits, as the entry returns them; session 37): the last graph with rlk ops; None: no forward graph
+    logits_maps: list[dict] | None = None
 
     @property
     def forward_ops(self) -> list[str]:
@@ -419,7 +422,25 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             report.movement_nodes[name] = report.movement_nodes.get(name, 0) + 1
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
+    if maps is not None and nodes:
+        report.logits_maps = _logits_maps(gm, produced, op_names, inputs, maps)
     return nodes
+
+
+def _logits_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict]:
+    """The element maps of the graph's outputs whose every leaf is the last rlk op's output (through
+    movement ops and casts): what the entry hands back as logits. A rollout that reordered the vocabulary
+    after ``lm_head`` (``cat([y[..., 32:], y[..., :32]], -1)``) bound while it sampled from other
+    logits (a session 37 audit): nothing compared the graph's outputs."""
+    last = max(produced, key=produced.__getitem__)
+    out = []
+    for val in pytree.tree_leaves(gm.graph.output_node().args):
+        if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
+            continue
+        leaves = leaf_nodes(val, produced, op_names, inputs, maps[1])
+        if leaves and all(n is last for n in leaves):
+            out.append(element_map(val, produced, op_names, inputs, *maps[1:]))
+    return out
 
 
 def _label(node: torch.fx.Node, name: str, layer: int, sources: dict, elements: dict) -> tuple:

@@ -157,6 +157,14 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
     return chain, leaves, selected
 
 
+def leaf_nodes(val, produced: dict, names: dict, inputs: dict, order: dict) -> list:
+    """The nodes ``val`` is moved or cast from (its leaves), or [] when they cannot be told apart."""
+    try:
+        return list(_leaves(val, produced, names, inputs, order, None)[1])
+    except ValueError:
+        return []
+
+
 def _selection(n):
     """(x, index) when ``n`` picks whole rows of a 2-D ``x`` by a 1-D integer index (``x[idx]``,
     ``index_select(x, 0, idx)``: vLLM's ``hidden_states[logits_indices]``), else None."""

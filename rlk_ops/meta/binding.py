@@ -222,7 +222,7 @@ RULES: dict[str, Rule] = {
     "rope.rotary_dim": Rule(SEMANTIC, _want("rotary_dim", "rotary_dim")),
     "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
     "rope.positions": Rule(SEMANTIC),
-    "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC),
+    "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC), "model.logits": Rule(SEMANTIC),
     "ops.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict", True),
     "ops.determinism": Rule(SEMANTIC, _m_spec, True),
     "ops.backend": Rule(RECORDED, None, True),
@@ -325,6 +325,24 @@ def _products(node: dict) -> list[list] | None:
     n_out = _shape(node["outputs"][0])[1][-1:]
     cols = product_columns(node["maps"], n_out[0]) if n_out and isinstance(n_out[0], int) else None
     return cols if isinstance(cols, list) else None
+
+
+def _logits(graph: dict):
+    """What the entry hands back of its last rlk op's output (the logits): per graph output that holds
+    those elements, their columns and rows, the projection's input left out (``model.linear.inputs``
+    judges it; a rollout that picks rows by an index names the pick there). A vocabulary reordered after
+    ``lm_head`` bound until session 37."""
+    maps = graph.get("logits_maps")
+    if maps is None:
+        return Unobservable("a side file written before session 37 (no logits_maps in its graph)")
+    out = []
+    for m in maps:
+        text = _edge({"op": "graph output", "maps": {"logits": m}}, "logits", "1", rows="subset")
+        if isinstance(text, Unobservable):
+            return text
+        v = m.get("1") or {}
+        out.append(text[len(input_name(v["leaf"])):] if "leaf" in v else text)   # "[cols] rows ..."
+    return out or "no output holds the last rlk op's elements"
 
 
 def _merged(runs: list[list]) -> list[list]:
@@ -592,6 +610,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         at = inputs["rlk::linear"].index(x)
         inputs["rlk::linear"][at] = json.dumps({"x": x, "columns": _runs_text(_merged(runs), rows=True)},
                                                sort_keys=True)
+    put("model.logits", "model.logits", _logits(graph), f"{g}: element maps of the outputs that hold the last "
+        "rlk op's output")
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
@@ -994,6 +1014,11 @@ def check_side(side, where: str) -> None:
         if not isinstance(graph.get("eager_equal"), (bool, type(None))):
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
+        logits = graph.get("logits_maps")   # since session 37 (absent: model.logits is unobservable)
+        if logits is not None and not isinstance(logits, list):
+            bad(f"entries[{i}].graph.logits_maps", "a list of element maps", logits)
+        for j, m in enumerate(logits or []):
+            _check_map(bad, f"entries[{i}].graph.logits_maps[{j}]", m)
         for key in ("forward", "backward"):
             for j, n in enumerate(graph[key]):
                 _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)
