@@ -356,9 +356,24 @@ def test_a_linear_output_names_the_weight_rows_behind_its_columns():
     x = torch.randn(5, 4)
     want = {"leaf": "rlk:linear@L0(x: graph input whole; rows of 4)", "cols": [["u + b@+3", 0, 3], ["g + b", 0, 3]],
             "width": 6, "rows": "in order"}
+    maps = []
     for fn in (fused, separate):
         norm = inspect_boundary(types.MethodType(fn, mod), x, backward=False).forward[-1]
         assert norm.maps["x"]["2"] == want, fn.__name__
+        maps.append(norm.maps["x"])
+    assert maps[0] == maps[1]   # the other forms too: digests of labels and rows, not of the merge's numbering
+
+    def gate_alone(self, x):   # one linear's product (3 columns) against the gate half of the fused one (6)
+        return rlk_ops.qk_rmsnorm(rlk_ops.linear(x, self.g).unsqueeze(1), torch.ones(3), 1e-6)
+
+    def gate_of_fused(self, x):
+        return rlk_ops.qk_rmsnorm(rlk_ops.linear(x, torch.cat([self.g, self.u]))[:, :3].unsqueeze(1), torch.ones(3),
+                                  1e-6)
+    maps = [inspect_boundary(types.MethodType(fn, mod), x, backward=False).forward[-1].maps["x"]
+            for fn in (gate_alone, gate_of_fused)]
+    assert maps[0]["2"]["width"] == 3 and maps[1]["2"]["width"] == 6   # the merged product's, never compared
+    no_width = [{f: {k: x for k, x in v.items() if k != "width"} for f, v in m.items()} for m in maps]
+    assert no_width[0] == no_width[1]
     norm = inspect_boundary(types.MethodType(shifted, mod), x, backward=False).forward[-1]
     assert norm.maps["x"]["2"]["cols"] == [["u + b", 0, 3]]
 

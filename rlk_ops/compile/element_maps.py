@@ -324,9 +324,9 @@ def _product_forms(forms: dict, shape) -> dict:
     the map was made (a replay or ``_product_identity``)."""
     if not labelled(forms.get("1")):
         return forms
+    one = repr({k: v for k, v in forms["1"].items() if k != "width"})   # the width is the merged product's
     return {f: v if f == "1" or labelled(v) else
-            {"mixed": _digest("rows of", repr(forms["1"]), tuple(shape[len(shape) - int(f):]))}
-            for f, v in forms.items()}
+            {"mixed": _digest("rows of", one, tuple(shape[len(shape) - int(f):]))} for f, v in forms.items()}
 
 
 def _product_identity(label: str, shape, table: list) -> dict:
