@@ -529,6 +529,18 @@ def test_a_linear_output_read_unchanged_needs_no_replay(train, monkeypatch):
     assert result.passed, result.summary()
 
 
+def test_a_product_read_unchanged_maps_as_its_replay():
+    """A linear output taken as it is (written from the call's columns) and through a view (replayed) have
+    one map, every form."""
+    mod = torch.nn.Module()
+    mod.register_parameter("w", torch.nn.Parameter(torch.randn(6, 8)))
+    w2 = torch.randn(4, 6)
+    maps = [inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False).forward[1].maps["x"]
+            for fn in (lambda self, x: rlk_ops.linear(rlk_ops.linear(x, self.w), w2),
+                       lambda self, x: rlk_ops.linear(rlk_ops.linear(x, self.w).view(5, 6).contiguous(), w2))]
+    assert maps[0] == maps[1] and maps[0]["1"]["cols"] == [["w", 0, 6]] and "mixed" in maps[0]["0"]
+
+
 def test_a_product_names_its_rows_width():
     """Weight "rows" are counted in the product's input width: ``linear(x, w)[:, :3]`` and
     ``linear(x.reshape(-1, 4), w.reshape(12, 4))[:, :3]`` both take "rows 0:3", of 8 and of 4 elements."""

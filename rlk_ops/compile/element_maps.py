@@ -318,11 +318,11 @@ def _product_digest(label: str, product, l2) -> str:
     return _digest("product", label, [labels[i] for i in used.tolist()], l2 // n, lid, ids & ((1 << _SHIFT) - 1))
 
 
-def _product_forms(forms: dict, shape) -> dict:
-    """When the ``"1"`` form is a product's rows (``labelled``), the other forms are its elements grouped
-    otherwise: written as a digest of the ``"1"`` form and the grouping, so that they do not depend on how
-    the map was made (a replay or ``_product_identity``)."""
-    if not labelled(forms.get("1")):
+def _product_forms(forms: dict, shape, force: bool = False) -> dict:
+    """When the ``"1"`` form is a product's rows (``labelled``; ``force``: a product's, its columns a
+    digest), the other forms are its elements grouped otherwise: written as a digest of the ``"1"`` form and
+    the grouping, so that they do not depend on how the map was made (a replay or ``_product_identity``)."""
+    if not (force or labelled(forms.get("1"))):
         return forms
     one = repr({k: v for k, v in forms["1"].items() if k != "width"})   # the width is the merged product's
     return {f: v if f == "1" or labelled(v) else
@@ -336,12 +336,12 @@ def _product_identity(label: str, shape, table: list) -> dict:
     names = sorted({c[0] for c in table})
     ids = torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in table])
     runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
-    rows = math.prod(shape[:-1])
-    one = {"mixed": "empty"} if rows == 0 else {
-        "leaf": label, "cols": [[names[k], a, b] for k, a, b in runs] if runs is not None else _digest(names, ids),
-        "width": torch.unique(ids).numel(), "rows": "in order"}
+    if math.prod(shape[:-1]) == 0:
+        return {str(f): {"mixed": "empty"} for f in range(min(len(shape) - 1, 2) + 1)}
+    one = {"leaf": label, "cols": [[names[k], a, b] for k, a, b in runs] if runs is not None else _digest(names, ids),
+           "width": torch.unique(ids).numel(), "rows": "in order"}
     return _product_forms({str(f): one if f == 1 else {"mixed": ""} for f in range(min(len(shape) - 1, 2) + 1)},
-                          shape)
+                          shape, force=True)   # the others: digests of this one
 
 
 def _feat(shape, f: int) -> int:
