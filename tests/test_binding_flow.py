@@ -378,9 +378,10 @@ def test_a_linear_output_names_the_weight_rows_behind_its_columns():
     assert norm.maps["x"]["2"]["cols"] == [["u + b", 0, 3]]
 
 
-def _last_token_logits(rows=lambda m, h: m.norm(h)):
+def _last_token_logits(rows=lambda m, h: m.norm(h), pick=None):
     """``forward_paged`` projecting logits for each sequence's last token only, through an index
-    (vLLM's ``hidden_states[logits_indices]``); ``rows(model, h)``: what the index picks from."""
+    (vLLM's ``hidden_states[logits_indices]``); ``rows(model, h)``: what the index picks from; ``pick(b, sq)``:
+    another index (then the logits have b * sq rows)."""
     def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
         b, sq = tokens.shape
         h = self.embed_tokens(tokens)
@@ -388,16 +389,19 @@ def _last_token_logits(rows=lambda m, h: m.norm(h)):
             h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
                                                     page_table, seq_lens, slot_mapping)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = torch.arange(b, device=tokens.device) * sq + (sq - 1)
-        return rlk_ops.linear(rows(self, h).reshape(b * sq, -1)[last], self.lm_head.weight).reshape(b, 1, -1)
+        last = torch.arange(b, device=tokens.device) * sq + (sq - 1) if pick is None else pick(b, sq)
+        logits = rlk_ops.linear(rows(self, h).reshape(b * sq, -1)[last], self.lm_head.weight)
+        return logits.reshape(b, -1, logits.shape[-1])
     return forward_paged
 
 
 def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
     """A rollout that projects only each sequence's last token through an index computes those tokens'
-    logits bitwise (the projection is batch invariant) and binds: the logits projection may take any of the
-    final norm's rows. Until session 37 the index was a computing node and the pair failed. Picking the rows
-    from the residual before the final norm computes other logits and fails."""
+    logits bitwise (the projection is batch invariant) and binds: the graph fixes the index from sizes
+    (``arange(b) * sq + sq - 1``), so the pick is replayed as some of the final norm's rows, in order. Until
+    session 37 the index was a computing node and the pair failed. Picking the rows from the residual
+    before the final norm, or token 0 for every token, or the sequences exchanged, computes other logits
+    and fails."""
     stock = _stock_logits()   # 2 sequences x 5 prefill tokens, then 2 x 1 decode token
     last = stock[[4, 9, 10, 11]]
     m = _model()
@@ -407,7 +411,7 @@ def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
     assert result.passed, result.summary()
     field = next(f for f in result.fields if f.field == "model.linear.inputs")
     lm_head = json.loads(field.rollout[-1])   # prefill and decode agree: one list
-    assert lm_head["x"] == "rlk:qk_rmsnorm@L1(norm.weight)[0:64] rows some or all (in order, or picked by an index)"
+    assert lm_head["x"] == "rlk:qk_rmsnorm@L1(norm.weight)[0:64] rows in order (some or all)"
 
     m = _model()
     m.forward_paged = types.MethodType(_last_token_logits(rows=lambda m, h: h), m)
@@ -416,25 +420,35 @@ def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
     assert {f.field for f in result.failures} == {"model.linear.inputs", "model.qk_rmsnorm.args",   # no final
                                                   "model.qk_rmsnorm.inputs"}                       # norm call
     lm_head = json.loads(result.failure("model.linear.inputs").rollout[-1])
-    assert lm_head["x"].startswith("computed:aten.add.Tensor#") and lm_head["x"].endswith("picked by an index)")
+    assert lm_head["x"].startswith("computed:aten.add.Tensor#") and lm_head["x"].endswith("in order (some or all)")
+    for pick in (lambda b, sq: torch.zeros(b * sq, dtype=torch.long),                  # token 0 for every token
+                 lambda b, sq: (torch.arange(b * sq) + sq) % (b * sq)):              # the sequences exchanged
+        m = _model()
+        m.forward_paged = types.MethodType(_last_token_logits(pick=pick), m)
+        assert not torch.equal(_logits(m), stock)
+        result = bind(train, probe.describe_rollout(m))
+        assert {f.field for f in result.failures} == {"model.linear.inputs"}, result.summary()
 
 
 def test_the_element_map_of_a_row_selection():
-    """``x[idx]`` and ``index_select(x, 0, idx)`` of a 2-D x, taken whole: the rows of x's leaf, picked by the
-    index; sliced after the pick, or of a 3-D x: the selection is a leaf of its own."""
+    """``x[idx]`` and ``index_select(x, 0, idx)`` by an index the graph fixes from sizes (``arange``): replayed
+    with its values, so rising picks are some rows in order and others a digest (token 0 for every token, the
+    rows reversed); by an index that is data (a graph input): a computing node."""
     w = torch.randn(3, 8)
-    picked = {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8,
-              "rows": "selected by graph input whole from rows in order"}
-    for pick in (lambda x, i: x[i], lambda x, i: torch.index_select(x, 0, i)):
-        node = inspect_boundary(lambda x, i: rlk_ops.linear(pick(x, i), w), torch.randn(5, 8), torch.tensor([3, 1]),
-                                backward=False).forward[0]
-        assert node.maps["x"]["1"] == picked
-    node = inspect_boundary(lambda x, i: rlk_ops.linear(x[i][:, :4], w[:, :4]), torch.randn(5, 8),
-                            torch.tensor([3, 1]), backward=False).forward[0]
-    assert node.maps["x"]["1"]["leaf"] == "select:graph input whole by graph input whole"
-    node = inspect_boundary(lambda x, i: rlk_ops.linear(x[i].reshape(-1, 8), w), torch.randn(5, 2, 8),
-                            torch.tensor([3, 1]), backward=False).forward[0]
-    assert node.maps["x"]["1"]["leaf"].startswith("computed:aten.index.Tensor#")
+
+    def pick(how, idx):
+        def fn(x, i):
+            j = idx(x)
+            return rlk_ops.linear(x[j] if how == "index" else torch.index_select(x, 0, j), w)
+        return inspect_boundary(fn, torch.randn(5, 8), torch.tensor([3, 1]), backward=False).forward[0].maps["x"]["1"]
+    for how in ("index", "index_select"):
+        assert pick(how, lambda x: torch.arange(2, device=x.device) * 2 + 1) == {
+            "leaf": "input:l_x_", "cols": [[0, 8]], "width": 8, "rows": "2 of 5 in order"}
+        assert pick(how, lambda x: torch.zeros(5, dtype=torch.long))["rows"].startswith("sha256:")
+        assert pick(how, lambda x: torch.arange(4, -1, -1))["rows"].startswith("sha256:")
+    data = inspect_boundary(lambda x, i: rlk_ops.linear(x[i], w), torch.randn(5, 8), torch.tensor([3, 1]),
+                            backward=False).forward[0].maps["x"]["1"]
+    assert data["leaf"].startswith("computed:aten.index.Tensor#")
 
 
 PACKED = {"qkv_proj": [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)], "gate_up_proj": [("gate_proj", 128),
@@ -578,7 +592,7 @@ def test_logits_reordered_after_the_projection_fail(train):
     result = bind(train, probe.describe_rollout(m))
     assert {f.field for f in result.failures} == {"model.logits"}
     assert result.failure("model.logits").rollout == [
-        "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows some or all (in order, or picked by an index)"]
+        "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows in order (some or all)"]
 
 
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):

@@ -114,7 +114,7 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
     through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
     elements they touched."""
     final = val.meta["val"].dtype
-    chain, leaves, stack, seen, selected = set(), {}, [(val, ())], {}, {}
+    chain, leaves, stack, seen = set(), {}, [(val, ())], {}
     while stack:
         n, casts = stack.pop()
         if not isinstance(n, torch.fx.Node):
@@ -137,13 +137,9 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
                 stack.append((src, casts))
         elif n.op == "placeholder":
             leaves[n] = inputs.get(n, "input:?") + suffix
-        elif _selection(n) is not None:   # x[idx]: rows of x picked by data (session 37)
-            x, idx = _selection(n)
-            xm, im = (element_map(a, produced, names, inputs, order, memo) for a in (x, idx))
-            label = f"select:{_arg_text(xm)} by {_arg_text(im)}"
-            leaves[n] = label + suffix
-            if xm.get("1") and "leaf" in xm["1"]:
-                selected[label] = (xm["1"], _arg_text(im))
+        elif _fixed_index(n) is not None:   # x[idx] with idx fixed by the graph: a move (session 37)
+            chain.add(n)
+            stack.append((n.args[0], casts))
         elif moves(n):
             chain.add(n)
             more = casts + (n,) if n.target._opname == "_to_copy" else casts
@@ -154,7 +150,7 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
         else:
             leaves[n] = (computed_label(n, produced, names, inputs, order, memo) if memo is not None
                          else f"computed:{n.target}") + suffix
-    return chain, leaves, selected
+    return chain, leaves
 
 
 def leaf_nodes(val, produced: dict, names: dict, inputs: dict, order: dict) -> list:
@@ -165,33 +161,51 @@ def leaf_nodes(val, produced: dict, names: dict, inputs: dict, order: dict) -> l
         return []
 
 
-def _selection(n):
-    """(x, index) when ``n`` picks whole rows of a 2-D ``x`` by a 1-D integer index (``x[idx]``,
-    ``index_select(x, 0, idx)``: vLLM's ``hidden_states[logits_indices]``), else None."""
+def _fixed_index(n):
+    """``n`` picks rows of its input along dim 0 (``x[idx]``, ``index_select(x, 0, idx)``: vLLM's
+    ``hidden_states[logits_indices]``) by an index the graph fixes from sizes and constants alone
+    (``arange(b) * s + s - 1``): the index's values (``_evaluate``), else None. An index that is data (a
+    graph input) leaves the pick a computing node."""
     if not (isinstance(n, torch.fx.Node) and n.op == "call_function"):
         return None
     if n.target is torch.ops.aten.index.Tensor and len(n.args) == 2 and len(n.args[1]) == 1:
-        x, idx = n.args[0], n.args[1][0]
-    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and n.args[1] in (0, -2):
-        x, idx = n.args[0], n.args[2]
+        idx = n.args[1][0]
+    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and n.args[1] == 0:
+        idx = n.args[2]
     else:
         return None
-    xv, iv = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, idx))
-    if isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(iv, torch.Tensor) and iv.dim() == 1 \
-            and iv.dtype in (torch.int64, torch.int32):
-        return x, idx
-    return None
+    iv = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
+    if not (isinstance(iv, torch.Tensor) and iv.dim() == 1 and iv.dtype in (torch.int64, torch.int32)):
+        return None
+    try:
+        return _evaluate(idx, {})
+    except (ValueError, RuntimeError, TypeError, IndexError):
+        return None
 
 
-def _selected(forms: dict, selected: dict) -> dict:
-    """An argument that takes a row selection whole (``_selection``) as rows of the selected tensor's leaf:
-    its "1" form names that leaf, its columns and width, and ``rows`` "selected by <index> from rows
-    <the leaf rows it picked from>": which rows is data (the binding lets the logits projection take any)."""
-    v = forms.get("1")
-    if isinstance(v, dict) and v.get("leaf") in selected and whole(v):
-        x, idx = selected[v["leaf"]]
-        forms = {**forms, "1": {**x, "rows": f"selected by {idx} from rows {x['rows']}"}}
-    return forms
+def _evaluate(n, memo: dict, depth: int = 0):
+    """The value of node ``n`` when the graph computes it from sizes and constants alone (aten ops, first
+    call's sizes, on the CPU); ValueError when it reads a graph input or a random op."""
+    if not isinstance(n, torch.fx.Node):
+        return n
+    if n in memo:
+        return memo[n]
+    val = n.meta.get("val")
+    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+        return _hint(val)
+    if depth > 64 or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+            or n.target.namespace != "aten" or torch.Tag.nondeterministic_seeded in n.target.tags:
+        raise ValueError(f"{n.name} is not fixed by the graph")
+    if isinstance(val, torch.Tensor) and int(torch.Size([_hint(x) for x in val.shape]).numel()) > LIMIT:
+        raise ValueError(f"{n.name} is too large to evaluate")
+
+    def sub(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return _evaluate(a, memo, depth + 1) if isinstance(a, torch.fx.Node) else _hint(a)
+    kwargs = {k: sub(v) for k, v in n.kwargs.items() if k not in _PLACEMENT}
+    memo[n] = n.target(*sub(n.args), **kwargs)
+    return memo[n]
 
 
 def moves(n) -> bool:
@@ -568,7 +582,7 @@ def _unpack(runs: list) -> list:
 
 
 def _is_weight(label: str) -> bool:
-    return not label.startswith(("input:", "computed:", "rlk:", "select:"))
+    return not label.startswith(("input:", "computed:", "rlk:"))
 
 
 def _dense_at_zero(node: torch.fx.Node) -> bool:
@@ -593,13 +607,13 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
     if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
         return {}
     try:
-        chain, leaves, selected = _leaves(val, produced, names, inputs, order, memo)
+        chain, leaves = _leaves(val, produced, names, inputs, order, memo)
         if not chain:   # the argument is its leaf
             ((node, label),) = leaves.items()
             table = _columns(node, names)
             if table:
                 return _product_identity(label, _shape(val), table)
-            return _selected(_identity(label, _shape(val), _is_weight(label)), selected)
+            return _identity(label, _shape(val), _is_weight(label))
         if all(_is_weight(x) for x in leaves.values()):
             runs = _flat_runs(val, leaves)
             if runs is not None:   # a weight stacked from whole parameters: no replay (Qwen3-8B's gate_up
@@ -624,6 +638,8 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         for n in sorted(chain, key=order.__getitem__):
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
+            elif _fixed_index(n) is not None:   # the pick, with the values the graph fixes
+                env[n] = env[n.args[0]][_fixed_index(n).long()]
             elif n.target._opname == "_to_copy":   # a new tensor, its values' places kept
                 env[n] = env[n.args[0]].clone()
             else:
@@ -651,7 +667,7 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
                                                    [_columns(n, names) for n in leaf_nodes])
     forms = {str(f): _rows_view(key, local, tuple(out.shape), f, label, shapes, columns)
              for f in range(min(out.dim() - 1, 2) + 1)}   # f < rank: at least one row dim (the tokens)
-    return _selected(_product_forms(forms, tuple(out.shape)), selected)
+    return _product_forms(forms, tuple(out.shape))
 
 
 # where a made tensor lives, not what it holds: left out of a computing node's digest (a trainer on cuda:0

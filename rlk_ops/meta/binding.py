@@ -272,9 +272,9 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True):
     """What ``node`` takes as ``arg``, from its element map (compile/element_maps.py) read as rows of
     ``form`` ("0", "1", "2") or, for a weight, "w": text that does not depend on the batch layout, or
     Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
-    every token in order on both sides; "subset": some of the rows, in their order or picked by an index
-    (``x[logits_indices]``), which of them not compared: which tokens an engine projects to logits is its
-    own). A projection's output reads as its input and
+    every token in order on both sides; "subset": some of the rows, in their order (a slice, or an index the
+    graph fixes, ``x[arange(b) * s + s - 1]``), which of them not compared: which tokens an engine projects
+    to logits is its own). A projection's output reads as its input and
     the weight rows behind the columns taken (element_maps.product_label), which a fused and a separate
     weight share."""
     maps = node.get("maps")
@@ -303,8 +303,7 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True):
     leaf = input_name(v["leaf"])
     order = v["rows"]
     if rows == "subset":
-        order = "some or all (in order, or picked by an index)" if order == "in order" \
-            or order.endswith(" in order") or order.startswith("selected by ") else order
+        order = "in order (some or all)" if order == "in order" or order.endswith(" in order") else order
     return leaf + f"[{span}]" + (f" rows {order}" if rows else "")
 
 
