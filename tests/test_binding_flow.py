@@ -595,6 +595,69 @@ def test_logits_reordered_after_the_projection_fail(train):
         "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows in order (some or all)"]
 
 
+def _returning(model, after):
+    """``model`` whose training and rollout entries hand back ``after(logits)``."""
+    train, paged = model.forward_train, model.forward_paged   # bound to the model: its parameters are named
+    model.forward_train = types.MethodType(lambda self, *a, **k: after(train(*a, **k)), model)
+    model.forward_paged = types.MethodType(lambda self, *a, **k: after(paged(*a, **k)), model)
+    return model
+
+
+def _log_softmax(y):
+    return torch.log_softmax(y.float(), -1)
+
+
+def _break_then_reorder(y):
+    torch._dynamo.graph_break()
+    return torch.cat([y[..., 32:], y[..., :32]], -1)
+
+
+@pytest.mark.parametrize("after, train_after, field_text", [
+    (lambda y: y.to(torch.float8_e4m3fn).to(torch.bfloat16), None, " via lossy casts bfloat16->float8_e4m3fn["),
+    (_break_then_reorder, None, "a graph break after the last rlk op"),
+    (lambda y: _log_softmax(torch.cat([y[..., 32:], y[..., :32]], -1)), _log_softmax, "computed:aten._log_softmax"),
+    (lambda y: _log_softmax(2 * y), _log_softmax, "computed:aten._log_softmax"),
+])
+def test_what_the_entry_makes_of_the_logits_is_compared(after, train_after, field_text):
+    """Each rollout hands back other numbers than its trainer: the logits cast through float8, reordered in a
+    graph after a break (the field is unobservable: the later graph is not analysed), or log-probs of
+    reordered or doubled logits against a trainer's log-probs (computed outputs compare by their digest;
+    both read "no output holds the logits" before: a session 37 audit)."""
+    base = _model() if train_after is None else _returning(_model(), train_after)
+    train = probe.describe_train(base, backward=False)
+    m = _returning(_model(), after)
+    assert not torch.equal(_logits(m), _logits(base))
+    result = bind(train, probe.describe_rollout(m))
+    assert {f.field for f in result.failures} == {"model.logits"}, result.summary()
+    assert field_text in json.dumps(binding._jsonable(result.failure("model.logits").rollout))
+    if train_after is not None:   # the same log-probs bind
+        same = _returning(_model(), train_after)
+        assert torch.equal(_logits(same), _logits(base))
+        assert bind(train, probe.describe_rollout(same)).passed
+
+
+def test_a_vocabulary_parallel_lm_head_binds(train):
+    """lm_head as two linears over halves of the vocabulary, outputs side by side: one product of the final
+    norm, the same logits."""
+    m = _model()
+    m.forward_paged = types.MethodType(_vocab_parallel(), m)
+    assert torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert result.passed, result.summary()
+
+
+def _vocab_parallel():
+    def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
+                                                    page_table, seq_lens, slot_mapping)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        x, w = self.norm(h), self.lm_head.weight
+        return torch.cat([rlk_ops.linear(x, w[:32]), rlk_ops.linear(x, w[32:])], -1)
+    return forward_paged
+
+
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
     """bf16 -> float8 -> bf16 on the cat: every element keeps its place, not its value. The weight has no
     single source, so the sources' cast check never saw it; the element map names the cast on the leaves."""

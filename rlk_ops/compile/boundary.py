@@ -26,8 +26,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from rlk_ops.compile.element_maps import (ATTENTION, computed_label, element_map, holds, leaf_nodes, moves,
-                                          node_label, product_label)
+from rlk_ops.compile.element_maps import (ATTENTION, computed_label, element_map, holds, moves, node_label,
+                                          product_label)
 from rlk_ops.meta.specs import REGISTRY
 
 _aten = torch.ops.aten
@@ -104,9 +104,10 @@ class BoundaryReport:
     outside_calls: dict[str, int] = field(default_factory=dict)
     eager_equal: bool | None = None
     eager_note: str = ""   # what was compared (outputs, gradients), or why nothing was
-    # the element maps of the forward graph's outputs that hold the last rlk op's output elements (the
-    # logits, as the entry returns them; session 37): the last graph with rlk ops; None: no forward graph
+    # the element maps of the forward graph's outputs made from the last rlk op's output (the logits, as
+    # the entry returns them; session 37): the last graph with rlk ops; None: not seen (``logits_note``: why)
     logits_maps: list[dict] | None = None
+    logits_note: str = ""
 
     @property
     def forward_ops(self) -> list[str]:
@@ -423,22 +424,33 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
     if maps is not None and nodes:
-        report.logits_maps = _logits_maps(gm, produced, op_names, inputs, maps)
+        report.logits_maps, report.logits_note = _logits_maps(gm, produced, op_names, inputs, maps), ""
+    elif maps is not None and report.logits_maps is not None:   # a graph after the last rlk op's (a break)
+        report.logits_maps = None
+        report.logits_note = ("a graph break after the last rlk op: a later graph may change what the entry "
+                              "returns")
     return nodes
 
 
 def _logits_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict]:
-    """The element maps of the graph's outputs whose every leaf is the last rlk op's output (through
-    movement ops and casts): what the entry hands back as logits. A rollout that reordered the vocabulary
-    after ``lm_head`` (``cat([y[..., 32:], y[..., :32]], -1)``) bound while it sampled from other
-    logits (a session 37 audit): nothing compared the graph's outputs."""
+    """The element maps of the graph's outputs made from the last rlk op's output (the logits as the entry
+    returns them; with a product, every linear merged with it: a vocabulary-parallel ``lm_head``): moved or
+    cast, a product's columns and rows; computed from it (log-probs in the graph), the computing node's
+    label. A rollout that reordered the vocabulary after ``lm_head`` (``cat([y[..., 32:], y[..., :32]],
+    -1)``) bound while it sampled from other logits (a session 37 audit): nothing compared the outputs."""
     last = max(produced, key=produced.__getitem__)
-    out = []
+    group = {n for n in produced if op_names[n][0] == op_names[last][0] and op_names[n][1] == op_names[last][1]}
+    made, stack = set(), list(group)   # every node computed from the group
+    while stack:
+        n = stack.pop()
+        if n not in made:
+            made.add(n)
+            stack.extend(n.users)
+    out, seen = [], set()
     for val in pytree.tree_leaves(gm.graph.output_node().args):
-        if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
-            continue
-        leaves = leaf_nodes(val, produced, op_names, inputs, maps[1])
-        if leaves and all(n is last for n in leaves):
+        if isinstance(val, torch.fx.Node) and val in made and val not in seen \
+                and isinstance(val.meta.get("val"), torch.Tensor):
+            seen.add(val)
             out.append(element_map(val, produced, op_names, inputs, *maps[1:]))
     return out
 

@@ -153,14 +153,6 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
     return chain, leaves
 
 
-def leaf_nodes(val, produced: dict, names: dict, inputs: dict, order: dict) -> list:
-    """The nodes ``val`` is moved or cast from (its leaves), or [] when they cannot be told apart."""
-    try:
-        return list(_leaves(val, produced, names, inputs, order, None)[1])
-    except ValueError:
-        return []
-
-
 def _fixed_index(n):
     """``n`` picks rows of its input along dim 0 (``x[idx]``, ``index_select(x, 0, idx)``: vLLM's
     ``hidden_states[logits_indices]``) by an index the graph fixes from sizes and constants alone

@@ -333,15 +333,20 @@ def _logits(graph: dict):
     ``lm_head`` bound until session 37."""
     maps = graph.get("logits_maps")
     if maps is None:
-        return Unobservable("a side file written before session 37 (no logits_maps in its graph)")
+        return Unobservable(graph.get("logits_note") or "a side file written before session 37 (no logits_maps "
+                            "in its graph)")
     out = []
     for m in maps:
         text = _edge({"op": "graph output", "maps": {"logits": m}}, "logits", "1", rows="subset")
         if isinstance(text, Unobservable):
             return text
         v = m.get("1") or {}
-        out.append(text[len(input_name(v["leaf"])):] if "leaf" in v else text)   # "[cols] rows ..."
-    return out or "no output holds the last rlk op's elements"
+        if labelled(v):   # the product as it is: its columns and rows, and any lossy cast on the way
+            leaf = v["leaf"]   # (the label ends at its last parenthesis; a cast's name follows it)
+            text = leaf[leaf.rfind(")") + 1:] + text[len(input_name(leaf)):]
+        if text not in out:   # a training graph also hands back what its backward keeps (the log-probs again)
+            out.append(text)
+    return out or "no output is made from the last rlk op's output"
 
 
 def _merged(runs: list[list]) -> list[list]:
@@ -575,7 +580,9 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     rest: dict[str, list] = {}
     inputs: dict[str, list] = {}
     groups: dict[str, list] = {}   # a linear's input -> the weight rows of every linear taking it
-    last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward
+    last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward (and linears with
+    shards = {n["index"] for n in fwd if n["op"] == fwd[-1]["op"] == "rlk::linear"   # its input: vocab-parallel)
+              and (n.get("maps") or {}).get("x") == (fwd[-1].get("maps") or {}).get("x")} if fwd else set()
     for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
         # they take must agree too, call by call in graph order (a set of distinct values let one side move
         # an eps to another layer, or drop a call whose values another call also had)
@@ -596,7 +603,7 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             # rows in order, as on the paths (o_proj or the MLP reading other tokens' rows bound: a session 36
             # audit); the graph's last rlk op (the logits) may take some of them, in order: which tokens an
             # engine projects there is its own
-            seen[a] = _edge(n, a, form, rows=True if n["index"] != last else "subset")
+            seen[a] = _edge(n, a, form, rows="subset" if n["index"] == last or n["index"] in shards else True)
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
         products = _products(n) if bad is None and "x" in seen else None
         if products is not None:   # a linear as the weight rows it multiplies its input by, merged over every
@@ -1013,6 +1020,7 @@ def check_side(side, where: str) -> None:
         if not isinstance(graph.get("eager_equal"), (bool, type(None))):
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
+        string(f"entries[{i}].graph.logits_note", graph.get("logits_note"), optional=True)
         logits = graph.get("logits_maps")   # since session 37 (absent: model.logits is unobservable)
         if logits is not None and not isinstance(logits, list):
             bad(f"entries[{i}].graph.logits_maps", "a list of element maps", logits)
