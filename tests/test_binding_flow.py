@@ -501,12 +501,29 @@ def test_fused_parameters_bind_under_a_declared_packing(train):
     ({"qkv_proj": [("q_proj", 64), ("k_proj", 0), ("v_proj", 64)]}, r"rows > 0\), got \('k_proj', 0\)"),
     ({"qkv_proj": [("q_proj", 128)]}, "at least two"),
     ({"qkv_proj": [("o_proj", 64), ("k_proj", 64)]}, "o_proj.weight is already a parameter"),
-    ({"a.qkv_proj": [("q_proj", 64), ("k_proj", 64)]}, "without dots"),
+    ({"a.qkv_proj": [("q_proj", 64), ("k_proj", 64)]}, "a key must be a module name"),
+    ({"qkv_proj": [("q|proj", 64), ("k_proj", 32), ("v_proj", 32)]}, r"each part must be \(a module name"),
+    ({"qkv_proj": [("q_proj=5", 64), ("k_proj", 32), ("v_proj", 32)]}, r"each part must be \(a module name"),
+    ({**PACKED, "o_proj": [("q_proj", 32), ("x_proj", 32)]}, "q_proj.weight would be made from both"),
     ([("qkv_proj", 128)], "must be a dict"),
 ])
 def test_a_bad_packing_is_refused(packed, match):
     with pytest.raises(ValueError, match=match):
         probe.describe_rollout(_vllm_model(), packed=packed)
+
+
+def test_a_buffer_outside_the_state_dict_cannot_be_packed(train):
+    """A non-persistent buffer read as checkpoint parts would bind unhashed: the weight hash reads the state
+    dict, and this copy of qkv has v's rows where k's belong (a session 37 audit: it bound)."""
+    m = _vllm_model()
+    attn = m.layers[0].self_attn
+    attn.shadow = torch.nn.Module()
+    w = attn.qkv_proj.weight.detach().clone()
+    w[64:96] = w[96:128]
+    attn.shadow.register_buffer("weight", w, persistent=False)
+    attn._qkv = types.MethodType(_qkv(weight=lambda self: self.shadow.weight), attn)
+    with pytest.raises(ValueError, match="layers.0.self_attn.shadow.weight is not in the model's state_dict"):
+        probe.describe_rollout(m, packed={**PACKED, "shadow": [("q_proj", 64), ("k_proj", 32), ("v_proj", 32)]})
 
 
 def test_o_proj_in_two_halves_binds(train):
@@ -553,6 +570,11 @@ def test_a_product_read_unchanged_maps_as_its_replay():
             for fn in (lambda self, x: rlk_ops.linear(rlk_ops.linear(x, self.w), w2),
                        lambda self, x: rlk_ops.linear(rlk_ops.linear(x, self.w).view(5, 6).contiguous(), w2))]
     assert maps[0] == maps[1] and maps[0]["1"]["cols"] == [["w", 0, 6]] and "mixed" in maps[0]["0"]
+    w3 = torch.randn(4, 12)   # a weight row twice: both read as the replay reads them
+    maps = [inspect_boundary(types.MethodType(fn, mod), torch.randn(5, 8), backward=False).forward[1].maps["x"]
+            for fn in (lambda self, x: rlk_ops.linear(rlk_ops.linear(x, torch.cat([self.w, self.w])), w3),
+                       lambda self, x: rlk_ops.linear(rlk_ops.linear(x, torch.cat([self.w, self.w])).clone(), w3))]
+    assert maps[0] == maps[1]
 
 
 def test_a_product_names_its_rows_width():

@@ -338,9 +338,11 @@ def _product_forms(forms: dict, shape, force: bool = False) -> dict:
 def _product_identity(label: str, shape, table: list) -> dict:
     """The map of an argument that is an rlk::linear output, unchanged: its rows' columns from the call's
     table (``product_label``), no replay (Qwen3-8B's gate_up output over 2731 tokens holds more than LIMIT
-    elements)."""
+    elements). None when it holds a weight row twice: replayed, as through a view."""
     names = sorted({c[0] for c in table})
     ids = torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in table])
+    if torch.unique(ids).numel() != ids.numel():   # a weight row twice (cat([W, W])): the replay's map
+        return None
     runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
     if math.prod(shape[:-1]) == 0:
         return {str(f): {"mixed": "empty"} for f in range(min(len(shape) - 1, 2) + 1)}
@@ -603,9 +605,11 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         if not chain:   # the argument is its leaf
             ((node, label),) = leaves.items()
             table = _columns(node, names)
-            if table:
-                return _product_identity(label, _shape(val), table)
-            return _identity(label, _shape(val), _is_weight(label))
+            made = _product_identity(label, _shape(val), table) if table else None
+            if made is not None:
+                return made
+            if not table:
+                return _identity(label, _shape(val), _is_weight(label))
         if all(_is_weight(x) for x in leaves.values()):
             runs = _flat_runs(val, leaves)
             if runs is not None:   # a weight stacked from whole parameters: no replay (Qwen3-8B's gate_up

@@ -22,7 +22,11 @@ only the element maps check the packing against what the graph does.
 """
 from __future__ import annotations
 
+import re
+
 import torch
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # a module name: no separator of the element maps' labels
 
 Packing = dict[str, list[tuple[str, int]]]
 
@@ -39,16 +43,17 @@ def check(packed, module: torch.nn.Module | None) -> Packing:
                          f"got {type(packed).__name__} {packed!r:.80}")
     out: Packing = {}
     for key, parts in packed.items():
-        if not isinstance(key, str) or not key or "." in key:
-            raise ValueError(f"packed: a key must be a module name without dots (e.g. 'qkv_proj'), got {key!r}")
+        if not isinstance(key, str) or not _NAME.fullmatch(key):
+            raise ValueError(f"packed: a key must be a module name, letters, digits and '_' (e.g. 'qkv_proj'), "
+                             f"got {key!r}")
         if not isinstance(parts, (list, tuple)) or len(parts) < 2:
             raise ValueError(f"packed[{key!r}] must list at least two (part, rows) pairs, got {parts!r:.80}")
         norm = []
         for p in parts:
-            if not (isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and p[0]
-                    and "." not in p[0] and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] > 0):
-                raise ValueError(f"packed[{key!r}]: each part must be (module name without dots, rows > 0), "
-                                 f"got {p!r}")
+            if not (isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and _NAME.fullmatch(p[0])
+                    and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] > 0):
+                raise ValueError(f"packed[{key!r}]: each part must be (a module name of letters, digits and '_', "
+                                 f"rows > 0), got {p!r}")
             norm.append((p[0], p[1]))
         if len({n for n, _ in norm}) != len(norm) or key in {n for n, _ in norm}:
             raise ValueError(f"packed[{key!r}]: part names must be distinct and differ from the key, got {parts!r}")
@@ -56,11 +61,16 @@ def check(packed, module: torch.nn.Module | None) -> Packing:
     if module is None:
         raise ValueError("packed: needs the model whose parameters it names")
     named = dict(_named(module))
-    seen = set()
+    state = module.state_dict(keep_vars=True)
+    seen, made = set(), {}
     for name, t in named.items():
         parts = _parts_of(name, out)
         if parts is None:
             continue
+        if name not in state:   # the weight hash reads the state dict: a tensor outside it (a non-persistent
+            raise ValueError(    # buffer) renamed as checkpoint parts would bind unhashed (a session 37 audit)
+                f"packed: {name} is not in the model's state_dict (a non-persistent buffer?): only state-dict "
+                "entries can be read as checkpoint parts")
         seen.add(name.rsplit(".", 2)[-2])
         rows = sum(r for _, r in parts)
         if t.dim() == 0 or t.shape[0] != rows:
@@ -71,6 +81,10 @@ def check(packed, module: torch.nn.Module | None) -> Packing:
             if new in named:
                 raise ValueError(f"packed: part {new} is already a parameter of the model: a module cannot "
                                  f"hold both the packed parameter and its parts")
+            if new in made:   # two packed parameters naming one part: both would read as it (a session 37 audit)
+                raise ValueError(f"packed: part {new} would be made from both {made[new]} and {name}, expected "
+                                 "each part from one parameter")
+            made[new] = name
     missing = sorted(set(out) - seen)
     if missing:
         raise ValueError(f"packed: no parameter of the model belongs to a module named {missing[0]!r}, expected "
