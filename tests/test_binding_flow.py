@@ -442,10 +442,13 @@ def test_the_element_map_of_a_row_selection():
             return rlk_ops.linear(x[j] if how == "index" else torch.index_select(x, 0, j), w)
         return inspect_boundary(fn, torch.randn(5, 8), torch.tensor([3, 1]), backward=False).forward[0].maps["x"]["1"]
     for how in ("index", "index_select"):
-        assert pick(how, lambda x: torch.arange(2, device=x.device) * 2 + 1) == {
-            "leaf": "input:l_x_", "cols": [[0, 8]], "width": 8, "rows": "2 of 5 in order"}
+        for idx in (lambda x: torch.arange(2, device=x.device) * 2 + 1, lambda x: torch.tensor([1, 3])):   # sizes,
+            assert pick(how, idx) == {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8,              # a constant
+                                      "rows": "2 of 5 in order"}
         assert pick(how, lambda x: torch.zeros(5, dtype=torch.long))["rows"].startswith("sha256:")
         assert pick(how, lambda x: torch.arange(4, -1, -1))["rows"].startswith("sha256:")
+    assert inspect_boundary(lambda x: rlk_ops.linear(torch.index_select(x, -2, torch.tensor([1, 3])), w),
+                            torch.randn(5, 8), backward=False).forward[0].maps["x"]["1"]["rows"] == "2 of 5 in order"
     data = inspect_boundary(lambda x, i: rlk_ops.linear(x[i], w), torch.randn(5, 8), torch.tensor([3, 1]),
                             backward=False).forward[0].maps["x"]["1"]
     assert data["leaf"].startswith("computed:aten.index.Tensor#")
@@ -606,14 +609,14 @@ def test_a_linear_without_an_input_map_fails_closed(train):
 def test_logits_reordered_after_the_projection_fail(train):
     """A rollout that hands back its logits with the vocabulary halves exchanged samples from other
     numbers; every rlk call is as the trainer's, so until session 37 it bound (a session 37 audit): now the
-    graph's outputs that hold lm_head's elements are compared (``model.logits``)."""
+    graph's outputs that hold lm_head's elements are compared (``model.outputs``)."""
     m = _model()
     paged = m.forward_paged
     m.forward_paged = lambda *a, **k: (lambda y: torch.cat([y[..., 32:], y[..., :32]], -1))(paged(*a, **k))
     assert not torch.equal(_logits(m), _stock_logits())
     result = bind(train, probe.describe_rollout(m))
-    assert {f.field for f in result.failures} == {"model.logits"}
-    assert result.failure("model.logits").rollout == [
+    assert {f.field for f in result.failures} == {"model.outputs"}
+    assert result.failure("model.outputs").rollout == [
         "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows in order (some or all)"]
 
 
@@ -634,9 +637,21 @@ def _break_then_reorder(y):
     return torch.cat([y[..., 32:], y[..., :32]], -1)
 
 
+@torch.compiler.disable
+def _reorder_outside_the_graph(y):
+    return torch.cat([y[..., 32:], y[..., :32]], -1)
+
+
+def _square(y):
+    return y.float() * y.float()
+
+
 @pytest.mark.parametrize("after, train_after, field_text", [
     (lambda y: y.to(torch.float8_e4m3fn).to(torch.bfloat16), None, " via lossy casts bfloat16->float8_e4m3fn["),
-    (_break_then_reorder, None, "a graph break after the last rlk op"),
+    (lambda y: y.long(), None, " via lossy casts bfloat16->int64["),   # the last cast is named too
+    (_break_then_reorder, None, "graph break"),
+    (lambda y: _reorder_outside_the_graph(y), None, "graph break"),     # torch.compiler.disable: no graph after
+    (lambda y: _square(torch.cat([y[..., 32:], y[..., :32]], -1)), _square, "computed:aten.mul.Tensor"),
     (lambda y: _log_softmax(torch.cat([y[..., 32:], y[..., :32]], -1)), _log_softmax, "computed:aten._log_softmax"),
     (lambda y: _log_softmax(2 * y), _log_softmax, "computed:aten._log_softmax"),
 ])
@@ -644,18 +659,29 @@ def test_what_the_entry_makes_of_the_logits_is_compared(after, train_after, fiel
     """Each rollout hands back other numbers than its trainer: the logits cast through float8, reordered in a
     graph after a break (the field is unobservable: the later graph is not analysed), or log-probs of
     reordered or doubled logits against a trainer's log-probs (computed outputs compare by their digest;
-    both read "no output holds the logits" before: a session 37 audit)."""
+    both read "no output holds the logits" before: a session 37 audit). Only the user outputs count: a
+    trainer's graph also hands back what its backward keeps (the squares' factors), which once made the
+    same squares fail."""
     base = _model() if train_after is None else _returning(_model(), train_after)
     train = probe.describe_train(base, backward=False)
     m = _returning(_model(), after)
     assert not torch.equal(_logits(m), _logits(base))
     result = bind(train, probe.describe_rollout(m))
-    assert {f.field for f in result.failures} == {"model.logits"}, result.summary()
-    assert field_text in json.dumps(binding._jsonable(result.failure("model.logits").rollout))
+    assert {f.field for f in result.failures} == {"model.outputs"}, result.summary()
+    assert field_text in json.dumps(binding._jsonable(result.failure("model.outputs").rollout))
     if train_after is not None:   # the same log-probs bind
         same = _returning(_model(), train_after)
         assert torch.equal(_logits(same), _logits(base))
         assert bind(train, probe.describe_rollout(same)).passed
+
+
+def test_every_output_is_compared():
+    """An entry handing back a second tensor: it is compared too (only outputs made from the last rlk op
+    were, a session 37 audit)."""
+    train = probe.describe_train(_returning(_model(), lambda y: (y, y * 2)), backward=False)
+    result = bind(train, probe.describe_rollout(_returning(_model(), lambda y: (y, y * 3))))
+    assert {f.field for f in result.failures} == {"model.outputs"}, result.summary()
+    assert bind(train, probe.describe_rollout(_returning(_model(), lambda y: (y, y * 2)))).passed
 
 
 def test_a_vocabulary_parallel_lm_head_binds(train):

@@ -104,10 +104,10 @@ class BoundaryReport:
     outside_calls: dict[str, int] = field(default_factory=dict)
     eager_equal: bool | None = None
     eager_note: str = ""   # what was compared (outputs, gradients), or why nothing was
-    # the element maps of the forward graph's outputs made from the last rlk op's output (the logits, as
-    # the entry returns them; session 37): the last graph with rlk ops; None: not seen (``logits_note``: why)
-    logits_maps: list[dict] | None = None
-    logits_note: str = ""
+    # the element maps of what the entry returns (the forward graph's user outputs, not the tensors its
+    # backward keeps; session 37): the last graph with rlk ops; None: not seen (``outputs_note``: why)
+    output_maps: list[dict] | None = None
+    outputs_note: str = ""
 
     @property
     def forward_ops(self) -> list[str]:
@@ -424,35 +424,27 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
     if maps is not None and nodes:
-        report.logits_maps, report.logits_note = _logits_maps(gm, produced, op_names, inputs, maps), ""
-    elif maps is not None and report.logits_maps is not None:   # a graph after the last rlk op's (a break)
-        report.logits_maps = None
-        report.logits_note = ("a graph break after the last rlk op: a later graph may change what the entry "
-                              "returns")
+        report.output_maps, report.outputs_note = _output_maps(gm, produced, op_names, inputs, maps)
+    elif maps is not None and report.output_maps is not None:   # a graph after the last rlk op's (a break)
+        report.output_maps = None
+        report.outputs_note = ("a graph break after the last rlk op: a later graph may change what the entry "
+                               "returns")
     return nodes
 
 
-def _logits_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict]:
-    """The element maps of the graph's outputs made from the last rlk op's output (the logits as the entry
-    returns them; with a product, every linear merged with it: a vocabulary-parallel ``lm_head``): moved or
-    cast, a product's columns and rows; computed from it (log-probs in the graph), the computing node's
-    label. A rollout that reordered the vocabulary after ``lm_head`` (``cat([y[..., 32:], y[..., :32]],
-    -1)``) bound while it sampled from other logits (a session 37 audit): nothing compared the outputs."""
-    last = max(produced, key=produced.__getitem__)
-    group = {n for n in produced if op_names[n][0] == op_names[last][0] and op_names[n][1] == op_names[last][1]}
-    made, stack = set(), list(group)   # every node computed from the group
-    while stack:
-        n = stack.pop()
-        if n not in made:
-            made.add(n)
-            stack.extend(n.users)
-    out, seen = [], set()
-    for val in pytree.tree_leaves(gm.graph.output_node().args):
-        if isinstance(val, torch.fx.Node) and val in made and val not in seen \
-                and isinstance(val.meta.get("val"), torch.Tensor):
-            seen.add(val)
-            out.append(element_map(val, produced, op_names, inputs, *maps[1:]))
-    return out
+def _output_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> tuple[list | None, str]:
+    """The element maps of the graph's user outputs (the entry's return values; AOT's forward graph also
+    returns the inputs it mutates first and the tensors its backward keeps after: ``fw_compiler`` records
+    which are which), a narrowing cast named even as the last step: what the entry hands back (the
+    logits). A rollout that reordered the vocabulary after ``lm_head`` (``cat([y[..., 32:], y[..., :32]],
+    -1)``) bound while it sampled from other logits (a session 37 audit): nothing compared the outputs.
+    (None, why) when the user outputs are not known."""
+    span = gm.meta.get("rlk_user_outputs")
+    if span is None:
+        return None, "the graph's user outputs could not be told from the tensors its backward keeps"
+    outs = pytree.tree_leaves(gm.graph.output_node().args)[span[0]:span[1]]
+    return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in outs
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)], ""
 
 
 def _label(node: torch.fx.Node, name: str, layer: int, sources: dict, elements: dict) -> tuple:
@@ -598,6 +590,13 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
 
     def fw_compiler(gm, _inputs):
         fw_graphs.append(gm)
+        # which of the graph's outputs the user gets: AOT returns the inputs it mutates first, then the
+        # user outputs, then what the backward keeps (``_output_maps``)
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None)
+        first, n = (getattr(meta, k, None) for k in ("num_mutated_inp_runtime_indices", "num_outputs"))
+        if isinstance(first, int) and isinstance(n, int):
+            gm.meta["rlk_user_outputs"] = (first, first + n)
         return counted("forward", gm)
 
     def bw_compiler(gm, _inputs):

@@ -41,6 +41,7 @@ output feeding attention has rows of ``H * D``.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import operator
 
@@ -109,11 +110,11 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(_hint(s) for s in val.shape)
 
 
-def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None):
+def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None, as_output: bool = False):
     """Walk back from ``val`` through REPLAYED ops. Returns (chain nodes, {leaf node: name}). A leaf reached
     through a cast that loses values (``_lossy``) has the casts in its name, so they stay with the
     elements they touched."""
-    final = val.meta["val"].dtype
+    final = None if as_output else val.meta["val"].dtype   # an output: no consumer's rounding to exempt
     chain, leaves, stack, seen = set(), {}, [(val, ())], {}
     while stack:
         n, casts = stack.pop()
@@ -162,7 +163,8 @@ def _fixed_index(n):
         return None
     if n.target is torch.ops.aten.index.Tensor and len(n.args) == 2 and len(n.args[1]) == 1:
         idx = n.args[1][0]
-    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and n.args[1] == 0:
+    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and isinstance(n.args[0], torch.fx.Node) \
+            and n.args[1] in (0, -len(n.args[0].meta["val"].shape)):
         idx = n.args[2]
     else:
         return None
@@ -177,7 +179,8 @@ def _fixed_index(n):
 
 def _evaluate(n, memo: dict, depth: int = 0):
     """The value of node ``n`` when the graph computes it from sizes and constants alone (aten ops, first
-    call's sizes, on the CPU); ValueError when it reads a graph input or a random op."""
+    call's sizes, tensor constants the graph holds, on the CPU); ValueError when it reads a graph input, a
+    parameter or a random op."""
     if not isinstance(n, torch.fx.Node):
         return n
     if n in memo:
@@ -185,6 +188,13 @@ def _evaluate(n, memo: dict, depth: int = 0):
     val = n.meta.get("val")
     if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
         return _hint(val)
+    if n.op == "get_attr" and isinstance(n.target, str):   # a constant the graph holds (torch.tensor([4, 9]))
+        value = n.graph.owning_module
+        for part in n.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            memo[n] = value.detach().cpu()
+            return memo[n]
     if depth > 64 or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
             or n.target.namespace != "aten" or torch.Tag.nondeterministic_seeded in n.target.tags:
         raise ValueError(f"{n.name} is not fixed by the graph")
@@ -547,8 +557,9 @@ def _flat_runs(node, leaves: dict) -> list | None:
 
 
 def packed_label(parts: list[tuple[str, int]]) -> str:
-    """A packed parameter's leaf name (meta/packing.py): its parts and their element counts in order."""
-    return "packed:" + "|".join(f"{name}={n}" for name, n in parts)
+    """A packed parameter's leaf name (meta/packing.py): its parts and their element counts in order, as
+    JSON (a module path may hold any character: a separator in it once split the parts wrongly)."""
+    return "packed:" + json.dumps([[name, n] for name, n in parts])
 
 
 def _unpack(runs: list) -> list:
@@ -556,17 +567,17 @@ def _unpack(runs: list) -> list:
     the way kept on each part; adjacent runs of one leaf merged."""
     out = []
     for label, s, e in runs:
-        base, sep, casts = label.partition(" via ")
-        if not base.startswith("packed:"):
+        if not label.startswith("packed:"):
             pieces = [(label, s, e)]
         else:
+            parts, end = json.JSONDecoder().raw_decode(label, len("packed:"))
+            casts = label[end:]   # " via lossy casts ..." on the way, kept on each part
             pieces, at = [], 0
-            for part in base[len("packed:"):].split("|"):
-                name, _, n = part.rpartition("=")
-                lo, hi = max(s, at), min(e, at + int(n))
+            for name, n in parts:
+                lo, hi = max(s, at), min(e, at + n)
                 if lo < hi:
-                    pieces.append((name + sep + casts, lo - at, hi - at))
-                at += int(n)
+                    pieces.append((name + casts, lo - at, hi - at))
+                at += n
         for name, a, b in pieces:
             if out and out[-1][0] == name and out[-1][2] == a:
                 out[-1][2] = b
@@ -593,15 +604,17 @@ def _dense_at_zero(node: torch.fx.Node) -> bool:
         sz == 1 or st == e for sz, st, e in zip(shape, stride, reversed(expect)))
 
 
-def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None = None) -> dict:
+def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, memo: dict | None = None,
+                as_output: bool = False) -> dict:
     """The element map of one tensor argument ``val`` (module docstring). ``produced``: the rlk op
     nodes seen so far; ``names``: node -> (rlk op name, ``node_label``); ``inputs``: placeholder -> its source;
     ``order``: node -> position in the graph; ``memo``: computing node -> its label (``computed_label``;
-    None: computing nodes are named by their op only)."""
+    None: computing nodes are named by their op only); ``as_output``: ``val`` is a graph output, so a cast
+    that narrows is named even as the last step (an rlk argument's last cast rounds into the op's dtype)."""
     if not isinstance(val, torch.fx.Node) or not isinstance(val.meta.get("val"), torch.Tensor):
         return {}
     try:
-        chain, leaves = _leaves(val, produced, names, inputs, order, memo)
+        chain, leaves = _leaves(val, produced, names, inputs, order, memo, as_output)
         if not chain:   # the argument is its leaf
             ((node, label),) = leaves.items()
             table = _columns(node, names)

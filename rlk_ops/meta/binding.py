@@ -222,7 +222,7 @@ RULES: dict[str, Rule] = {
     "rope.rotary_dim": Rule(SEMANTIC, _want("rotary_dim", "rotary_dim")),
     "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
     "rope.positions": Rule(SEMANTIC),
-    "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC), "model.logits": Rule(SEMANTIC),
+    "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC), "model.outputs": Rule(SEMANTIC),
     "ops.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict", True),
     "ops.determinism": Rule(SEMANTIC, _m_spec, True),
     "ops.backend": Rule(RECORDED, None, True),
@@ -326,27 +326,31 @@ def _products(node: dict) -> list[list] | None:
     return cols if isinstance(cols, list) else None
 
 
-def _logits(graph: dict):
-    """What the entry hands back of its last rlk op's output (the logits): per graph output that holds
-    those elements, their columns and rows, the projection's input left out (``model.linear.inputs``
-    judges it; a rollout that picks rows by an index names the pick there). A vocabulary reordered after
-    ``lm_head`` bound until session 37."""
-    maps = graph.get("logits_maps")
+def _outputs(graph: dict):
+    """What the entry hands back (the graph's user outputs, in order): for the last rlk op's product
+    moved or cast (the logits), its columns, rows (some or all, as the logits projection may take) and any
+    narrowing cast, the projection's input left out (``model.linear.inputs`` judges it); for anything
+    else its element map's text (a computing node's digest: log-probs made in the graph). A vocabulary
+    reordered after ``lm_head`` bound until session 37. UNOBSERVABLE in an entry with graph breaks: what it
+    returns may be made in a later graph, or outside any (``torch.compiler.disable``)."""
+    maps = graph.get("output_maps")
     if maps is None:
-        return Unobservable(graph.get("logits_note") or "a side file written before session 37 (no logits_maps "
+        return Unobservable(graph.get("outputs_note") or "a side file written before session 37 (no output_maps "
                             "in its graph)")
+    if graph.get("graph_breaks"):
+        return Unobservable(f"the entry has {graph['graph_breaks']} graph break(s): what it returns may be made "
+                            "after the graph analysed, in another graph or outside any")
     out = []
     for m in maps:
-        text = _edge({"op": "graph output", "maps": {"logits": m}}, "logits", "1", rows="subset")
+        text = _edge({"op": "graph output", "maps": {"out": m}}, "out", "1" if "1" in m else "0", rows="subset")
         if isinstance(text, Unobservable):
             return text
         v = m.get("1") or {}
-        if labelled(v):   # the product as it is: its columns and rows, and any lossy cast on the way
+        if labelled(v):   # a product as it is: its columns and rows, and any lossy cast on the way
             leaf = v["leaf"]   # (the label ends at its last parenthesis; a cast's name follows it)
             text = leaf[leaf.rfind(")") + 1:] + text[len(input_name(leaf)):]
-        if text not in out:   # a training graph also hands back what its backward keeps (the log-probs again)
-            out.append(text)
-    return out or "no output is made from the last rlk op's output"
+        out.append(text)
+    return out
 
 
 def _merged(runs: list[list]) -> list[list]:
@@ -616,8 +620,7 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         at = inputs["rlk::linear"].index(x)
         inputs["rlk::linear"][at] = json.dumps({"x": x, "columns": _runs_text(_merged(runs), rows=True)},
                                                sort_keys=True)
-    put("model.logits", "model.logits", _logits(graph), f"{g}: element maps of the outputs that hold the last "
-        "rlk op's output")
+    put("model.outputs", "model.outputs", _outputs(graph), f"{g}: element maps of the graph's user outputs")
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
@@ -1020,12 +1023,12 @@ def check_side(side, where: str) -> None:
         if not isinstance(graph.get("eager_equal"), (bool, type(None))):
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
-        string(f"entries[{i}].graph.logits_note", graph.get("logits_note"), optional=True)
-        logits = graph.get("logits_maps")   # since session 37 (absent: model.logits is unobservable)
-        if logits is not None and not isinstance(logits, list):
-            bad(f"entries[{i}].graph.logits_maps", "a list of element maps", logits)
-        for j, m in enumerate(logits or []):
-            _check_map(bad, f"entries[{i}].graph.logits_maps[{j}]", m)
+        string(f"entries[{i}].graph.outputs_note", graph.get("outputs_note"), optional=True)
+        outs = graph.get("output_maps")   # since session 37 (absent: model.outputs is unobservable)
+        if outs is not None and not isinstance(outs, list):
+            bad(f"entries[{i}].graph.output_maps", "a list of element maps", outs)
+        for j, m in enumerate(outs or []):
+            _check_map(bad, f"entries[{i}].graph.output_maps[{j}]", m)
         for key in ("forward", "backward"):
             for j, n in enumerate(graph[key]):
                 _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)
