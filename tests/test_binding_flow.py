@@ -684,6 +684,26 @@ def test_every_output_is_compared():
     assert bind(train, probe.describe_rollout(_returning(_model(), lambda y: (y, y * 2)))).passed
 
 
+def test_a_cache_changed_outside_the_rlk_ops_fails(train):
+    """A rollout that scales its v cache after the logits: this step's logits are right, the next step's are
+    not; every rlk call is as the trainer's, so it bound (a session 37 audit). What the graphs write into
+    their inputs must be rlk outputs as they are (``graph.input_writes``)."""
+    m = _model()
+    paged = m.forward_paged
+
+    def forward_paged(self, tokens, positions, k_caches, v_caches, *a, **k):
+        y = paged(tokens, positions, k_caches, v_caches, *a, **k)
+        v_caches[0].mul_(2)
+        return y
+    m.forward_paged = types.MethodType(forward_paged, m)
+    assert not torch.equal(_logits(m), _stock_logits())
+    result = bind(train, probe.describe_rollout(m))
+    assert {f.field for f in result.failures} == {"graph.input_writes"}, result.summary()
+    assert "computed:aten.mul.Tensor#" in json.dumps(result.failure("graph.input_writes").rollout)
+    stock = probe.describe_rollout(_model())
+    assert next(f for f in bind(train, stock).fields if f.field == "graph.input_writes").rollout == []
+
+
 def test_a_vocabulary_parallel_lm_head_binds(train):
     """lm_head as two linears over halves of the vocabulary, outputs side by side: one product of the final
     norm, the same logits."""

@@ -108,6 +108,9 @@ class BoundaryReport:
     # backward keeps; session 37): the last graph with rlk ops; None: not seen (``outputs_note``: why)
     output_maps: list[dict] | None = None
     outputs_note: str = ""
+    # the element maps of what the forward graphs write into their inputs (the KV cache), every graph;
+    # None: not known (session 37)
+    write_maps: list[dict] | None = field(default_factory=list)
 
     @property
     def forward_ops(self) -> list[str]:
@@ -423,6 +426,9 @@ def analyse_graph(gm: torch.fx.GraphModule, graph: str, report: BoundaryReport,
             report.movement_nodes[name] = report.movement_nodes.get(name, 0) + 1
             continue
         report.leaks.append(Leak(graph, node.name, str(target), _describe(node.meta.get("val"))))
+    if maps is not None and report.write_maps is not None:
+        writes = _write_maps(gm, produced, op_names, inputs, maps)
+        report.write_maps = None if writes is None else report.write_maps + writes
     if maps is not None and nodes:
         report.output_maps, report.outputs_note = _output_maps(gm, produced, op_names, inputs, maps)
     elif maps is not None and report.output_maps is not None:   # a graph after the last rlk op's (a break)
@@ -445,6 +451,24 @@ def _output_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) 
     outs = pytree.tree_leaves(gm.graph.output_node().args)[span[0]:span[1]]
     return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in outs
             if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)], ""
+
+
+def _write_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict] | None:
+    """The element maps of the values the graph writes into its inputs: the first outputs of AOT's forward
+    graph (mutations applied after it runs) and any ``copy_`` into a graph input in it. A rollout that
+    changed its KV cache after the logits (``v_cache.mul_(2)``: the next step reads it) bound (a session
+    37 audit). None when the graph's outputs are not known."""
+    span = gm.meta.get("rlk_user_outputs")
+    if span is None:
+        return None
+    vals = pytree.tree_leaves(gm.graph.output_node().args)[:span[0]]
+    vals += [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target in _COPIES
+             and len(n.args) > 1 and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
+    return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in vals
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)]
+
+
+_COPIES = (torch.ops.aten.copy_.default, torch.ops.aten.copy.default)
 
 
 def _label(node: torch.fx.Node, name: str, layer: int, sources: dict, elements: dict) -> tuple:

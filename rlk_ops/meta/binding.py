@@ -223,6 +223,7 @@ RULES: dict[str, Rule] = {
     "rope.style": Rule(SEMANTIC, lambda v, m, ctx: None if v == "rotate_half" else "the mandate is rotate_half"),
     "rope.positions": Rule(SEMANTIC),
     "model.op_args": Rule(SEMANTIC), "model.op_inputs": Rule(SEMANTIC), "model.outputs": Rule(SEMANTIC),
+    "graph.input_writes": Rule(SEMANTIC),
     "ops.fallback": Rule(SEMANTIC, lambda v, m, ctx: None if v is False else "a fallback is not strict", True),
     "ops.determinism": Rule(SEMANTIC, _m_spec, True),
     "ops.backend": Rule(RECORDED, None, True),
@@ -349,6 +350,26 @@ def _outputs(graph: dict):
         if labelled(v):   # a product as it is: its columns and rows, and any lossy cast on the way
             leaf = v["leaf"]   # (the label ends at its last parenthesis; a cast's name follows it)
             text = leaf[leaf.rfind(")") + 1:] + text[len(input_name(leaf)):]
+        out.append(text)
+    return out
+
+
+def _writes(graph: dict):
+    """What the graphs write into their inputs other than an rlk op's output as it is (paged_kv_append's
+    cache): none on either side. A rollout that changed its KV cache after the logits (``v_cache.mul_(2)``,
+    read by the next step) bound until session 37."""
+    maps = graph.get("write_maps")
+    if maps is None:
+        return Unobservable("a side file written before session 37, or graphs whose outputs are not known (no "
+                            "write_maps)")
+    out = []
+    for m in maps:
+        f0 = m.get("0")
+        if whole(f0) and f0["leaf"].startswith("rlk:"):
+            continue
+        text = _edge({"op": "graph input write", "maps": {"in": m}}, "in", "0")
+        if isinstance(text, Unobservable):
+            return text
         out.append(text)
     return out
 
@@ -621,6 +642,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         inputs["rlk::linear"][at] = json.dumps({"x": x, "columns": _runs_text(_merged(runs), rows=True)},
                                                sort_keys=True)
     put("model.outputs", "model.outputs", _outputs(graph), f"{g}: element maps of the graph's user outputs")
+    put("graph.input_writes", "graph.input_writes", _writes(graph), f"{g}: element maps of what the graphs write "
+        "into their inputs")
     for op, args in rest.items():
         put(f"model.{op.split('::')[1]}.args", "model.op_args", args,
             f"{g}: {op} nodes outside the attention paths, in graph order")
@@ -1024,11 +1047,11 @@ def check_side(side, where: str) -> None:
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
         string(f"entries[{i}].graph.outputs_note", graph.get("outputs_note"), optional=True)
-        outs = graph.get("output_maps")   # since session 37 (absent: model.outputs is unobservable)
-        if outs is not None and not isinstance(outs, list):
-            bad(f"entries[{i}].graph.output_maps", "a list of element maps", outs)
-        for j, m in enumerate(outs or []):
-            _check_map(bad, f"entries[{i}].graph.output_maps[{j}]", m)
+        for key in ("output_maps", "write_maps"):   # since session 37 (absent: unobservable)
+            if graph.get(key) is not None and not isinstance(graph[key], list):
+                bad(f"entries[{i}].graph.{key}", "a list of element maps", graph[key])
+            for j, m in enumerate(graph.get(key) or []):
+                _check_map(bad, f"entries[{i}].graph.{key}[{j}]", m)
         for key in ("forward", "backward"):
             for j, n in enumerate(graph[key]):
                 _check_node(bad, f"entries[{i}].graph.{key}[{j}]", j, n)

@@ -243,7 +243,8 @@ def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None =
              "graphs": report.graphs, "graph_breaks": report.graph_breaks, "recompiles": report.recompiles,
              "leaks": [leak.target for leak in report.leaks], "graph_runs": report.graph_runs,
              "outside_calls": report.outside_calls, "eager_equal": report.eager_equal,
-             "eager_note": report.eager_note, "output_maps": report.output_maps, "outputs_note": report.outputs_note}
+             "eager_note": report.eager_note, "output_maps": report.output_maps, "outputs_note": report.outputs_note,
+             "write_maps": report.write_maps}
     return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans),
             "strict": strict_mode()}
 
