@@ -391,7 +391,7 @@ def _last_token_logits(rows=lambda m, h: m.norm(h), pick=None):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = torch.arange(b, device=tokens.device) * sq + (sq - 1) if pick is None else pick(b, sq)
         logits = rlk_ops.linear(rows(self, h).reshape(b * sq, -1)[last], self.lm_head.weight)
-        return logits.reshape(b, -1, logits.shape[-1])
+        return logits.unsqueeze(0)   # [1, rows picked, vocab]
     return forward_paged
 
 
@@ -411,7 +411,7 @@ def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
     assert result.passed, result.summary()
     field = next(f for f in result.fields if f.field == "model.linear.inputs")
     lm_head = json.loads(field.rollout[-1])   # prefill and decode agree: one list
-    assert lm_head["x"] == "rlk:qk_rmsnorm@L1(norm.weight)[0:64] rows in order (some or all)"
+    assert lm_head["x"] == "rlk:qk_rmsnorm@L1(norm.weight)[0:64] rows every token, or each sequence's last"
 
     m = _model()
     m.forward_paged = types.MethodType(_last_token_logits(rows=lambda m, h: h), m)
@@ -420,9 +420,11 @@ def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
     assert {f.field for f in result.failures} == {"model.linear.inputs", "model.qk_rmsnorm.args",   # no final
                                                   "model.qk_rmsnorm.inputs"}                       # norm call
     lm_head = json.loads(result.failure("model.linear.inputs").rollout[-1])
-    assert lm_head["x"].startswith("computed:aten.add.Tensor#") and lm_head["x"].endswith("in order (some or all)")
+    assert lm_head["x"].startswith("computed:aten.add.Tensor#") and lm_head["x"].endswith("each sequence's last")
     for pick in (lambda b, sq: torch.zeros(b * sq, dtype=torch.long),                  # token 0 for every token
-                 lambda b, sq: (torch.arange(b * sq) + sq) % (b * sq)):              # the sequences exchanged
+                 lambda b, sq: (torch.arange(b * sq) + sq) % (b * sq),               # the sequences exchanged
+                 lambda b, sq: torch.arange(b) * sq,                                 # each sequence's first token
+                 lambda b, sq: torch.tensor([sq - 1])):                              # the first sequence only
         m = _model()
         m.forward_paged = types.MethodType(_last_token_logits(pick=pick), m)
         assert not torch.equal(_logits(m), stock)
@@ -444,11 +446,11 @@ def test_the_element_map_of_a_row_selection():
     for how in ("index", "index_select"):
         for idx in (lambda x: torch.arange(2, device=x.device) * 2 + 1, lambda x: torch.tensor([1, 3])):   # sizes,
             assert pick(how, idx) == {"leaf": "input:l_x_", "cols": [[0, 8]], "width": 8,              # a constant
-                                      "rows": "2 of 5 in order"}
+                                      "rows": f"2 of 5 in order ({element_maps._digest(torch.tensor([1, 3]))})"}
         assert pick(how, lambda x: torch.zeros(5, dtype=torch.long))["rows"].startswith("sha256:")
         assert pick(how, lambda x: torch.arange(4, -1, -1))["rows"].startswith("sha256:")
     assert inspect_boundary(lambda x: rlk_ops.linear(torch.index_select(x, -2, torch.tensor([1, 3])), w),
-                            torch.randn(5, 8), backward=False).forward[0].maps["x"]["1"]["rows"] == "2 of 5 in order"
+                            torch.randn(5, 8), backward=False).forward[0].maps["x"]["1"]["rows"].startswith("2 of 5 in")
     data = inspect_boundary(lambda x, i: rlk_ops.linear(x[i], w), torch.randn(5, 8), torch.tensor([3, 1]),
                             backward=False).forward[0].maps["x"]["1"]
     assert data["leaf"].startswith("computed:aten.index.Tensor#")
@@ -617,7 +619,7 @@ def test_logits_reordered_after_the_projection_fail(train):
     result = bind(train, probe.describe_rollout(m))
     assert {f.field for f in result.failures} == {"model.outputs"}
     assert result.failure("model.outputs").rollout == [
-        "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows in order (some or all)"]
+        "structure *", "[lm_head.weight[rows 32:64] + lm_head.weight[rows 0:32]] rows in order"]
 
 
 def _returning(model, after):
@@ -673,6 +675,39 @@ def test_what_the_entry_makes_of_the_logits_is_compared(after, train_after, fiel
         same = _returning(_model(), train_after)
         assert torch.equal(_logits(same), _logits(base))
         assert bind(train, probe.describe_rollout(same)).passed
+
+
+def _logits_and_logprobs(y):
+    return {"logits": y, "logprobs": torch.log_softmax(y.float(), -1)}
+
+
+@pytest.mark.parametrize("after, train_after", [
+    (lambda y: y[:1], None),                                                          # a sequence dropped
+    (lambda y: y[:, :1], None),                                                       # token 0 of each
+    (lambda y: {"logprobs": y, "logits": _logits_and_logprobs(y)["logprobs"]}, _logits_and_logprobs),   # keys
+])
+def test_what_rows_and_keys_are_handed_back_is_compared(after, train_after):
+    """Rows dropped after lm_head, or the output's keys exchanged, bound as "some rows" / by position only (a
+    session 37 audit): the outputs' rows are compared exactly, and so is their structure."""
+    train = probe.describe_train(_returning(_model(), train_after) if train_after else _model(), backward=False)
+    result = bind(train, probe.describe_rollout(_returning(_model(), after)))
+    assert {f.field for f in result.failures} == {"model.outputs"}, result.summary()
+
+
+def test_the_last_token_picked_along_the_sequence_dim_binds(train):
+    """HF's last-token logits on ``[B, S, D]``: ``index_select(h, 1, [s - 1])`` is each sequence's last token."""
+    def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
+        b, sq = tokens.shape
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
+                                                    page_table, seq_lens, slot_mapping)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return rlk_ops.linear(torch.index_select(self.norm(h), 1, torch.tensor([sq - 1])), self.lm_head.weight)
+    m = _model()
+    m.forward_paged = types.MethodType(forward_paged, m)
+    assert torch.equal(_logits(m), _stock_logits()[[4, 9, 10, 11]])
+    assert bind(train, probe.describe_rollout(m)).passed
 
 
 def test_every_output_is_compared():

@@ -108,6 +108,7 @@ class BoundaryReport:
     # backward keeps; session 37): the last graph with rlk ops; None: not seen (``outputs_note``: why)
     output_maps: list[dict] | None = None
     outputs_note: str = ""
+    output_structure: str = ""   # the pytree structure of what the first call returned (dict keys, nesting)
     # the element maps of what the forward graphs write into their inputs (the KV cache), every graph;
     # None: not known (session 37)
     write_maps: list[dict] | None = field(default_factory=list)
@@ -458,10 +459,10 @@ def _write_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -
     graph (mutations applied after it runs) and any ``copy_`` into a graph input in it. A rollout that
     changed its KV cache after the logits (``v_cache.mul_(2)``: the next step reads it) bound (a session
     37 audit). None when the graph's outputs are not known."""
-    span = gm.meta.get("rlk_user_outputs")
+    span = gm.meta.get("rlk_writes")
     if span is None:
         return None
-    vals = pytree.tree_leaves(gm.graph.output_node().args)[:span[0]]
+    vals = pytree.tree_leaves(gm.graph.output_node().args)[span[0]:span[1]]
     vals += [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target in _COPIES
              and len(n.args) > 1 and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
     return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in vals
@@ -619,8 +620,11 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
         ctx = torch._guards.TracingContext.try_get()
         meta = getattr(ctx, "fw_metadata", None)
         first, n = (getattr(meta, k, None) for k in ("num_mutated_inp_runtime_indices", "num_outputs"))
-        if isinstance(first, int) and isinstance(n, int):
+        tokens = getattr(meta, "tokens", None)   # effect tokens come first (an op with side effects)
+        if isinstance(first, int) and isinstance(n, int) and tokens is not None:
+            first += len(tokens)
             gm.meta["rlk_user_outputs"] = (first, first + n)
+            gm.meta["rlk_writes"] = (len(tokens), first)
         return counted("forward", gm)
 
     def bw_compiler(gm, _inputs):
@@ -667,6 +671,7 @@ def inspect_boundary(fn, *args, dynamic: bool | None = None, backward: bool = Tr
     try:
         with provenance.capture() as first_call:
             out = compiled(*args, **kwargs)
+            report.output_structure = str(pytree.tree_structure(out))
             outs = _tensors(out)
             ran_backward = backward and any(o.requires_grad for o in outs)
             if ran_backward:

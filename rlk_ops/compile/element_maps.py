@@ -23,7 +23,7 @@ batch layouts differ (packed ``[T, ...]`` and ``[B, S, ...]``):
   linear's input; 2: ``[..., H, D]``, e.g. q, k, v). ``{"leaf", "cols", "width", "rows"}`` when every
   row comes from one leaf row with the same column pattern: ``cols`` are runs ``[start, stop]`` of that
   leaf row's columns in the argument's order, ``width`` the leaf row's length, ``rows`` is
-  ``"in order"`` when row i is the leaf's row i for every leaf row (``"N of M in order"``: some of
+  ``"in order"`` when row i is the leaf's row i for every leaf row (``"N of M in order (<digest of which>)"``: some of
   them, in their order). Else ``{"mixed": digest}``. These two forms do not depend on the batch
   layout; a digest (mixed, or rows out of order) is one of this call's layout, so it binds only
   against the same digest;
@@ -155,25 +155,30 @@ def _leaves(val, produced: dict, names: dict, inputs: dict, order: dict, memo: d
 
 
 def _fixed_index(n):
-    """``n`` picks rows of its input along dim 0 (``x[idx]``, ``index_select(x, 0, idx)``: vLLM's
-    ``hidden_states[logits_indices]``) by an index the graph fixes from sizes and constants alone
-    (``arange(b) * s + s - 1``): the index's values (``_evaluate``), else None. An index that is data (a
-    graph input) leaves the pick a computing node."""
-    if not (isinstance(n, torch.fx.Node) and n.op == "call_function"):
+    """``n`` picks slices of its input along one dim (``x[idx]``, ``x[:, idx]``, ``index_select(x, d, idx)``:
+    vLLM's ``hidden_states[logits_indices]``, HF's last token ``h[:, [s - 1]]``) by an index the graph fixes
+    from sizes and constants alone (``arange(b) * s + s - 1``): (dim, the index's values) (``_evaluate``),
+    else None. An index that is data (a graph input) leaves the pick a computing node."""
+    if not (isinstance(n, torch.fx.Node) and n.op == "call_function" and n.args
+            and isinstance(n.args[0], torch.fx.Node) and isinstance(n.args[0].meta.get("val"), torch.Tensor)):
         return None
-    if n.target is torch.ops.aten.index.Tensor and len(n.args) == 2 and len(n.args[1]) == 1:
-        idx = n.args[1][0]
-    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and isinstance(n.args[0], torch.fx.Node) \
-            and n.args[1] in (0, -len(n.args[0].meta["val"].shape)):
-        idx = n.args[2]
+    rank = n.args[0].meta["val"].dim()
+    if n.target is torch.ops.aten.index.Tensor and len(n.args) == 2:
+        given = [(d, i) for d, i in enumerate(n.args[1]) if i is not None]
+        if len(given) != 1:
+            return None
+        dim, idx = given[0]
+    elif n.target is torch.ops.aten.index_select.default and len(n.args) == 3 and isinstance(n.args[1], int) \
+            and -rank <= n.args[1] < rank:
+        dim, idx = n.args[1] % rank, n.args[2]
     else:
         return None
     iv = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
     if not (isinstance(iv, torch.Tensor) and iv.dim() == 1 and iv.dtype in (torch.int64, torch.int32)):
         return None
     try:
-        return _evaluate(idx, {})
-    except (ValueError, RuntimeError, TypeError, IndexError):
+        return dim, _evaluate(idx, {})
+    except (ValueError, RuntimeError, TypeError, IndexError, AttributeError):
         return None
 
 
@@ -321,7 +326,7 @@ def _rows_view(key, local, shape, f, names, leaf_shapes, columns=None):
     rising = bool((token[1:] > token[:-1]).all())
     return {"leaf": names[leaf], "cols": cols, "width": width,
             "rows": ("in order" if rows == leaf_rows else f"the first {rows} of {leaf_rows} in order") if ordered
-            else f"{rows} of {leaf_rows} in order" if rising else _digest(token)}
+            else f"{rows} of {leaf_rows} in order ({_digest(token)})" if rising else _digest(token)}
 
 
 def _product_digest(label: str, product, l2) -> str:
@@ -360,6 +365,11 @@ def _product_identity(label: str, shape, table: list) -> dict:
            "width": torch.unique(ids).numel(), "rows": "in order"}
     return _product_forms({str(f): one if f == 1 else {"mixed": ""} for f in range(min(len(shape) - 1, 2) + 1)},
                           shape, force=True)   # the others: digests of this one
+
+
+def last_tokens_digest(b: int, s: int) -> str:
+    """The digest ``_rows_view`` writes for rows that are each of b sequences' last of s tokens."""
+    return _digest(torch.arange(b) * s + s - 1)
 
 
 def _feat(shape, f: int) -> int:
@@ -648,7 +658,8 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
             elif _fixed_index(n) is not None:   # the pick, with the values the graph fixes
-                env[n] = env[n.args[0]][_fixed_index(n).long()]
+                dim, values = _fixed_index(n)
+                env[n] = torch.index_select(env[n.args[0]], dim, values.long() % env[n.args[0]].shape[dim])
             elif n.target._opname == "_to_copy":   # a new tensor, its values' places kept
                 env[n] = env[n.args[0]].clone()
             else:

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlk_ops.compile.element_maps import (ATTENTION, input_name, labelled, leaf_name, node_label, product_columns,
-                                          whole)
+from rlk_ops.compile.element_maps import (ATTENTION, input_name, labelled, last_tokens_digest, leaf_name, node_label,
+                                          product_columns, whole)
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
@@ -269,13 +269,14 @@ def _param(node: dict, arg: str) -> str | None:
 _NO_MAPS = "a side file written before session 36 (no element maps in its graph)"
 
 
-def _edge(node: dict, arg: str, form: str, rows: bool | str = True):
+def _edge(node: dict, arg: str, form: str, rows: bool | tuple = True):
     """What ``node`` takes as ``arg``, from its element map (compile/element_maps.py) read as rows of
     ``form`` ("0", "1", "2") or, for a weight, "w": text that does not depend on the batch layout, or
     Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
-    every token in order on both sides; "subset": some of the rows, in their order (a slice, or an index the
-    graph fixes, ``x[arange(b) * s + s - 1]``), which of them not compared: which tokens an engine projects
-    to logits is its own). A projection's output reads as its input and
+    every token in order on both sides; ``("last", b, s)``, for the logits projection: every row, or exactly
+    each of b sequences' last of s tokens, picked by a slice or an index the graph fixes
+    (``x[arange(b) * s + s - 1]``, vLLM's last-token logits). Any rising subset bound before: each
+    sequence's first token instead of its last, a session 37 audit). A projection's output reads as its input and
     the weight rows behind the columns taken (element_maps.product_label), which a fused and a separate
     weight share."""
     maps = node.get("maps")
@@ -303,8 +304,9 @@ def _edge(node: dict, arg: str, form: str, rows: bool | str = True):
     # as "a graph input"
     leaf = input_name(v["leaf"])
     order = v["rows"]
-    if rows == "subset":
-        order = "in order (some or all)" if order == "in order" or order.endswith(" in order") else order
+    if isinstance(rows, tuple):   # ("last", b, s): every row, or each of b sequences' last of s tokens
+        order = "every token, or each sequence's last" if order == "in order" or order == \
+            f"{rows[1]} of {rows[1] * rows[2]} in order ({last_tokens_digest(rows[1], rows[2])})" else order
     return leaf + f"[{span}]" + (f" rows {order}" if rows else "")
 
 
@@ -328,9 +330,8 @@ def _products(node: dict) -> list[list] | None:
 
 
 def _outputs(graph: dict):
-    """What the entry hands back (the graph's user outputs, in order): for the last rlk op's product
-    moved or cast (the logits), its columns, rows (some or all, as the logits projection may take) and any
-    narrowing cast, the projection's input left out (``model.linear.inputs`` judges it); for anything
+    """What the entry hands back (its output structure, then the graph's user outputs in order): for the last
+    rlk op's product moved or cast (the logits), its columns, exactly which rows, and any narrowing cast, the projection's input left out (``model.linear.inputs`` judges it); for anything
     else its element map's text (a computing node's digest: log-probs made in the graph). A vocabulary
     reordered after ``lm_head`` bound until session 37. UNOBSERVABLE in an entry with graph breaks: what it
     returns may be made in a later graph, or outside any (``torch.compiler.disable``)."""
@@ -341,9 +342,10 @@ def _outputs(graph: dict):
     if graph.get("graph_breaks"):
         return Unobservable(f"the entry has {graph['graph_breaks']} graph break(s): what it returns may be made "
                             "after the graph analysed, in another graph or outside any")
-    out = []
-    for m in maps:
-        text = _edge({"op": "graph output", "maps": {"out": m}}, "out", "1" if "1" in m else "0", rows="subset")
+    out = [f"structure {graph['output_structure']}"] if graph.get("output_structure") else []
+    for m in maps:   # which rows, exactly: a sampler reads the rows handed back (each sequence's first token
+        # instead of its last, or a sequence dropped, bound as "some rows": a session 37 audit)
+        text = _edge({"op": "graph output", "maps": {"out": m}}, "out", "1" if "1" in m else "0")
         if isinstance(text, Unobservable):
             return text
         v = m.get("1") or {}
@@ -605,6 +607,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     rest: dict[str, list] = {}
     inputs: dict[str, list] = {}
     groups: dict[str, list] = {}   # a linear's input -> the weight rows of every linear taking it
+    tokens = next(((d[0], d[1]) for d in (_shape(n["inputs"][0])[1] for n in attn)   # (sequences, tokens each)
+                   if len(d) == 4 and all(isinstance(x, int) for x in d[:2])), (0, 0))   # of a [B, S, H, D] q
     last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward (and linears with
     shards = {n["index"] for n in fwd if n["op"] == fwd[-1]["op"] == "rlk::linear"   # its input: vocab-parallel)
               and (n.get("maps") or {}).get("x") == (fwd[-1].get("maps") or {}).get("x")} if fwd else set()
@@ -628,7 +632,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
             # rows in order, as on the paths (o_proj or the MLP reading other tokens' rows bound: a session 36
             # audit); the graph's last rlk op (the logits) may take some of them, in order: which tokens an
             # engine projects there is its own
-            seen[a] = _edge(n, a, form, rows="subset" if n["index"] == last or n["index"] in shards else True)
+            seen[a] = _edge(n, a, form, rows=("last", *tokens) if n["index"] == last or n["index"] in shards
+                            else True)
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
         products = _products(n) if bad is None and "x" in seen else None
         if products is not None:   # a linear as the weight rows it multiplies its input by, merged over every
@@ -1047,6 +1052,7 @@ def check_side(side, where: str) -> None:
             bad(f"entries[{i}].graph.eager_equal", "a bool or null", graph.get("eager_equal"))
         string(f"entries[{i}].graph.eager_note", graph.get("eager_note"), optional=True)
         string(f"entries[{i}].graph.outputs_note", graph.get("outputs_note"), optional=True)
+        string(f"entries[{i}].graph.output_structure", graph.get("output_structure"), optional=True)
         for key in ("output_maps", "write_maps"):   # since session 37 (absent: unobservable)
             if graph.get(key) is not None and not isinstance(graph[key], list):
                 bad(f"entries[{i}].graph.{key}", "a list of element maps", graph[key])

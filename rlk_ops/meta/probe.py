@@ -244,7 +244,7 @@ def run_entry(name: str, fn, *args, backward: bool = False, roles: dict | None =
              "leaks": [leak.target for leak in report.leaks], "graph_runs": report.graph_runs,
              "outside_calls": report.outside_calls, "eager_equal": report.eager_equal,
              "eager_note": report.eager_note, "output_maps": report.output_maps, "outputs_note": report.outputs_note,
-             "write_maps": report.write_maps}
+             "write_maps": report.write_maps, "output_structure": report.output_structure}
     return {"name": name, "graph": graph, "provenance": log.snapshot(), "plans": flashinfer_plans(plans),
             "strict": strict_mode()}
 
