@@ -378,10 +378,9 @@ def test_a_linear_output_names_the_weight_rows_behind_its_columns():
     assert norm.maps["x"]["2"]["cols"] == [["u + b", 0, 3]]
 
 
-def _last_token_logits(rows=lambda m, h: m.norm(h), pick=None):
-    """``forward_paged`` projecting logits for each sequence's last token only, through an index
-    (vLLM's ``hidden_states[logits_indices]``); ``rows(model, h)``: what the index picks from; ``pick(b, sq)``:
-    another index (then the logits have b * sq rows)."""
+def _paged_head(head):
+    """``forward_paged`` with its last step replaced: ``head(model, h, b, sq)`` makes the logits from the
+    residual ``h`` [b, sq, hidden]."""
     def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
         b, sq = tokens.shape
         h = self.embed_tokens(tokens)
@@ -389,10 +388,19 @@ def _last_token_logits(rows=lambda m, h: m.norm(h), pick=None):
             h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
                                                     page_table, seq_lens, slot_mapping)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        last = torch.arange(b, device=tokens.device) * sq + (sq - 1) if pick is None else pick(b, sq)
+        return head(self, h, b, sq)
+    return forward_paged
+
+
+def _last_token_logits(rows=lambda m, h: m.norm(h), pick=None):
+    """``forward_paged`` projecting logits for each sequence's last token only, through an index
+    (vLLM's ``hidden_states[logits_indices]``); ``rows(model, h)``: what the index picks from; ``pick(b, sq)``:
+    another index (then the logits have b * sq rows)."""
+    def head(self, h, b, sq):
+        last = torch.arange(b, device=h.device) * sq + (sq - 1) if pick is None else pick(b, sq)
         logits = rlk_ops.linear(rows(self, h).reshape(b * sq, -1)[last], self.lm_head.weight)
         return logits.unsqueeze(0)   # [1, rows picked, vocab]
-    return forward_paged
+    return _paged_head(head)
 
 
 def test_logits_through_an_index_bind_and_pick_rows_of_the_final_norm(train):
@@ -696,16 +704,9 @@ def test_what_rows_and_keys_are_handed_back_is_compared(after, train_after):
 
 def test_the_last_token_picked_along_the_sequence_dim_binds(train):
     """HF's last-token logits on ``[B, S, D]``: ``index_select(h, 1, [s - 1])`` is each sequence's last token."""
-    def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
-        b, sq = tokens.shape
-        h = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
-                                                    page_table, seq_lens, slot_mapping)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return rlk_ops.linear(torch.index_select(self.norm(h), 1, torch.tensor([sq - 1])), self.lm_head.weight)
     m = _model()
-    m.forward_paged = types.MethodType(forward_paged, m)
+    m.forward_paged = types.MethodType(_paged_head(lambda self, h, b, sq: rlk_ops.linear(
+        torch.index_select(self.norm(h), 1, torch.tensor([sq - 1])), self.lm_head.weight)), m)
     assert torch.equal(_logits(m), _stock_logits()[[4, 9, 10, 11]])
     assert bind(train, probe.describe_rollout(m)).passed
 
@@ -750,15 +751,10 @@ def test_a_vocabulary_parallel_lm_head_binds(train):
 
 
 def _vocab_parallel():
-    def forward_paged(self, tokens, positions, k_caches, v_caches, page_table, seq_lens, slot_mapping, trace=None):
-        h = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn.forward_rollout(layer.input_layernorm(h), positions, k_caches[i], v_caches[i],
-                                                    page_table, seq_lens, slot_mapping)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    def head(self, h, b, sq):
         x, w = self.norm(h), self.lm_head.weight
         return torch.cat([rlk_ops.linear(x, w[:32]), rlk_ops.linear(x, w[32:])], -1)
-    return forward_paged
+    return _paged_head(head)
 
 
 def test_a_lossy_cast_inside_a_fused_weight_fails(train):
