@@ -275,9 +275,9 @@ def _edge(node: dict, arg: str, form: str, rows: bool | tuple = True):
     Unobservable. ``rows``: whether the row order is part of it (the attention paths' tensors hold
     every token in order on both sides; ``("last", b, s)``, for the logits projection: every row, or exactly
     each of b sequences' last of s tokens, picked by a slice or an index the graph fixes
-    (``x[arange(b) * s + s - 1]``, vLLM's last-token logits). Any rising subset bound before: each
-    sequence's first token instead of its last, a session 37 audit). A projection's output reads as its input and
-    the weight rows behind the columns taken (element_maps.product_label), which a fused and a separate
+    (``x[arange(b) * s + s - 1]``, vLLM's last-token logits; any rising subset bound before, each
+    sequence's first token too: a session 37 audit). A projection's output reads as its input and the
+    weight rows behind the columns taken (element_maps.product_label), which a fused and a separate
     weight share."""
     maps = node.get("maps")
     if maps is None:
@@ -331,10 +331,11 @@ def _products(node: dict) -> list[list] | None:
 
 def _outputs(graph: dict):
     """What the entry hands back (its output structure, then the graph's user outputs in order): for the last
-    rlk op's product moved or cast (the logits), its columns, exactly which rows, and any narrowing cast, the projection's input left out (``model.linear.inputs`` judges it); for anything
-    else its element map's text (a computing node's digest: log-probs made in the graph). A vocabulary
-    reordered after ``lm_head`` bound until session 37. UNOBSERVABLE in an entry with graph breaks: what it
-    returns may be made in a later graph, or outside any (``torch.compiler.disable``)."""
+    rlk op's product moved or cast (the logits), its columns, exactly which rows, and any narrowing cast,
+    the projection's input left out (``model.linear.inputs`` judges it); for anything else its element
+    map's text (a computing node's digest: log-probs made in the graph). A vocabulary reordered after
+    ``lm_head`` bound until session 37. UNOBSERVABLE in an entry with graph breaks: what it returns may be
+    made in a later graph, or outside any (``torch.compiler.disable``)."""
     maps = graph.get("output_maps")
     if maps is None:
         return Unobservable(graph.get("outputs_note") or "a side file written before session 37 (no output_maps "
@@ -630,8 +631,8 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
         for a, m in sorted(n["maps"].items()):
             form = next((f for f in ("1", "0") if f in m), "w")
             # rows in order, as on the paths (o_proj or the MLP reading other tokens' rows bound: a session 36
-            # audit); the graph's last rlk op (the logits) may take some of them, in order: which tokens an
-            # engine projects there is its own
+            # audit); the graph's last rlk op (the logits) and its vocabulary shards: every row, or exactly
+            # each sequence's last (vLLM projects only those)
             seen[a] = _edge(n, a, form, rows=("last", *tokens) if n["index"] == last or n["index"] in shards
                             else True)
         bad = next((v for v in seen.values() if isinstance(v, Unobservable)), None)
@@ -1096,7 +1097,7 @@ def _check_node(bad, where_: str, j: int, n) -> None:
             bad(f"{where_}.args.causal", "a bool or 0 / 1", causal)
     if name == "linear" and len(n["inputs"]) > 1 and not (
             _TENSOR_DESC.fullmatch(n["inputs"][1]) and len(_shape(n["inputs"][1])[1]) >= 1):
-        # the projection's rows are read with its weight's last dim (binding._projection)
+        # a weight with no dims has no rows to name
         bad(f"{where_}.inputs[1]", "a tensor description 'dtype[d0x...]' of the weight (1 dim or more)",
             n["inputs"][1])
     for arg in _NEEDED_ARGS.get(name, ()):
