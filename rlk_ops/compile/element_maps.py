@@ -185,7 +185,8 @@ def _fixed_index(n):
 def _evaluate(n, memo: dict, depth: int = 0):
     """The value of node ``n`` when the graph computes it from sizes and constants alone (aten ops, first
     call's sizes, tensor constants the graph holds, on the CPU); ValueError when it reads a graph input, a
-    parameter or a random op."""
+    parameter, a random op or one that writes. A pick fixed from sizes is judged at the describe step's
+    sizes (an index clipped by the page size could differ at other sizes)."""
     if not isinstance(n, torch.fx.Node):
         return n
     if n in memo:
@@ -198,10 +199,11 @@ def _evaluate(n, memo: dict, depth: int = 0):
         for part in n.target.split("."):
             value = getattr(value, part)
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            memo[n] = value.detach().cpu()
+            memo[n] = value.detach().cpu().clone()   # a copy: the evaluation never touches the graph's own
             return memo[n]
     if depth > 64 or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
-            or n.target.namespace != "aten" or torch.Tag.nondeterministic_seeded in n.target.tags:
+            or n.target.namespace != "aten" or torch.Tag.nondeterministic_seeded in n.target.tags \
+            or n.target._schema.is_mutable:
         raise ValueError(f"{n.name} is not fixed by the graph")
     if isinstance(val, torch.Tensor) and int(torch.Size([_hint(x) for x in val.shape]).numel()) > LIMIT:
         raise ValueError(f"{n.name} is too large to evaluate")
