@@ -26,7 +26,7 @@ import re
 
 import torch
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # a module name: no separator of the element maps' labels
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # a module name, as Python spells attributes
 
 Packing = dict[str, list[tuple[str, int]]]
 
@@ -34,8 +34,9 @@ Packing = dict[str, list[tuple[str, int]]]
 def check(packed, module: torch.nn.Module | None) -> Packing:
     """``packed`` validated against ``module``'s parameters and buffers: each key a module name that some
     parameter's path has as its owner (``...self_attn.qkv_proj.weight``), each part a (module name, rows)
-    pair with rows > 0, the rows summing to each such parameter's dim 0, and no part's name already a
-    parameter. Raises ValueError naming the argument, the expected and the actual value."""
+    pair with rows > 0, the rows summing to each such parameter's dim 0, no part's name already a
+    parameter or made from two of them, and only state-dict entries packed (the weight hash reads the state
+    dict). Raises ValueError naming the argument, the expected and the actual value."""
     if packed is None or (isinstance(packed, dict) and not packed):
         return {}
     if not isinstance(packed, dict):
