@@ -702,6 +702,19 @@ def test_what_rows_and_keys_are_handed_back_is_compared(after, train_after):
     assert {f.field for f in result.failures} == {"model.outputs"}, result.summary()
 
 
+def test_the_final_norm_of_the_picked_rows_only_binds(train):
+    """The final norm applied to each sequence's last token only (the pick before the norm): the same logits
+    (the norm is row-wise); it failed on the norm's input until the third session 37 audit."""
+    m = _model()
+    m.forward_paged = types.MethodType(_paged_head(lambda self, h, b, sq: rlk_ops.linear(
+        self.norm(h.reshape(b * sq, -1)[torch.arange(b) * sq + sq - 1]), self.lm_head.weight)), m)
+    assert torch.equal(_logits(m), _stock_logits()[[4, 9, 10, 11]])
+    assert bind(train, probe.describe_rollout(m)).passed
+    m.forward_paged = types.MethodType(_paged_head(lambda self, h, b, sq: rlk_ops.linear(   # first tokens: fails
+        self.norm(h.reshape(b * sq, -1)[torch.arange(b) * sq]), self.lm_head.weight)), m)
+    assert {f.field for f in bind(train, probe.describe_rollout(m)).failures} == {"model.qk_rmsnorm.inputs"}
+
+
 def test_the_last_token_picked_along_the_sequence_dim_binds(train):
     """HF's last-token logits on ``[B, S, D]``: ``index_select(h, 1, [s - 1])`` is each sequence's last token."""
     m = _model()

@@ -182,6 +182,9 @@ def _fixed_index(n):
         return None
 
 
+_UNSET = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}   # values never written
+
+
 def _evaluate(n, memo: dict, depth: int = 0):
     """The value of node ``n`` when the graph computes it from sizes and constants alone (aten ops, first
     call's sizes, tensor constants the graph holds, on the CPU); ValueError when it reads a graph input, a
@@ -203,7 +206,7 @@ def _evaluate(n, memo: dict, depth: int = 0):
             return memo[n]
     if depth > 64 or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
             or n.target.namespace != "aten" or torch.Tag.nondeterministic_seeded in n.target.tags \
-            or n.target._schema.is_mutable:
+            or n.target._schema.is_mutable or n.target._opname in _UNSET:
         raise ValueError(f"{n.name} is not fixed by the graph")
     if isinstance(val, torch.Tensor) and int(torch.Size([_hint(x) for x in val.shape]).numel()) > LIMIT:
         raise ValueError(f"{n.name} is too large to evaluate")

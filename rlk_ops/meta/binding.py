@@ -613,6 +613,9 @@ def _entry_facts(entry: dict, plans: list[dict]) -> dict[str, Fact]:
     last = fwd[-1]["index"] if fwd else None   # the logits projection of a decoder's forward (and linears with
     shards = {n["index"] for n in fwd if n["op"] == fwd[-1]["op"] == "rlk::linear"   # its input: vocab-parallel)
               and (n.get("maps") or {}).get("x") == (fwd[-1].get("maps") or {}).get("x")} if fwd else set()
+    norms = [n["index"] for n in fwd if n["op"] == "rlk::qk_rmsnorm" and n["index"] not in visited]
+    if shards and norms:   # the final norm (the last one off the attention paths) may norm only the rows the
+        shards.add(norms[-1])   # logits projection takes: it is row-wise (a session 37 audit)
     for n in fwd:  # the model's other rlk ops with scalars (layer norms): their scalars and the parameters
         # they take must agree too, call by call in graph order (a set of distinct values let one side move
         # an eps to another layer, or drop a call whose values another call also had)
