@@ -6,6 +6,9 @@ view, rope fed doubled positions, o_proj's weight transposed. The q/k/v paths st
 rlk::linear; nothing said which rows of which weight, in which order, reached attention.
 Each wrong rollout here is checked to compute other logits (so the failure is real) and each
 respelling to compute the same bits (so binding it is right).
+
+Session 37: rlk::linear outputs as products (input and weight rows), picks by an index the graph fixes,
+packed parameters (vLLM's qkv_proj / gate_up_proj), the entry's outputs and its writes into its inputs.
 """
 import json
 import re
