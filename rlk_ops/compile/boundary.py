@@ -450,8 +450,7 @@ def _output_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) 
     if span is None:
         return None, "the graph's user outputs could not be told from the tensors its backward keeps"
     outs = pytree.tree_leaves(gm.graph.output_node().args)[span[0]:span[1]]
-    return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in outs
-            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)], ""
+    return _as_outputs(outs, produced, op_names, inputs, maps), ""
 
 
 def _write_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict] | None:
@@ -465,6 +464,12 @@ def _write_maps(gm, produced: dict, op_names: dict, inputs: dict, maps: tuple) -
     vals = pytree.tree_leaves(gm.graph.output_node().args)[span[0]:span[1]]
     vals += [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target in _COPIES
              and len(n.args) > 1 and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
+    return _as_outputs(vals, produced, op_names, inputs, maps)
+
+
+def _as_outputs(vals: list, produced: dict, op_names: dict, inputs: dict, maps: tuple) -> list[dict]:
+    """The element maps of the tensor nodes among ``vals``, read as what the graph hands out (a narrowing
+    last cast named)."""
     return [element_map(v, produced, op_names, inputs, *maps[1:], as_output=True) for v in vals
             if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)]
 

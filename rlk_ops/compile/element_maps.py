@@ -176,10 +176,12 @@ def _fixed_index(n):
     iv = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
     if not (isinstance(iv, torch.Tensor) and iv.dim() == 1 and iv.dtype in (torch.int64, torch.int32)):
         return None
-    try:
-        return dim, _evaluate(idx, {})
-    except (ValueError, RuntimeError, TypeError, IndexError, AttributeError):
-        return None
+    if "rlk_fixed_index" not in n.meta:   # evaluated once: every map through this pick asks again
+        try:
+            n.meta["rlk_fixed_index"] = dim, _evaluate(idx, {})
+        except (ValueError, RuntimeError, TypeError, IndexError, AttributeError):
+            n.meta["rlk_fixed_index"] = None
+    return n.meta["rlk_fixed_index"]
 
 
 _UNSET = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}   # values never written
@@ -313,15 +315,13 @@ def _rows_view(key, local, shape, f, names, leaf_shapes, columns=None):
     width = _width(leaf_shapes[leaf], feat, f)
     row, col = l2 // width, l2 % width
     product = columns[leaf] if columns else None
-    if product is not None and not (width == product[0].numel() and bool((row == row[:, :1]).all())
-                                    and bool((col == col[:1]).all())):
+    uniform = bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())   # each row one leaf row, alike
+    if product is not None and not (width == product[0].numel() and uniform):
         return {"mixed": _product_digest(names[leaf], product, l2)}   # not rows of one token's same columns
-    if not (bool((row == row[:, :1]).all()) and bool((col == col[:1]).all())):
+    if not uniform:
         return {"mixed": _digest(names, k2, l2)}   # a row from several leaf rows, or columns that vary by row
     if product is not None:   # the columns as the weight rows (and bias elements) that make them
-        ids = product[0][col[0]]
-        runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
-        cols = [[product[1][k], s, e] for k, s, e in runs] if runs is not None else _digest(product[1], ids)
+        cols = _labelled(product[0][col[0]], product[1])
     else:
         runs = _runs(torch.zeros_like(col[0]), col[0])
         cols = [r[1:] for r in runs] if runs is not None else _digest(col[0])
@@ -341,7 +341,7 @@ def _product_digest(label: str, product, l2) -> str:
     n = uniq.numel()
     ids = uniq[l2 % n]
     used, lid = torch.unique(ids >> _SHIFT, return_inverse=True)
-    return _digest("product", label, [labels[i] for i in used.tolist()], l2 // n, lid, ids & ((1 << _SHIFT) - 1))
+    return _digest("product", label, [labels[i] for i in used.tolist()], l2 // n, lid, ids & _ROW)
 
 
 def _product_forms(forms: dict, shape, force: bool = False) -> dict:
@@ -360,14 +360,12 @@ def _product_identity(label: str, shape, table: list) -> dict:
     table (``product_label``), no replay (Qwen3-8B's gate_up output over 2731 tokens holds more than LIMIT
     elements). None when it holds a weight row twice: replayed, as through a view."""
     names = sorted({c[0] for c in table})
-    ids = torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in table])
+    ids = _column_ids(table, names)
     if torch.unique(ids).numel() != ids.numel():   # a weight row twice (cat([W, W])): the replay's map
         return None
-    runs = _runs(ids >> _SHIFT, ids & ((1 << _SHIFT) - 1))
     if math.prod(shape[:-1]) == 0:
         return {str(f): {"mixed": "empty"} for f in range(min(len(shape) - 1, 2) + 1)}
-    one = {"leaf": label, "cols": [[names[k], a, b] for k, a, b in runs] if runs is not None else _digest(names, ids),
-           "width": torch.unique(ids).numel(), "rows": "in order"}
+    one = {"leaf": label, "cols": _labelled(ids, names), "width": ids.numel(), "rows": "in order"}
     return _product_forms({str(f): one if f == 1 else {"mixed": ""} for f in range(min(len(shape) - 1, 2) + 1)},
                           shape, force=True)   # the others: digests of this one
 
@@ -383,6 +381,18 @@ def _feat(shape, f: int) -> int:
 
 
 _SHIFT = 40   # a product's column id: (label number << _SHIFT) + weight row
+_ROW = (1 << _SHIFT) - 1
+
+
+def _column_ids(table: list, names: list[str]) -> torch.Tensor:
+    """A product's columns (runs ``[label, first row, stop]``) as ids, labels numbered by ``names``."""
+    return torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in table])
+
+
+def _labelled(ids: torch.Tensor, names: list[str]):
+    """Column ids back as runs ``[label, first row, stop]`` (a digest past MAX_RUNS)."""
+    runs = _runs(ids >> _SHIFT, ids & _ROW)
+    return [[names[k], a, b] for k, a, b in runs] if runs is not None else _digest(names, ids)
 
 
 def _columns(node, names: dict):
@@ -422,8 +432,7 @@ def _products(key, local, labels, shapes, tables):
             continue
         made[g] = remap[k]
         names = sorted({c[0] for kk in groups[g] for c in tables[kk]})
-        ids = {kk: torch.cat([torch.arange(a, b) + (names.index(c) << _SHIFT) for c, a, b in tables[kk]])
-               for kk in groups[g]}
+        ids = {kk: _column_ids(tables[kk], names) for kk in groups[g]}
         uniq = torch.unique(torch.cat(list(ids.values())))
         for kk in groups[g]:
             at, n = key == kk, shapes[kk][-1]
@@ -458,16 +467,20 @@ def product_columns(maps: dict, n_out: int):
     while i < len(wi) and j < len(bi):
         (wl, ws, we), (bl, bs, be) = wi[i], bi[j]
         n = min(we - ws, be - bs)
-        label = f"{wl} + {bl}" + (f"@{bs - ws:+d}" if bs != ws else "")
-        if out and out[-1][0] == label and out[-1][2] == ws:
-            out[-1][2] = ws + n
-        else:
-            out.append([label, ws, ws + n])
+        append_run(out, f"{wl} + {bl}" + (f"@{bs - ws:+d}" if bs != ws else ""), ws, ws + n)
         wi[i][1] += n
         bi[j][1] += n
         i += wi[i][1] == we
         j += bi[j][1] == be
     return out
+
+
+def append_run(runs: list, label: str, start: int, stop: int) -> None:
+    """Add ``[label, start, stop]`` to ``runs``, joined to the last run when it continues it."""
+    if runs and runs[-1][0] == label and runs[-1][2] == start:
+        runs[-1][2] = stop
+    else:
+        runs.append([label, start, stop])
 
 
 def _row_width(runs: list, n_out: int) -> int:
@@ -486,14 +499,15 @@ def product_label(layer: int, maps: dict, node: torch.fx.Node) -> tuple[str, lis
     x = maps.get("x") or {}
     text = "#unresolved" if "unresolved" in x else _arg_text(x) if x else "none"
     try:
-        cols = product_columns(maps, _shape(node)[-1])
+        n_out = _shape(node)[-1]
     except ValueError:   # no size hint
-        cols = "#unresolved"
+        return f"@L{layer}(x: {text}; #unresolved)", None
+    cols = product_columns(maps, n_out)
     if isinstance(cols, str):
         return f"@L{layer}(x: {text}; {cols})", None
     # the rows' width is in the label: "rows 0:3" of a weight read through w.reshape(12, 4) are not w's
     # rows 0:3 (a session 37 audit)
-    return f"@L{layer}(x: {text}; rows of {_row_width(maps['weight']['w'], _shape(node)[-1])})", cols
+    return f"@L{layer}(x: {text}; rows of {_row_width(maps['weight']['w'], n_out)})", cols
 
 
 def _whole_leaves(key, local, leaf_shapes) -> list[int] | None:
@@ -563,10 +577,7 @@ def _flat_runs(node, leaves: dict) -> list | None:
             if more is None:
                 return None
             for r in more:
-                if runs and runs[-1][0] == r[0] and runs[-1][2] == r[1]:
-                    runs[-1][2] = r[2]
-                else:
-                    runs.append(list(r))
+                append_run(runs, *r)
         return runs
     return None
 
@@ -593,11 +604,8 @@ def _unpack(runs: list) -> list:
                 if lo < hi:
                     pieces.append((name + casts, lo - at, hi - at))
                 at += n
-        for name, a, b in pieces:
-            if out and out[-1][0] == name and out[-1][2] == a:
-                out[-1][2] = b
-            else:
-                out.append([name, a, b])
+        for piece in pieces:
+            append_run(out, *piece)
     return out
 
 
@@ -662,8 +670,8 @@ def element_map(val, produced: dict, names: dict, inputs: dict, order: dict, mem
         for n in sorted(chain, key=order.__getitem__):
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
-            elif _fixed_index(n) is not None:   # the pick, with the values the graph fixes
-                dim, values = _fixed_index(n)
+            elif (pick := _fixed_index(n)) is not None:   # the pick, with the values the graph fixes
+                dim, values = pick
                 env[n] = torch.index_select(env[n.args[0]], dim, values.long() % env[n.args[0]].shape[dim])
             elif n.target._opname == "_to_copy":   # a new tensor, its values' places kept
                 env[n] = env[n.args[0]].clone()

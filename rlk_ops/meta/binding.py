@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlk_ops.compile.element_maps import (ATTENTION, input_name, labelled, last_tokens_digest, leaf_name, node_label,
-                                          product_columns, whole)
+from rlk_ops.compile.element_maps import (ATTENTION, append_run, input_name, labelled, last_tokens_digest, leaf_name,
+                                          node_label, product_columns, whole)
 from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.probe import blocking, path_of, probe_keys
 from rlk_ops.meta.specs import REGISTRY
@@ -380,11 +380,8 @@ def _writes(graph: dict):
 def _merged(runs: list[list]) -> list[list]:
     """Runs sorted by weight and row, adjacent ones joined (a row taken twice stays twice)."""
     out = []
-    for label, a, b in sorted(runs, key=lambda r: (r[0], r[1], r[2])):
-        if out and out[-1][0] == label and out[-1][2] == a:
-            out[-1][2] = b
-        else:
-            out.append([label, a, b])
+    for r in sorted(runs, key=lambda r: (r[0], r[1], r[2])):
+        append_run(out, *r)
     return out
 
 
