@@ -295,6 +295,22 @@ def bad_input_checks(mesh, rank):
     expect_everywhere(lambda: context_parallel_attention(q4, kv, kv, lay, group,
                                                          softmax_scale="a" if cp_rank else None),
                       "rejected its input", "softmax_scale must be a finite float or None, got str 'a'")
+    # the forward's own checks: one rank passing another module's layout, bad taps, or running without
+    # gradients raises on every rank (each raised on its rank alone, the others waiting in the first
+    # collective until the timeout: a session 33 audit)
+    xs, ps, lay_z = pb.prepare(x, pos, cu)
+    other_lay = ParallelQwen3Attention(block, mesh, "contiguous").prepare(x, pos, cu)[2]
+    expect_everywhere(lambda: pb(xs, ps, other_lay if rank == 3 else lay_z), "ParallelQwen3Attention.forward: "
+                      "rank 3 rejected its input", "use the layout from this module's prepare()")
+    expect_everywhere(lambda: pb(xs, ps, lay_z, taps=[] if rank == 2 else None), "rank 2 rejected its input",
+                      "taps must be a dict or None, got list")
+
+    def forward_grad_on_all_but_rank_1():
+        with torch.set_grad_enabled(rank != 1):
+            pb(xs, ps, lay_z)
+    expect_everywhere(forward_grad_on_all_but_rank_1, "ranks disagree on with gradients: True on rank 0 but False "
+                                                      "on rank 1")
+    expect_everywhere(lambda: pb(xs, ps, lay_z, check=None), "check must be a bool, got NoneType None")
     # a bad position (the same batch on every rank): rope once refused it on the rank holding that
     # token alone, after the others had entered the cp all_gather
     pos_bad = pos.clone()

@@ -46,7 +46,7 @@ def _worker(rank, world_size, dtype):
     assert torch.equal(gx, want.to(dtype).chunk(world_size, 0)[rank])
     (gx2,) = torch.autograd.grad((rlk_ops.reduce_scatter(xr, 0) * w_of(rank)[:4]).sum(), xr)
     assert torch.equal(gx2, torch.cat([w_of(r)[:4] for r in range(world_size)], 0))
-    # bad input fails on every rank before any communication (no hang)
+    # bad input on every rank fails before any communication (no hang)
     try:
         rlk_ops.reduce_scatter(torch.zeros(world_size + 1, 2, dtype=dtype), 0)
     except rlk_ops.RlkInputError as e:
@@ -85,3 +85,66 @@ def test_collectives_gloo(world_size):
 
 def test_collectives_gloo_bf16():
     run_workers(_worker, 2, torch.bfloat16)
+
+
+def _raises_everywhere(fn, match):
+    """fn() must raise DistributedInputError matching ``match`` on this rank; afterwards the ranks
+    still communicate (a rank left inside a collective would hang the next one)."""
+    import re
+
+    from rlk_ops.distributed import DistributedInputError
+    try:
+        fn()
+    except DistributedInputError as e:
+        assert re.search(match, str(e)), str(e)
+    else:
+        raise AssertionError(f"no DistributedInputError (expected {match!r})")
+
+
+def _mismatch_worker(rank, world_size):
+    """Shapes, dtypes, dims that differ between ranks, or bad input on one rank alone: every rank
+    raises the same error naming the rank and the argument (before, gloo aborted a process or
+    another rank returned uninitialised memory, and a rank's own bad input left the others waiting
+    until the timeout); the next call with agreeing input then works."""
+    last = world_size - 1
+    x = torch.full((4, 6), float(rank))
+    good = torch.cat([torch.full((4, 6), float(r)) for r in range(world_size)])
+    assert torch.equal(rlk_ops.all_gather(x, 0), good)
+    for op in (rlk_ops.all_gather, rlk_ops.reduce_scatter):
+        name = op.__name__
+        n = 4 * world_size
+        y = torch.zeros(n, 7) if rank == last else torch.zeros(n, 6)
+        _raises_everywhere(lambda: op(y, 0), rf"rlk_ops.{name}: ranks disagree on x.shape\[1\]: 6 on rank 0 "
+                                             rf"but 7 on rank {last}")
+        y = torch.zeros(n, 6, 1) if rank == last else torch.zeros(n, 6)
+        _raises_everywhere(lambda: op(y, 0), rf"ranks disagree on x.dim\(\): 2 on rank 0 but 3 on rank {last}")
+        y = torch.zeros(n, 6, dtype=torch.float64 if rank == last else torch.float32)
+        _raises_everywhere(lambda: op(y, 0), rf"ranks disagree on x.dtype: torch.float32 on rank 0 but "
+                                             rf"torch.float64 on rank {last}")
+        y = torch.zeros(4 * world_size, 6)
+        _raises_everywhere(lambda: op(y, 1 if rank == last else 0),
+                           rf"ranks disagree on dim: 0 on rank 0 but 1 on rank {last}")
+        # dims past the 16 named ones, through the hash
+        shape = [1] * 16 + [4 * world_size, 2 if rank == last else 3]
+        _raises_everywhere(lambda: op(torch.zeros(shape), 16), r"ranks disagree on x.shape past dim 15 \(hashed\)")
+        # one rank's own bad input: every rank raises with its message
+        _raises_everywhere(lambda: op("x" if rank == last else torch.zeros(4 * world_size, 6), 0),
+                           rf"rlk_ops.{name}: rank {last} rejected its input: rlk::{name}: x must be a torch.Tensor")
+        _raises_everywhere(lambda: op(torch.zeros(4 * world_size, 6), 5 if rank == last else 0),
+                           rf"rank {last} rejected its input: rlk::{name}: dim must be in \[-2, 1\]")
+    # -1 and 1 name the same dim of a 2-d x
+    assert torch.equal(rlk_ops.all_gather(x, -1 if rank == 0 else 1), torch.cat(good.chunk(world_size), 1))
+    # check=False skips the exchange (the local checks still run)
+    assert torch.equal(rlk_ops.all_gather(x, 0, check=False), good)
+    try:
+        rlk_ops.all_gather(x, 0, check="yes")
+    except rlk_ops.RlkInputError as e:
+        assert "check must be a bool, got str 'yes'" in str(e)
+    else:
+        raise AssertionError("check='yes' accepted")
+    assert torch.equal(rlk_ops.reduce_scatter(torch.ones(2 * world_size, 3), 0), torch.full((2, 3), float(world_size)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_compare_ranks_first(world_size):
+    run_workers(_mismatch_worker, world_size)

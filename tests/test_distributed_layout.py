@@ -422,7 +422,9 @@ def test_parallel_block_forward_names_inputs_not_from_prepare(mesh_check):
     """On a mesh, forward takes prepare()'s DTensors; a plain tensor (or one on another mesh)
     is named instead of failing inside local_map (a one-process, 1 x 1 mesh, in a subprocess)."""
     assert "ran (24, 128)" in mesh_check
-    assert "refused: ParallelQwen3Attention: hidden_states must be the DTensor prepare() returned" in mesh_check
+    # through the forward's preflight (session 38), so that on a mesh every rank raises it
+    assert ("refused: ParallelQwen3Attention.forward: rank 0 rejected its input: ParallelQwen3Attention: "
+            "hidden_states must be the DTensor prepare() returned") in mesh_check
 
 
 def test_parallel_block_prepare_names_a_dtensor_input(mesh_check):

@@ -16,14 +16,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rlk_ops.ops._validate import RlkInputError
+
 _MSG_BYTES = 480
 # metadata values a row carries: the row has one length on every rank whatever each rank
 # passes (gloo aborts the process on an all_gather of rows of different lengths)
 _MAX_META = 32
 
 
-class DistributedInputError(ValueError):
-    """Bad input to a distributed rlk entry point, raised on every rank of the group."""
+class DistributedInputError(RlkInputError):
+    """Bad input to a distributed rlk entry point, raised on every rank of the group (an
+    ``RlkInputError``, so one ``except`` catches bad input to any rlk function)."""
 
 
 def require_initialized(what: str) -> None:

@@ -201,16 +201,34 @@ class ParallelQwen3Attention(nn.Module):
         return x, pos, lay
 
     # ----------------------------------------------------------------- forward
-    def forward(self, hidden_states, positions, layout, return_attention: bool = False, taps=None):
+    def forward(self, hidden_states, positions, layout, return_attention: bool = False, taps=None,
+                check: bool = True):
         """hidden_states [T, hidden] and positions [T] from ``prepare``. Returns y [T, hidden]
         (and the detached attention out [T, Hq, D], lse [Hq, T] with ``return_attention``),
         as DTensors in cp layout order (plain tensors when mesh is None). ``taps``
-        (eager only): a dict that receives this rank's q, k, v with gradients retained (checked
-        before any collective; a rank passing another kind of taps than the others still raises
-        alone)."""
-        if taps is not None and not isinstance(taps, dict):
-            _fail(f"taps must be a dict or None, got {type(taps).__name__}")
-        self._check_forward(hidden_states, positions, layout)
+        (eager only): a dict that receives this rank's q, k, v with gradients retained.
+
+        ``check`` (eager, on a mesh; skipped while torch.compile traces): the ranks compare,
+        in one small all_gather before the first collective, whether each passed prepare()'s
+        inputs and layout for this module and taps of an accepted kind, and whether each runs
+        with gradients; any problem raises on every rank (before, a rank that failed these
+        checks raised alone and the others waited in the first collective until the timeout)."""
+        def local_checks():
+            if taps is not None and not isinstance(taps, dict):
+                _fail(f"taps must be a dict or None, got {type(taps).__name__}")
+            self._check_forward(hidden_states, positions, layout)
+
+        if not isinstance(check, bool):
+            raise DistributedInputError(f"ParallelQwen3Attention: check must be a bool, got {type(check).__name__} "
+                                        f"{V.short_repr(check)}")
+        if self.mesh is None or not check or torch.compiler.is_compiling():
+            local_checks()
+        else:
+            problem = collect([local_checks])
+            # a rank that builds no graph would skip the backward's collectives the others enter
+            grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+            preflight(None, "ParallelQwen3Attention.forward", problem, {"with gradients": grad},
+                      show={"with gradients": show_bool})
         weights = [getattr(self, n.split(".")[0]).weight for n in _PARAMS]
         if self.mesh is None:
             y, attn, lse = local_forward(hidden_states, positions, *weights, layout, self.topology, taps)

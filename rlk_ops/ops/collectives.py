@@ -7,17 +7,23 @@
                                           ascending rank order in fp32
 
 Each is the other's gradient. ``group_name`` is a ProcessGroup's ``group_name``; the
-public functions take the group itself (None: the default group). Checks run before
-any communication, so bad input raises on the rank that has it before it sends anything;
-the other ranks then wait until the process group's timeout. To make every rank raise
-together, check inputs across ranks first (rlk_ops.distributed.checks.preflight).
-The checks are local: each rank's ``x`` must have the same shape and dtype, which nothing
-here compares across ranks (that would cost a second collective per call). With shapes or
-dtypes that differ between ranks, gloo has aborted a rank's process and another rank has
-returned uninitialised memory (a session 31 audit). The block's callers
-(rlk_ops.distributed) compare them in their preflight.
+public functions take the group itself (None: the default group).
+
+Every rank must pass an ``x`` of one shape and dtype: with shapes or dtypes that differ
+between ranks, gloo has aborted a rank's process and another rank has returned
+uninitialised memory (a session 31 audit). So the public functions check across ranks
+first (``check=True``, eager): every rank checks its own arguments, and one small
+all_gather of metadata (``rlk_ops.distributed.checks.preflight``) compares shape, dtype,
+device and dim, after which either every rank raises the same ``DistributedInputError``
+(naming the rank and the argument) or every rank goes on. That costs one extra
+collective per call; ``check=False`` skips it, and it is skipped while torch.compile
+traces (compiled callers check beforehand, as ``ParallelQwen3Attention.prepare`` does).
+Without the cross-rank check, bad input raises on the rank that has it before it sends
+anything, and the other ranks wait until the process group's timeout.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -41,16 +47,60 @@ def group_name(group=None) -> str:
     return group.group_name
 
 
-def all_gather(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in rank order. Differentiable."""
-    V.tensors("all_gather", x=x)
-    return torch.ops.rlk.all_gather(x, V.int_arg("all_gather", "dim", dim), group_name(group))
+def all_gather(x: torch.Tensor, dim: int = 0, group=None, check: bool = True) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order. Differentiable.
+    ``check``: compare shape, dtype, device and dim across ranks first (module doc)."""
+    name, dim = _public("all_gather", x, dim, group, check)
+    return torch.ops.rlk.all_gather(x, dim, name)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None) -> torch.Tensor:
-    """Sum ``x`` over ranks (fixed rank order, fp32) and keep this rank's block of ``dim``."""
-    V.tensors("reduce_scatter", x=x)
-    return torch.ops.rlk.reduce_scatter(x, V.int_arg("reduce_scatter", "dim", dim), group_name(group))
+def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, check: bool = True) -> torch.Tensor:
+    """Sum ``x`` over ranks (fixed rank order, fp32) and keep this rank's block of ``dim``.
+    ``check``: compare shape, dtype, device and dim across ranks first (module doc)."""
+    name, dim = _public("reduce_scatter", x, dim, group, check)
+    return torch.ops.rlk.reduce_scatter(x, dim, name)
+
+
+_SHAPE_DIMS = 16  # dims named one by one in a disagreement; the shape's hash covers the rest
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
+_DEVICES = ("cpu", "cuda")
+
+
+def _public(op, x, dim, group, check):
+    """The public functions' checks. ``check`` (eager): every rank collects its own problem and
+    the ranks compare their metadata in one preflight, so all raise together or none does."""
+    if not isinstance(check, bool):
+        V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+    if not dist.is_available() or not dist.is_initialized():  # one process: its arguments first, as before
+        V.tensors(op, x=x)
+        V.int_arg(op, "dim", dim)
+    name = group_name(group)  # a bad group type raises here, on its rank: without a group nothing can be compared
+    state = {}
+
+    def local():
+        V.tensors(op, x=x)
+        state["dim"] = V.int_arg(op, "dim", dim)
+        _check(op, x, state["dim"], name)
+
+    if not check or torch.compiler.is_compiling():
+        local()
+        return name, state["dim"]
+    from rlk_ops.distributed.checks import collect, preflight, show_choice
+
+    problem = collect([local])
+    ok = problem is None
+    shape = tuple(x.shape) if ok else ()
+    meta = {"x.dim()": len(shape) if ok else -1,
+            "x.dtype": _DTYPES.index(x.dtype) if ok else -1,
+            "x.device": _DEVICES.index(x.device.type) if ok and x.device.type in _DEVICES else -1,
+            # dim as the dim it names: -1 and 1 of a 2-d x gather the same way
+            "dim": state["dim"] % len(shape) if ok else -1}
+    meta.update({f"x.shape[{i}]": shape[i] if i < len(shape) else -1 for i in range(_SHAPE_DIMS)})
+    rest = ",".join(map(str, shape[_SHAPE_DIMS:])).encode()
+    meta["x.shape past dim 15 (hashed)"] = int.from_bytes(hashlib.blake2b(rest, digest_size=8).digest(), "little") >> 1
+    preflight(group, f"rlk_ops.{op}", problem, meta,
+              show={"x.dtype": show_choice(_DTYPES, none=-1), "x.device": show_choice(_DEVICES, none=-1)})
+    return name, state["dim"]
 
 
 define("all_gather")
