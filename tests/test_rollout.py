@@ -57,8 +57,8 @@ def test_allocator_exhaustion_is_a_clear_error_and_changes_nothing():
 
 
 # ------------------------------------------------------------------ rollout loop
-def _tiny():
-    return TinyQwen3(TinyQwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+def _tiny(layers=1):
+    return TinyQwen3(TinyQwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=layers,
                                      num_heads=2, num_kv_heads=1, head_dim=32), seed=3)
 
 
@@ -648,3 +648,86 @@ def test_swiglu_op_is_checked_and_its_gradient_is_silu_times_up():
     torch.library.opcheck(torch.ops.rlk_model.swiglu.default, (torch.randn(4, 3, 6, generator=g).permute(1, 0, 2),))
     with pytest.raises(ValueError, match=r"swiglu_bwd: dout must be torch.bfloat16 \[7, 5\] .*got torch.float32 \[7, 5\]"):
         torch.ops.rlk_model.swiglu_bwd(torch.zeros(7, 5), xb)
+
+
+# ----------------------------------------------------- the model's entry points (a session 38 audit)
+def test_paged_caches_are_checked_before_any_layer_writes():
+    """A cache made for fewer layers (a bare IndexError after layer 0 had written its cache), a later
+    layer's cache of another dtype (layer 0 written first), and one tensor shared by two layers
+    (accepted: each layer overwrote the other's keys, the logits wrong) are refused up front, and
+    the caches are left as they were."""
+    model = _tiny(layers=2)
+    cfg = model.config
+    short = PagedKVCache(1, 8, 4, cfg.num_kv_heads, cfg.head_dim)
+    short.add(0)
+    before = short.k[0].clone()
+    slots = short.reserve(0, 5)
+    tokens, positions = torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5)[None]
+    with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches must be a list of 2 caches \(one per layer\), got "
+                                                    r"list of 1"):
+        model.forward_rollout(tokens, positions, short, [0], slots)
+    assert torch.equal(short.k[0], before)
+    shape = (4, 4, cfg.num_kv_heads, cfg.head_dim)
+    table, lens, slot = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), torch.tensor([8])
+    kc = [torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.float32)]
+    vc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches\[1\] must have the dtype and device of what its "
+                                                    r"layer's k_proj makes, torch.bfloat16 on cpu, got torch.float32"):
+        model.forward_paged(tokens[:, :1], positions[:, :1], kc, vc, table, lens, slot)
+    assert not kc[0].any()
+    shared = [torch.zeros(shape, dtype=torch.bfloat16)] * 2
+    with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches\[1\] shares memory with k_caches\[0\]"):
+        model.forward_paged(tokens[:, :1], positions[:, :1], shared, vc, table, lens, slot)
+    whole = torch.zeros(2, *shape, dtype=torch.bfloat16)   # halves of one buffer are caches of their own
+    views = torch.zeros(2, *shape, dtype=torch.bfloat16)
+    out = model.forward_paged(tokens[:, :1], positions[:, :1], list(whole), list(views), table, lens, slot)
+    assert out.shape == (1, 1, cfg.vocab_size)
+    with pytest.raises(rlk_ops.RlkInputError, match=r"v_caches\[0\] must be \[num_pages, page_size, "):
+        model.forward_paged(tokens[:, :1], positions[:, :1], list(whole), [views[0][..., :1], views[1]], table,
+                            lens, slot)
+    with pytest.raises(rlk_ops.RlkInputError, match=r"v_caches\[1\] must have k_caches\[0\]'s shape"):
+        model.forward_paged(tokens[:, :1], positions[:, :1], list(whole), [views[0], views[1, :2]], table, lens,
+                            slot)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda m, c, s: m.forward_rollout(torch.tensor([[1, 2, m.config.vocab_size]]), torch.arange(3)[None], c, [0], s),
+     r"forward_paged: tokens\[0, 2\] = \d+ is not a token id; token ids must be in \[0, \d+\) \(the vocabulary\)"),
+    (lambda m, c, s: m.forward_rollout(torch.tensor([1, 2, 3]), torch.arange(3), c, [0], s),
+     r"tokens must be 2-D \[B, Sq\] .*, got shape \[3\]"),
+    (lambda m, c, s: m.forward_rollout(torch.tensor([[1., 2, 3]]), torch.arange(3)[None], c, [0], s),
+     r"tokens must be torch.int64 or torch.int32 token ids, got torch.float32"),
+    (lambda m, c, s: m.forward_rollout([[1, 2, 3]], torch.arange(3)[None], c, [0], s),
+     r"tokens must be a torch.Tensor \[B, Sq\] .*, got list"),
+    (lambda m, c, s: m.forward_train(torch.tensor([1, -2, 3]), torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)),
+     r"forward_train: tokens\[1\] = -2 is not a token id"),
+    (lambda m, c, s: m.forward_train(torch.tensor([[1, 2, 3]]), torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)),
+     r"forward_train: tokens must be 1-D \[T\] \(packed\), got shape \[1, 3\]"),
+])
+def test_token_ids_are_named(call, pattern):
+    """The embedding's own errors ("index out of range in self", "not enough values to unpack") named
+    neither the argument nor the value; the cache is left as it was."""
+    model = _tiny(layers=2)
+    cache = cache_for(model, [Request(0, [1, 2, 3], 1)], 4, 1)
+    cache.add(0)
+    slots = cache.reserve(0, 3)
+    with pytest.raises(rlk_ops.RlkInputError, match=pattern):
+        call(model, cache, slots)
+    assert not any(t.any() for t in cache.k + cache.v)
+
+
+def test_allocator_lookups_take_lists_not_generators():
+    """A generator was used up by the checks: seq_lens returned an empty tensor, reserve_batch failed
+    in torch.cat naming nothing."""
+    cache = PagedKVCache(1, 4, 4, 1, 8)
+    for s in (0, 1):
+        cache.add(s)
+    cache.reserve(0, 3)
+    with pytest.raises(ValueError, match=r"PagedKVCache.seq_lens: seqs must be a list or tuple of sequence ids, "
+                                         r"got generator"):
+        cache.seq_lens(s for s in [0, 1])
+    with pytest.raises(ValueError, match=r"reserve_batch: requests must be a list or tuple of \(seq, n_new\) pairs"):
+        cache.reserve_batch((s, 1) for s in (0, 1))
+    with pytest.raises(ValueError, match=r"page_table: seqs must be a list or tuple of sequence ids, got int 0"):
+        cache.page_table(0)
+    assert cache.length(1) == 0 and torch.equal(cache.seq_lens((0, 1)), torch.tensor([3, 0], dtype=torch.int32))

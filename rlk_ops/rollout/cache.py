@@ -93,6 +93,7 @@ class PagedKVCache:
         """Reserve ``(seq, n_new)`` for several sequences at once, all or nothing:
         the pages for every request are counted before any is taken. Returns the
         concatenated slot_mapping."""
+        _listed("reserve_batch", "requests", requests, "(seq, n_new) pairs")
         seen: set[int] = set()
         need = 0
         for item in requests:  # every check before any page is taken
@@ -122,6 +123,7 @@ class PagedKVCache:
 
     # --------------------------------------------------------------- op inputs
     def page_table(self, seqs: list[int]) -> torch.Tensor:
+        _listed("page_table", "seqs", seqs, "sequence ids")
         for s in seqs:
             self._known(s)
         width = max([1] + [len(self._pages[s]) for s in seqs])
@@ -131,9 +133,18 @@ class PagedKVCache:
         return table.to(self.device)
 
     def seq_lens(self, seqs: list[int]) -> torch.Tensor:
+        _listed("seq_lens", "seqs", seqs, "sequence ids")
         for s in seqs:
             self._known(s)
         return torch.tensor([self._lens[s] for s in seqs], dtype=torch.int32, device=self.device)
+
+
+def _listed(where: str, name: str, value, what: str) -> None:
+    """A list or tuple (a generator would be used up by the checks, and the call then saw nothing: a
+    session 38 audit; a bare int is no list)."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"PagedKVCache.{where}: {name} must be a list or tuple of {what}, got "
+                         f"{type(value).__name__} {value!r}"[:300])
 
 
 def _count(name: str, value) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 import rlk_ops
 from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.kernels.cpu import numerics as nx
+from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.glue import silu, swiglu  # noqa: F401 (silu: the model's, re-exported)
 
@@ -133,6 +134,8 @@ class TinyQwen3(nn.Module):
     def forward_train(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_seqlen: int = 0, trace: Trace | None = None) -> torch.Tensor:
         """tokens/positions [T] (packed), cu_seqlens int32 [B+1] -> logits [T, vocab]."""
+        if not torch.compiler.is_compiling():
+            self.check_tokens("TinyQwen3.forward_train", tokens, "[T] (packed)")
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             out, attn, lse = layer.self_attn(layer.input_layernorm(h), positions, cu_seqlens, max_seqlen,
@@ -156,7 +159,11 @@ class TinyQwen3(nn.Module):
                       v_caches: list[torch.Tensor], page_table: torch.Tensor, seq_lens: torch.Tensor,
                       slot_mapping: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
         """``forward_rollout`` after the allocator's lookups: tensors only (what ``compiled_rollout``
-        compiles; Dynamo would guard on the allocator's Python tables and compile anew every step)."""
+        compiles; Dynamo would guard on the allocator's Python tables and compile anew every step).
+        Eagerly, the tokens and the per-layer caches are checked before any layer writes its cache
+        (``compiled_rollout`` checks them before the compiled call)."""
+        if not torch.compiler.is_compiling():
+            self.check_paged_inputs(tokens, k_caches, v_caches)
         b, sq = tokens.shape
         h = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
@@ -169,6 +176,70 @@ class TinyQwen3(nn.Module):
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
+
+
+    # ------------------------------------------------------------------ checks
+    def check_tokens(self, where: str, tokens, layout: str, dims: int = 1) -> None:
+        """tokens: an integer tensor of ``dims`` dims, every value in [0, vocab_size) (the embedding's own
+        errors name neither the argument nor the value; CUDA values checked as the ops check theirs)."""
+        vocab = self.config.vocab_size
+        if not isinstance(tokens, torch.Tensor):
+            raise V.RlkInputError(f"{where}: tokens must be a torch.Tensor {layout}, got {type(tokens).__name__}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise V.RlkInputError(f"{where}: tokens must be torch.int64 or torch.int32 token ids, got {tokens.dtype}")
+        if tokens.dim() != dims:
+            raise V.RlkInputError(f"{where}: tokens must be {dims}-D {layout}, got shape {V.shape_str(tokens)}")
+        if tokens.device != self.embed_tokens.weight.device:
+            raise V.RlkInputError(f"{where}: tokens must be on the model's device "
+                                  f"{self.embed_tokens.weight.device}, got {tokens.device}")
+        if not tokens.numel() or not V.value_checks_enabled(tokens, where):
+            return
+        bad = (tokens < 0) | (tokens >= vocab)
+        if V.on_device(tokens) and V.all_clear(bad):
+            return
+        if bool(bad.any()):
+            i = V.first_bad(bad.cpu())
+            raise V.RlkInputError(f"{where}: {V.fmt_index('tokens', i)} = {int(tokens[i])} is not a token id; "
+                                  f"token ids must be in [0, {vocab}) (the vocabulary)")
+
+    def check_paged_inputs(self, tokens, k_caches, v_caches) -> None:
+        """``forward_paged``'s tokens [B, Sq] and caches: one K and one V cache per layer, each
+        [num_pages, page_size, num_kv_heads, head_dim] in the model's dtype and on its device, and no two
+        sharing memory (``[torch.zeros(shape)] * num_layers`` made every layer write one cache: accepted,
+        logits wrong, a session 38 audit). Checked before any layer writes: a bad later layer was found
+        after layer 0 had written its cache."""
+        where = "TinyQwen3.forward_paged"
+        self.check_tokens(where, tokens, "[B, Sq] (the newest Sq tokens of B sequences)", dims=2)
+        cfg = self.config
+        for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
+            if not isinstance(caches, (list, tuple)) or len(caches) != cfg.num_layers:
+                got = f"{type(caches).__name__} of {len(caches)}" if isinstance(caches, (list, tuple)) else \
+                    type(caches).__name__
+                raise V.RlkInputError(f"{where}: {name} must be a list of {cfg.num_layers} caches (one per layer), "
+                                      f"got {got}")
+        # each layer's caches hold what its k_proj makes (an embedding table may have another dtype)
+        named = [(f"{name}[{i}]", caches[i], self.layers[i].self_attn.k_proj.weight)
+                 for i in range(cfg.num_layers) for name, caches in (("k_caches", k_caches), ("v_caches", v_caches))]
+        first = None
+        for name, c, w in named:
+            if not isinstance(c, torch.Tensor):
+                raise V.RlkInputError(f"{where}: {name} must be a torch.Tensor, got {type(c).__name__}")
+            if c.dim() != 4 or tuple(c.shape[2:]) != (cfg.num_kv_heads, cfg.head_dim):
+                raise V.RlkInputError(f"{where}: {name} must be [num_pages, page_size, {cfg.num_kv_heads}, "
+                                      f"{cfg.head_dim}] (num_kv_heads, head_dim), got shape {V.shape_str(c)}")
+            if first is not None and c.shape != first[1].shape:
+                raise V.RlkInputError(f"{where}: {name} must have {first[0]}'s shape {V.shape_str(first[1])} "
+                                      f"(every layer's cache has one layout), got {V.shape_str(c)}")
+            if c.dtype != w.dtype or c.device != w.device:
+                raise V.RlkInputError(f"{where}: {name} must have the dtype and device of what its layer's k_proj "
+                                      f"makes, {w.dtype} on {w.device}, got {c.dtype} on {c.device}")
+            first = first or (name, c)
+        spans = sorted((V.span(c), name) for name, c, _ in named if c.numel())
+        for (a, name_a), (b, name_b) in zip(spans, spans[1:]):
+            if b[0] < a[1]:
+                raise V.RlkInputError(f"{where}: {name_b} shares memory with {name_a}; each layer's K and V need "
+                                      "caches of their own (one tensor for several would have each layer "
+                                      "overwrite another's keys)")
 
 
 def compiled_rollout(**compile_kwargs):
@@ -187,6 +258,7 @@ def compiled_rollout(**compile_kwargs):
     core = torch.compile(own, **compile_kwargs)
 
     def forward(model, tokens, positions, cache, seqs, slot_mapping, trace=None):
+        model.check_paged_inputs(tokens, cache.k, cache.v)   # eager: the compiled core skips its own
         table = cache.page_table(seqs)
         if table.shape[1] == 1:
             table = torch.nn.functional.pad(table, (0, 1))
