@@ -30,6 +30,20 @@ def _seed(text: str) -> int:
 
 
 MAX_PAGE_SIZE = 4096
+# the demo model's sizes: far past anything the demo needs, short of what the allocator refuses with a
+# traceback and exit 1 (which means "rollout and training disagree"; a session 38 audit)
+MAX_LAYERS = 256
+MAX_SEQUENCES = 4096
+
+
+def _at_most(limit: int, what: str):
+    """argparse type: an int in [1, limit]."""
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected {what} in [1, {limit}], got {value}")
+        return value
+    return parse
 
 
 def _page_size(text: str) -> int:
@@ -208,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train-vs-rollout bitwise check")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--sequences", type=_positive_int, default=8)
+    p.add_argument("--layers", type=_at_most(MAX_LAYERS, "a layer count"), default=2)
+    p.add_argument("--sequences", type=_at_most(MAX_SEQUENCES, "a sequence count"), default=8)
     p.add_argument("--split-kv", type=_split_kv, default="disabled",
                    help="disabled | canonical (= canonical:768) | canonical:C (training and rollout must share "
                         "the policy; fixed:N and auto are rollout-only lanes that no training forward computes)")
@@ -237,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side", required=True, choices=["train", "rollout"])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--layers", type=_at_most(MAX_LAYERS, "a layer count"), default=2)
     p.add_argument("--seed", type=_seed, default=0, help="weights seed")
     p.add_argument("--model-id", default=None, help="checkpoint id (default: sha256 of the weights)")
     p.add_argument("--split-kv", type=_split_kv, default="disabled")

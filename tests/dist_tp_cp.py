@@ -311,6 +311,18 @@ def bad_input_checks(mesh, rank):
     expect_everywhere(forward_grad_on_all_but_rank_1, "ranks disagree on with gradients: True on rank 0 but False "
                                                       "on rank 1")
     expect_everywhere(lambda: pb(xs, ps, lay_z, check=None), "check must be a bool, got NoneType None")
+    expect_everywhere(lambda: pb(xs, ps, lay_z, check=1 if rank == 2 else True), "rank 2 rejected its input",
+                      "check must be a bool, got int 1")
+    # frozen weights, gradients for the input only: a rank under no_grad builds no graph either
+    frozen_pb = ParallelQwen3Attention(init_block(Qwen3Attention(**SMALL)).requires_grad_(False), mesh, "zigzag")
+    xf, pf, lf = frozen_pb.prepare(x, pos, cu)
+    xf = xf.detach().requires_grad_()
+
+    def input_grad_on_all_but_rank_3():
+        with torch.set_grad_enabled(rank != 3):
+            frozen_pb(xf, pf, lf)
+    expect_everywhere(input_grad_on_all_but_rank_3, "ranks disagree on with gradients: True on rank 0 but False "
+                                                    "on rank 3")
     # a bad position (the same batch on every rank): rope once refused it on the rank holding that
     # token alone, after the others had entered the cp all_gather
     pos_bad = pos.clone()

@@ -1184,3 +1184,33 @@ def test_cli_check_json_is_strict_and_refusals_answer(tmp_path, train, rollout, 
     assert main(["check", "--train", str(t), "--rollout", str(deep), "--json"]) == 2
     captured = capsys.readouterr()
     assert "nested too deeply" in captured.err and "nested too deeply" in json.loads(captured.out)["refused"]
+
+
+def test_cli_check_names_a_side_file_that_is_not_json(tmp_path, train, capsys):
+    """Text that is not JSON, or not UTF-8, was refused as 'check: Expecting value: line 1 column 1', naming
+    neither the file nor the flag (a session 38 audit)."""
+    from rlk_ops.__main__ import main
+
+    t = tmp_path / "t.json"
+    t.write_text(json.dumps(train))
+    for name, data in (("abc.json", b"abc\n"), ("ff.json", b"\xff")):
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        assert main(["check", "--train", str(t), "--rollout", str(bad)]) == 2
+        assert f"{bad}: not a side description (not JSON text: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--sequences", "100000000000000000000"], "expected a sequence count in [1, 4096], got 1000"),
+    (["demo", "--layers", "257"], "expected a layer count in [1, 256], got 257"),
+    (["describe", "--side", "rollout", "--out", "x.json", "--layers", "100000000000000000000"],
+     "expected a layer count in [1, 256], got 1000"),
+])
+def test_cli_sizes_past_the_demo_models_are_usage_errors(capsys, argv, message):
+    """A huge --sequences or --layers reached the allocator: a MemoryError traceback with exit 1, the code
+    for 'rollout and training disagree' (a session 38 audit)."""
+    from rlk_ops.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -124,9 +124,17 @@ def _mismatch_worker(rank, world_size):
         y = torch.zeros(4 * world_size, 6)
         _raises_everywhere(lambda: op(y, 1 if rank == last else 0),
                            rf"ranks disagree on dim: 0 on rank 0 but 1 on rank {last}")
-        # dims past the 16 named ones, through the hash
-        shape = [1] * 16 + [4 * world_size, 2 if rank == last else 3]
-        _raises_everywhere(lambda: op(torch.zeros(shape), 16), r"ranks disagree on x.shape past dim 15 \(hashed\)")
+        # the 27 dims named one by one, and those past them through their hash
+        shape = [1] * 25 + [4 * world_size, 2 if rank == last else 3]
+        _raises_everywhere(lambda: op(torch.zeros(shape), 25), rf"ranks disagree on x.shape\[26\]: 3 on rank 0 but 2 "
+                                                               rf"on rank {last}")
+        shape = [1] * 27 + [4 * world_size, 2 if rank == last else 3]
+        _raises_everywhere(lambda: op(torch.zeros(shape), 27), r"ranks disagree on x.shape past dim 26 \(hashed\)")
+        _raises_everywhere(lambda: op(torch.zeros(n, 6, device="meta" if rank == last else "cpu"), 0),
+                           rf"ranks disagree on x.device: 'cpu' on rank 0 but 'meta' on rank {last}")
+        # check must be a bool: raised on its rank alone, it left the others waiting in the exchange
+        _raises_everywhere(lambda: op(torch.zeros(n, 6), 0, check=1 if rank == last else True),
+                           rf"rank {last} rejected its input: rlk::{name}: check must be a bool, got int 1")
         # one rank's own bad input: every rank raises with its message
         _raises_everywhere(lambda: op("x" if rank == last else torch.zeros(4 * world_size, 6), 0),
                            rf"rlk_ops.{name}: rank {last} rejected its input: rlk::{name}: x must be a torch.Tensor")
@@ -136,12 +144,33 @@ def _mismatch_worker(rank, world_size):
     assert torch.equal(rlk_ops.all_gather(x, -1 if rank == 0 else 1), torch.cat(good.chunk(world_size), 1))
     # check=False skips the exchange (the local checks still run)
     assert torch.equal(rlk_ops.all_gather(x, 0, check=False), good)
-    try:
-        rlk_ops.all_gather(x, 0, check="yes")
-    except rlk_ops.RlkInputError as e:
-        assert "check must be a bool, got str 'yes'" in str(e)
-    else:
-        raise AssertionError("check='yes' accepted")
+    _raises_everywhere(lambda: rlk_ops.all_gather(x, 0, check="yes"), "check must be a bool, got str 'yes'")
+    # the bytes travel: dtypes gloo cannot send as they are ("Invalid scalar type": int16, float8), bool
+    for dtype in (torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint16, torch.complex64):
+        mine = (torch.arange(12).reshape(3, 4) + 16 * rank).to(torch.float32 if dtype.is_floating_point else
+                                                                  torch.int64).to(dtype)
+        want = torch.cat([(torch.arange(12).reshape(3, 4) + 16 * r).to(torch.float32 if dtype.is_floating_point
+                                                                           else torch.int64).to(dtype)
+                          for r in range(world_size)], 1)
+        got = rlk_ops.all_gather(mine, 1)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+    # a rank outside a subgroup is told so (it was "group must be a ProcessGroup, got int -100")
+    if world_size == 3:
+        sub = dist.new_group([1, 2])
+        if rank == 0:
+            try:
+                rlk_ops.all_gather(x, 0, group=sub)
+            except rlk_ops.RlkInputError as e:
+                assert "all_gather: this process (rank 0) is not a member of group" in str(e), str(e)
+            else:
+                raise AssertionError("a rank outside the group was not told")
+        else:
+            assert torch.equal(rlk_ops.all_gather(x, 0, group=sub), torch.cat([torch.full((4, 6), float(r))
+                                                                                for r in (1, 2)]))
+    # under torch.compile the public functions trace without a break (the exchange is the caller's, as
+    # prepare's is; a session 38 audit found the first form of the checks breaking the graph)
+    fn = torch.compile(lambda t: rlk_ops.all_gather(t * 2, 0) + 1, fullgraph=True, backend="eager")
+    assert torch.equal(fn(x), good * 2 + 1)
     assert torch.equal(rlk_ops.reduce_scatter(torch.ones(2 * world_size, 3), 0), torch.full((2, 3), float(world_size)))
 
 

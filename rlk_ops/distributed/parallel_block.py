@@ -212,21 +212,23 @@ class ParallelQwen3Attention(nn.Module):
         in one small all_gather before the first collective, whether each passed prepare()'s
         inputs and layout for this module and taps of an accepted kind, and whether each runs
         with gradients; any problem raises on every rank (before, a rank that failed these
-        checks raised alone and the others waited in the first collective until the timeout)."""
+        checks raised alone and the others waited in the first collective until the timeout).
+        ``check`` decides whether that exchange is sent, so it must be the same on every rank."""
         def local_checks():
+            if not isinstance(check, bool):
+                _fail(f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
             if taps is not None and not isinstance(taps, dict):
                 _fail(f"taps must be a dict or None, got {type(taps).__name__}")
             self._check_forward(hidden_states, positions, layout)
 
-        if not isinstance(check, bool):
-            raise DistributedInputError(f"ParallelQwen3Attention: check must be a bool, got {type(check).__name__} "
-                                        f"{V.short_repr(check)}")
-        if self.mesh is None or not check or torch.compiler.is_compiling():
+        if self.mesh is None or check is False or torch.compiler.is_compiling():
             local_checks()
-        else:
+        else:   # a check that is not a bool is exchanged too (raised alone, it left the others waiting)
             problem = collect([local_checks])
-            # a rank that builds no graph would skip the backward's collectives the others enter
-            grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+            # a rank that builds no graph would skip the backward's collectives the others enter: trained
+            # weights, or an input that requires grad (frozen weights, gradients for the input only)
+            grad = torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters())
+                                                or getattr(hidden_states, "requires_grad", False) is True)
             preflight(None, "ParallelQwen3Attention.forward", problem, {"with gradients": grad},
                       show={"with gradients": show_bool})
         weights = [getattr(self, n.split(".")[0]).weight for n in _PARAMS]

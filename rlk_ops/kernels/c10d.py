@@ -1,6 +1,7 @@
 """Deterministic collectives over torch.distributed (gloo on CPU, NCCL on GPUs).
 
-* all_gather moves bytes only: exact, independent of the world size.
+* all_gather moves bytes only (sent as uint8, so any dtype of whole bytes travels): exact,
+  independent of the world size.
 * reduce_scatter is all_to_all (bytes only) followed by a sum of the received
   blocks in ascending rank order in fp32 (fp64 for fp64). NCCL's own reduce-scatter
   picks ring/tree algorithms and orders at run time; this one has a single order.
@@ -24,9 +25,11 @@ def all_gather(x, dim, group_name):
     x = x.contiguous()
     if ws == 1:
         return x.clone()
-    parts = [torch.empty_like(x) for _ in range(ws)]
-    dist.all_gather(parts, x, group=pg)
-    return torch.cat(parts, dim)
+    # as bytes: every dtype of whole bytes travels on every backend (gloo has no int16 or float8)
+    raw = x.reshape(-1).view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(ws)]
+    dist.all_gather(parts, raw, group=pg)
+    return torch.cat([p.view(x.dtype).view(x.shape) for p in parts], dim)
 
 
 def reduce_scatter(x, dim, group_name):

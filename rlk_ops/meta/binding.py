@@ -1182,6 +1182,8 @@ def load_side(path: str, side_name: str | None = None) -> dict:
             side = json.load(f)
     except RecursionError as e:   # nesting deeper than the parser's stack: a traceback with exit 1 before
         raise ValueError(f"{path}: not a side description (JSON nested too deeply to read)") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:   # the parser's text named neither file nor flag
+        raise ValueError(f"{path}: not a side description (not JSON text: {e})") from e
     if not isinstance(side, dict) or side.get("format") != "rlk_ops.binding.side/1":
         raise ValueError(f"{path}: not a side description (format must be 'rlk_ops.binding.side/1')")
     if side_name is not None and side.get("side") != side_name:

@@ -18,6 +18,9 @@ device and dim, after which either every rank raises the same ``DistributedInput
 (naming the rank and the argument) or every rank goes on. That costs one extra
 collective per call; ``check=False`` skips it, and it is skipped while torch.compile
 traces (compiled callers check beforehand, as ``ParallelQwen3Attention.prepare`` does).
+``check`` decides whether that exchange is sent, so, like ``group``, it must be the same on
+every rank: a rank with ``check=False`` beside ranks with ``True`` sends its data into their
+exchange (garbage or an abort, which no check can see without the exchange it skips).
 Without the cross-rank check, bad input raises on the rank that has it before it sends
 anything, and the other ranks wait until the process group's timeout.
 """
@@ -33,16 +36,19 @@ from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import autograd, define, fake, impl
 
 
-def group_name(group=None) -> str:
+def group_name(group=None, op: str = "collectives") -> str:
     """The registered name of ``group`` (None: the default group) for the op schemas."""
     if not dist.is_available() or not dist.is_initialized():
         raise V.RlkInputError(
-            "rlk collectives: torch.distributed is not initialized; call "
+            f"rlk {op}: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group (or rlk_ops.distributed.init_mesh) first")
     if group is None:
         group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:   # what new_group returns on a rank outside it
+        raise V.RlkInputError(f"rlk {op}: this process (rank {dist.get_rank()}) is not a member of group; call it "
+                              f"only on the group's ranks")
     if not isinstance(group, dist.ProcessGroup):
-        raise V.RlkInputError(f"rlk collectives: group must be a torch.distributed ProcessGroup or None (the "
+        raise V.RlkInputError(f"rlk {op}: group must be a torch.distributed ProcessGroup or None (the "
                               f"default group), got {type(group).__name__} {group!r}")
     return group.group_name
 
@@ -61,28 +67,40 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group=None, check: bool = True
     return torch.ops.rlk.reduce_scatter(x, dim, name)
 
 
-_SHAPE_DIMS = 16  # dims named one by one in a disagreement; the shape's hash covers the rest
+# the preflight's row holds 32 values: 4, these dims one by one, and a hash of any dims past them
+_SHAPE_DIMS = 27
 _DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
-_DEVICES = ("cpu", "cuda")
+_DEVICES = ("cpu", "cuda", "meta", "xpu", "mps", "hpu", "mtia", "xla", "lazy", "privateuseone")
+
+
+def _show_device(i: int) -> str:
+    return repr(_DEVICES[i]) if 0 <= i < len(_DEVICES) else "a device type other than " + ", ".join(_DEVICES)
 
 
 def _public(op, x, dim, group, check):
     """The public functions' checks. ``check`` (eager): every rank collects its own problem and
-    the ranks compare their metadata in one preflight, so all raise together or none does."""
-    if not isinstance(check, bool):
-        V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+    the ranks compare their metadata in one preflight, so all raise together or none does. A
+    ``check`` that is not a bool takes part in the exchange as a problem, so that every rank raises
+    (raised on its rank alone, it left the others waiting). ``check`` decides whether the exchange
+    is sent, so it must be the same on every rank, like ``group``: a rank with False would send its
+    data into the others' exchange (module doc)."""
+    if torch.compiler.is_compiling():   # what the op and its fake do not check; the rest runs there, where
+        V.tensors(op, x=x)              # c10d's group lookup does not break the graph
+        return group_name(group, op), V.int_arg(op, "dim", dim)
     if not dist.is_available() or not dist.is_initialized():  # one process: its arguments first, as before
         V.tensors(op, x=x)
         V.int_arg(op, "dim", dim)
-    name = group_name(group)  # a bad group type raises here, on its rank: without a group nothing can be compared
+    name = group_name(group, op)  # a bad group raises here, on its rank: without a group nothing can be compared
     state = {}
 
     def local():
+        if not isinstance(check, bool):
+            V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
         V.tensors(op, x=x)
         state["dim"] = V.int_arg(op, "dim", dim)
         _check(op, x, state["dim"], name)
 
-    if not check or torch.compiler.is_compiling():
+    if check is False:
         local()
         return name, state["dim"]
     from rlk_ops.distributed.checks import collect, preflight, show_choice
@@ -92,14 +110,15 @@ def _public(op, x, dim, group, check):
     shape = tuple(x.shape) if ok else ()
     meta = {"x.dim()": len(shape) if ok else -1,
             "x.dtype": _DTYPES.index(x.dtype) if ok else -1,
-            "x.device": _DEVICES.index(x.device.type) if ok and x.device.type in _DEVICES else -1,
+            "x.device": _DEVICES.index(x.device.type) if ok and x.device.type in _DEVICES else len(_DEVICES),
             # dim as the dim it names: -1 and 1 of a 2-d x gather the same way
             "dim": state["dim"] % len(shape) if ok else -1}
     meta.update({f"x.shape[{i}]": shape[i] if i < len(shape) else -1 for i in range(_SHAPE_DIMS)})
     rest = ",".join(map(str, shape[_SHAPE_DIMS:])).encode()
-    meta["x.shape past dim 15 (hashed)"] = int.from_bytes(hashlib.blake2b(rest, digest_size=8).digest(), "little") >> 1
+    meta[f"x.shape past dim {_SHAPE_DIMS - 1} (hashed)"] = \
+        int.from_bytes(hashlib.blake2b(rest, digest_size=8).digest(), "little") >> 1
     preflight(group, f"rlk_ops.{op}", problem, meta,
-              show={"x.dtype": show_choice(_DTYPES, none=-1), "x.device": show_choice(_DEVICES, none=-1)})
+              show={"x.dtype": show_choice(_DTYPES, none=-1), "x.device": _show_device})
     return name, state["dim"]
 
 
@@ -154,6 +173,14 @@ autograd("all_gather", _all_gather_backward, _setup_context)
 autograd("reduce_scatter", _reduce_scatter_backward, _setup_context)
 
 
+# all_gather moves x's bytes (kernels/c10d.py), so any dtype of whole bytes travels, on gloo too
+# (int16 and float8 once failed there with gloo's "Invalid scalar type"); sub-byte and bit dtypes do not
+GATHER_DTYPES = tuple(d for d in (getattr(torch, n, None) for n in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
+    "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "complex64", "complex128")) if isinstance(d, torch.dtype))
+
+
 def _check(op, x, dim, group_name) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -164,6 +191,9 @@ def _check(op, x, dim, group_name) -> int:
     except Exception as e:  # noqa: BLE001 - c10d raises several types here
         V.fail(op, f"group_name {group_name!r} names no process group ({e})")
     ws = dist.get_world_size(pg)
+    if op == "all_gather" and x.dtype not in GATHER_DTYPES:
+        V.fail(op, f"x must have a dtype of whole bytes, one of {', '.join(str(d) for d in GATHER_DTYPES)}, "
+                   f"got {x.dtype}")
     if x.dim() == 0:
         V.fail(op, "x must have at least 1 dim, got a 0-d tensor")
     if not -x.dim() <= dim < x.dim():
