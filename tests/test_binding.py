@@ -482,9 +482,11 @@ def test_environment_differences(train, rollout):
     other["environment"]["cuda.matmul.allow_tf32"] = not other["environment"]["cuda.matmul.allow_tf32"]
     result = bind(train, other)  # a CUDA-only flag on a CPU path: recorded
     assert result.passed, result.summary()
-    other["environment"]["version.torch"] = "2.11.0+cu130"
+    # a version other than this torch's (a fixed "2.11.0+cu130" was this torch's on torch 2.11: session 38)
+    version = next(v for v in ("2.11.0+cu130", "2.12.0+cu130") if v != train["environment"]["version.torch"])
+    other["environment"]["version.torch"] = version
     f = bind(train, other).failure("env.version.torch")
-    assert f.tier == SEMANTIC and f.rollout == "2.11.0+cu130" and "blocking" in f.detail
+    assert f.tier == SEMANTIC and f.rollout == version and "blocking" in f.detail
     del other["environment"]["cpu_capability"]
     assert bind(train, other).failure("env.cpu_capability").status == "unobservable"
     # another rlk_ops source under one package version (an editable install keeps its version over commits;

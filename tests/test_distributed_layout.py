@@ -215,7 +215,7 @@ def test_local_errors_before_any_communication():
     # 4 rows built ~1.2 GiB of index rows first (2**31 - 1 would have ended the process, not raised)
     huge = torch.tensor([0, 2 ** 24], dtype=torch.int32)
     for local in (False, True):
-        what = "this rank's token count: cu_seqlens\[-1\] = 16777216 over cp = 1" if local else "the packed"
+        what = r"this rank's token count: cu_seqlens\[-1\] = 16777216 over cp = 1" if local else "the packed"
         with pytest.raises(DistributedInputError, match=rf"hidden_states must be \[16777216, 128\] \({what}"):
             pb.prepare(x[:4], pos[:4], huge, local=local)
 
