@@ -53,7 +53,10 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
     dyl = torch.randn(3, 5, 12)
     s = {
         "qk_rmsnorm": [(x, w, 1e-6), (_permuted(x), w, 1e-6)],
-        "qk_rmsnorm_bwd": [(torch.randn_like(x), x, w, 1e-6), (_permuted(torch.randn_like(x)), _permuted(x), w, 1e-6)],
+        # dy in a layout of its own (the CPU kernel's dx kept dy's strides against the contiguous fake; a
+        # session 38 audit)
+        "qk_rmsnorm_bwd": [(torch.randn_like(x), x, w, 1e-6), (_permuted(torch.randn_like(x)), _permuted(x), w, 1e-6),
+                           (torch.randn(8, 3, 5).permute(2, 1, 0), x, w, 1e-6)],
         "rope": [(x, pos, 1e6, 8), (x, pos, 1e4, 4), (_permuted(x), pos, 1e4, 8)],
         "rope_bwd": [(torch.randn_like(x), pos, 1e6, 8), (_permuted(torch.randn_like(x)), pos, 1e4, 8)],
         "paged_kv_append": [(k_cache.clone(), v_cache.clone(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
@@ -62,7 +65,9 @@ def samples(group_name: str | None = None) -> dict[str, list[tuple]]:
                             (k_cache.clone(), v_cache.clone(), torch.randn(2, 2, 8), torch.randn(2, 2, 8),
                              torch.tensor([0, 21], dtype=torch.int64), page_table, seq_lens,
                              torch.tensor([[8], [5]]))],
-        "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens)],
+        # a cache whose head_dim is not its innermost dim (an HND buffer viewed as NHD; a session 38 audit)
+        "paged_kv_gather": [(k_cache, v_cache, page_table, seq_lens),
+                            (k_cache.transpose(-1, -2).contiguous().transpose(-1, -2), v_cache, page_table, seq_lens)],
         "attention_fwd": [(q, k, v, 1, 0.3, None, None, 0, 0, "disabled"), (q, k, v, 0, 0.3, None, None, 0, 0, "disabled"),
                           (qv, kvv, vvv, 1, 0.3, cu_q, cu_k, 6, 7, "disabled"),
                           (qc, kc, vc, 1, 0.3, None, None, 0, 0, "canonical:128"),

@@ -482,6 +482,13 @@ def test_environment_differences(train, rollout):
     other["environment"]["cuda.matmul.allow_tf32"] = not other["environment"]["cuda.matmul.allow_tf32"]
     result = bind(train, other)  # a CUDA-only flag on a CPU path: recorded
     assert result.passed, result.summary()
+    # fp32 matmul precision changes a CPU matmul's bits too (oneDNN; it was taken for CUDA-only: a
+    # session 38 audit), so it blocks on a CPU path
+    for key, value in (("torch.float32_matmul_precision", "medium"), ("mkldnn.matmul.fp32_precision", "bf16")):
+        odd = json.loads(json.dumps(rollout))
+        odd["environment"][key] = value
+        f = bind(train, odd).failure(f"env.{key}")
+        assert f is not None and f.tier == SEMANTIC and "oneDNN on CPU" in f.detail, key
     # a version other than this torch's (a fixed "2.11.0+cu130" was this torch's on torch 2.11: session 38)
     version = next(v for v in ("2.11.0+cu130", "2.12.0+cu130") if v != train["environment"]["version.torch"])
     other["environment"]["version.torch"] = version

@@ -214,11 +214,57 @@ def test_settings_inside_fullgraph_are_refused_by_name():
         with rlk_ops.strict(False):
             return rlk_ops.attention(q, k, v)
 
-    torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"rlk_ops.strict\(\) / rlk_ops.use_backend\(\) "
-                                                             r"changes process-wide state"):
-        torch.compile(fn, fullgraph=True, backend="eager")(*_qkv())
+    def checks_off(q, k, v):   # value_checks() too (traced, it was ignored; a session 38 audit)
+        with rlk_ops.value_checks(False):
+            return rlk_ops.attention(q, k, v)
+
+    for f in (fn, checks_off):
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"rlk_ops.strict\(\) / rlk_ops.use_backend\(\) / "
+                                                                 r"rlk_ops.value_checks\(\) changes process-wide state"):
+            torch.compile(f, fullgraph=True, backend="eager")(*_qkv())
     assert rlk_ops.strict_mode()
+
+
+def test_value_checks_inside_a_compiled_function_apply_to_its_ops():
+    """Traced, value_checks(False) set and restored the flag together after the graph: the ops inside
+    read the outer setting (a session 38 audit). Now the block runs eagerly at a graph break."""
+    from rlk_ops.ops import _validate as V
+
+    seen = []
+
+    @torch.compiler.disable
+    def look():
+        seen.append(V.VALUE_CHECKS)
+
+    def fn(x):
+        with rlk_ops.value_checks(False):
+            look()
+            return x + 1
+    torch._dynamo.reset()
+    torch.compile(fn, backend="eager")(torch.zeros(2))
+    assert seen == [False] and V.VALUE_CHECKS is True
+
+
+@pytest.mark.parametrize("value", [None, 0, [], "off"])
+def test_value_checks_takes_a_bool(value):
+    """None, 0 and [] turned the checks off, "off" on (bool(enabled); a session 38 audit)."""
+    with pytest.raises(TypeError, match=rf"value_checks: enabled must be a bool, got {type(value).__name__}"):
+        rlk_ops.value_checks(value)
+
+
+def test_settings_refuse_to_decorate_a_generator():
+    """A decorated generator function ran its body after the block had closed: a requested backend was
+    dropped without a trace (a session 38 audit)."""
+    def gen():
+        yield rlk_ops.strict_mode()
+
+    async def coro():
+        return None
+    for setting in (rlk_ops.strict(False), rlk_ops.use_backend(attention_fwd="cpu"), rlk_ops.value_checks(False)):
+        for fn in (gen, coro):
+            with pytest.raises(TypeError, match=rf"cannot decorate \S*{fn.__name__}, a generator or coroutine function"):
+                setting(fn)
 
 
 def test_strict_as_a_decorator_and_nested():

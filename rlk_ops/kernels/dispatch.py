@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable
 
@@ -92,16 +93,27 @@ def set_strict_mode(enabled: bool) -> None:
 
 
 class _Scoped(contextlib.ContextDecorator):
-    """A process-wide setting for a block (or a decorated function). Entering and leaving run
-    eagerly even inside a torch.compile'd function, at a graph break (an error under
-    fullgraph): traced, Dynamo applied the globals' set and restore after the graph, and the ops
-    inside the block ran with the outer setting, silently (a session 34 audit)."""
+    """A process-wide setting for a block (or a decorated function): ``strict()``,
+    ``use_backend()``, ``value_checks()``. Entering and leaving run eagerly even inside a
+    torch.compile'd function, at a graph break (an error under fullgraph): traced, Dynamo applied
+    the globals' set and restore after the graph, and the ops inside the block ran with the outer
+    setting, silently (a session 34 audit; ``value_checks`` until a session 38 audit). A generator
+    or coroutine function is refused as the decorated function: the block would open and close
+    when the generator is made, before its body runs (a session 38 audit)."""
 
-    def __init__(self, apply: Callable[[], Callable[[], None]]):
+    def __init__(self, apply: Callable[[], Callable[[], None]], what: str):
         self._apply = apply            # sets the state; returns what restores it
+        self._what = what
         self._restore: list[Callable[[], None]] = []
 
-    _REASON = _EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend()")
+    _REASON = _EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend() / rlk_ops.value_checks()")
+
+    def __call__(self, fn):
+        if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(f"{self._what} cannot decorate {getattr(fn, '__qualname__', fn)!s}, a generator or "
+                            "coroutine function: the block would end before its body runs; use a with-block "
+                            "inside it")
+        return super().__call__(fn)
 
     @torch.compiler.disable(reason=_REASON)
     def __enter__(self) -> None:
@@ -127,7 +139,7 @@ def strict(enabled: bool = True) -> _Scoped:
             global _strict
             _strict = old
         return restore
-    return _Scoped(apply)
+    return _Scoped(apply, "rlk_ops.strict()")
 
 
 # ------------------------------------------------------------ backend choice
@@ -162,7 +174,7 @@ def use_backend(**op_to_backend: str) -> _Scoped:
             _overrides.clear()
             _overrides.update(old)
         return restore
-    return _Scoped(apply)
+    return _Scoped(apply, "rlk_ops.use_backend()")
 
 
 def _load(op: str, backend: str) -> Callable:

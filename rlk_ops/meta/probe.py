@@ -91,6 +91,10 @@ def probe() -> dict:
         "torch.deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch.deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
         "torch.float32_matmul_precision": torch.get_float32_matmul_precision(),
+        # oneDNN's fp32 precision on CPU (bf16/tf32 arithmetic for fp32 matmuls on AMX / avx512_bf16 CPUs)
+        "backends.fp32_precision": _read(lambda: getattr(torch.backends, "fp32_precision", None)),
+        "mkldnn.matmul.fp32_precision": _read(lambda: torch.backends.mkldnn.matmul.fp32_precision),
+        "mkldnn.conv.fp32_precision": _read(lambda: torch.backends.mkldnn.conv.fp32_precision),
         "cuda.matmul.allow_tf32": _read(lambda: matmul.allow_tf32),
         "cuda.matmul.fp32_precision": _read(lambda: getattr(matmul, "fp32_precision", None)),
         "cuda.matmul.allow_bf16_reduced_precision_reduction":
@@ -118,8 +122,15 @@ def probe() -> dict:
     return out
 
 
+# settings that change fp32 matmuls on the CPU too: with float32_matmul_precision "medium", or oneDNN's
+# fp32_precision "bf16", an fp32 matmul outside the rlk ops changed its bits on this project's CPU (AMX,
+# avx512_bf16; a session 38 audit: it was taken for CUDA-only, so two CPU sides bound with other bits)
+_CPU_AND_CUDA_SETTINGS = {
+    "torch.float32_matmul_precision", "backends.fp32_precision", "mkldnn.matmul.fp32_precision",
+    "mkldnn.conv.fp32_precision",
+}
 _CUDA_SETTINGS = {
-    "torch.deterministic_algorithms", "torch.deterministic_algorithms_warn_only", "torch.float32_matmul_precision",
+    "torch.deterministic_algorithms", "torch.deterministic_algorithms_warn_only",
     "cuda.matmul.allow_tf32", "cuda.matmul.fp32_precision", "cuda.matmul.allow_bf16_reduced_precision_reduction",
     "cuda.matmul.allow_fp16_reduced_precision_reduction", "cudnn.allow_tf32", "cudnn.deterministic",
     "cudnn.benchmark", "CUBLAS_WORKSPACE_CONFIG", "gpu_arch", "cuda",
@@ -153,6 +164,8 @@ def blocking(setting: str, path: dict) -> str | None:
     if setting == "cpu_capability":
         return "the cpu backend ran: ATen's vector width fixes its reduction order" \
             if "cpu" in path["backends"] else None
+    if setting in _CPU_AND_CUDA_SETTINGS:
+        return "fp32 matmuls of non-rlk graph nodes read it (oneDNN on CPU, cuBLAS on CUDA)"
     if setting in _CUDA_SETTINGS:
         return "ran on CUDA: non-rlk graph nodes run ATen/cuBLAS/cuDNN kernels that read it" if cuda else None
     if setting in ("NCCL_ALGO", "NCCL_PROTO"):

@@ -14,12 +14,10 @@ Every error names the op, the argument, the expected and the actual value. Two k
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 import os
 import struct
-from typing import Iterator
 
 import torch
 
@@ -35,17 +33,25 @@ class ValueChecksInCapture(RuntimeError):
     """A value-checked rlk op was called on CUDA during CUDA graph capture with value checks on."""
 
 
-@contextlib.contextmanager
-def value_checks(enabled: bool = True) -> Iterator[None]:
+def value_checks(enabled: bool = True):
     """Turn the CUDA value checks on or off inside the block (process-wide, like
     ``RLK_VALUE_CHECKS``; CPU inputs are always checked). Off is for callers that build
-    their own page tables, slots and cu_seqlens, e.g. to capture decode in a CUDA graph."""
-    global VALUE_CHECKS
-    old, VALUE_CHECKS = VALUE_CHECKS, bool(enabled)
-    try:
-        yield
-    finally:
-        VALUE_CHECKS = old
+    their own page tables, slots and cu_seqlens, e.g. to capture decode in a CUDA graph.
+    ``enabled`` is a bool (``value_checks(None)`` turned the checks off; a session 38 audit); the
+    block is entered and left eagerly inside a torch.compile'd function, as ``strict()`` is."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"value_checks: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    from rlk_ops.kernels.dispatch import _Scoped   # (dispatch imports nothing from here)
+
+    def apply():
+        global VALUE_CHECKS
+        old, VALUE_CHECKS = VALUE_CHECKS, enabled
+
+        def restore():
+            global VALUE_CHECKS
+            VALUE_CHECKS = old
+        return restore
+    return _Scoped(apply, "rlk_ops.value_checks()")
 
 
 def positive_ints(owner: str, **values) -> None:

@@ -93,7 +93,10 @@ def _paged_kv_gather(k_cache, v_cache, page_table, seq_lens):
     check_cache(op, k_cache, v_cache)
     check_page_table(op, k_cache, page_table, seq_lens)
     check_page_values(op, k_cache, page_table, seq_lens)
-    return kernel_for(op, k_cache.device)(k_cache, v_cache, page_table, seq_lens)
+    k, v = kernel_for(op, k_cache.device)(k_cache, v_cache, page_table, seq_lens)
+    # contiguous, as the fake says: the CPU kernel's rows took the cache's strides (an HND cache viewed as
+    # NHD failed Inductor's stride assert; a session 38 audit)
+    return k.contiguous(), v.contiguous()
 
 
 @fake("paged_kv_gather")

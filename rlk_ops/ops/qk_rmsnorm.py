@@ -47,7 +47,10 @@ define("qk_rmsnorm_bwd")
 def _qk_rmsnorm_bwd(dy, x, weight, eps):
     _check("qk_rmsnorm_bwd", x, weight, eps)
     _check_grad("qk_rmsnorm_bwd", dy, x)
-    return kernel_for("qk_rmsnorm_bwd", x.device)(dy, x, weight, eps)
+    dx, dw = kernel_for("qk_rmsnorm_bwd", x.device)(dy, x, weight, eps)
+    # contiguous, as the fake says: the CPU kernel's dx took dy's strides (a transposed dy made Inductor's
+    # stride assert fail in a compiled backward; a session 38 audit)
+    return dx.contiguous(), dw.contiguous()
 
 
 @fake("qk_rmsnorm_bwd")
