@@ -409,3 +409,51 @@ def test_rollout_gradients_reach_o_proj_only_eager_and_compiled():
         assert xg is None
         assert {n for n, v in g.items() if v is not None} == {"o_proj.weight"}
     assert torch.equal(eager[2]["o_proj.weight"], compiled[2]["o_proj.weight"])
+
+
+# ------------------------------------------------------- a session 38 audit of the block and its ops
+def test_block_arguments_named_by_the_audit():
+    """float8 passed is_floating_point and failed inside nn.Linear's init; a page table with another
+    row count was blamed on positions; return_attention="no" returned the attention; numpy scalars in
+    the config were refused as out of range."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"dtype must be one the rlk ops take, .*got torch.float8_e4m3fn"):
+        Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float8_e4m3fn)
+    b = init_block(Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16))
+    x, pos, kc, vc, pt, sl, sm = decode_batch(b, [5, 9])
+    before = kc.clone()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"page_table must be a tensor \[B, max_pages\] = \[2, \.\.\.\] .*got "
+                                             r"Tensor \[1, "):
+            b.forward_rollout(x, pos, kc, vc, pt[:1], sl, sm)
+        with pytest.raises(ValueError, match=r"seq_lens must be a tensor \[B\] = \[2\] .*got Tensor \[1\]"):
+            b.forward_rollout(x, pos, kc, vc, pt, sl[:1], sm)
+        with pytest.raises(ValueError, match=r"return_attention must be a bool, got str 'no'"):
+            b.forward_rollout(x, pos, kc, vc, pt, sl, sm, return_attention="no")
+    assert torch.equal(kc, before)
+    xt, post, cu = packed_batch([3, 4], 64)
+    with pytest.raises(ValueError, match=r"return_attention must be a bool, got int 1"):
+        b(xt, post, cu, 4, return_attention=1)
+    cfg = Qwen3Attention(hidden_size=np.int64(64), num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=np.int64(8),
+                         rope_theta=np.float32(1e4)).config
+    assert (cfg.hidden_size, cfg.rotary_dim, cfg.rope_theta) == (64, 8, 1e4)
+    assert type(cfg.rotary_dim) is int and type(cfg.rope_theta) is float
+
+
+def test_forward_mode_ad_is_refused_not_zero():
+    """The ops register a backward only: torch.func.jvp and forward_ad gave a tangent of exactly 0 (a session
+    38 audit). Every rlk op now refuses inside a forward-AD level; reverse mode and vmap still run."""
+    import torch.autograd.forward_ad as fwad
+
+    import rlk_ops
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    t = torch.randn_like(x)
+    with pytest.raises(RuntimeError, match=r"rlk::linear has no forward-mode AD formula"):
+        torch.func.jvp(lambda a: rlk_ops.linear(a, w), (x,), (t,))
+    with fwad.dual_level():
+        with pytest.raises(RuntimeError, match=r"rlk::qk_rmsnorm has no forward-mode AD formula"):
+            rlk_ops.qk_rmsnorm(fwad.make_dual(x, t), torch.ones(8, dtype=torch.float64))
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(rlk_ops.linear(xr, w).sum(), xr)
+    assert torch.equal(g, w.sum(0).expand(3, 8))
+    assert torch.equal(torch.vmap(lambda a: rlk_ops.linear(a, w))(x[None])[0], rlk_ops.linear(x, w))

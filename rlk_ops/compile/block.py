@@ -19,6 +19,7 @@ row's result is the same either way (each output element reduces over K alone).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 import rlk_ops
 from rlk_ops.meta.contract import SplitKVPolicy, spell
-from rlk_ops.ops._validate import finite, positive_ints, short_repr
+from rlk_ops.ops._validate import FLOAT_DTYPES, finite, positive_ints, short_repr
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,13 @@ class Qwen3AttentionConfig:
     split_kv: str = "disabled"
 
     def __post_init__(self):
+        # numpy scalars (a config read through numpy) as the Python numbers they stand for: np.int64(8) was
+        # refused as "must be None or even and in (0, head_dim]" (a session 38 audit)
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)) \
+                    and type(value).__module__ == "numpy":
+                object.__setattr__(self, name, int(value) if isinstance(value, numbers.Integral) else float(value))
         positive_ints("Qwen3AttentionConfig", hidden_size=self.hidden_size, num_heads=self.num_heads,
                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         if self.num_heads % self.num_kv_heads:
@@ -87,8 +95,9 @@ class Qwen3Attention(nn.Module):
         if config is not None and not isinstance(config, Qwen3AttentionConfig):
             raise ValueError(f"Qwen3Attention: config must be a Qwen3AttentionConfig or None (fields may also be "
                              f"passed as keywords), got {type(config).__name__}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"Qwen3Attention: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if dtype not in FLOAT_DTYPES:   # float8 passed is_floating_point and failed inside nn.Linear's init
+            raise ValueError(f"Qwen3Attention: dtype must be one the rlk ops take, one of "
+                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}, got {dtype!r}")
         cfg = config or Qwen3AttentionConfig()
         if overrides:
             cfg = Qwen3AttentionConfig(**{**cfg.__dict__, **overrides})
@@ -103,9 +112,12 @@ class Qwen3Attention(nn.Module):
         self.k_norm = _Norm(d, **f)
 
     # ------------------------------------------------------------------ shared
-    def _check_hidden(self, hidden_states, ndim: int, layout: str) -> None:
+    def _check_hidden(self, hidden_states, ndim: int, layout: str, return_attention=False) -> None:
         """Shape metadata (also under torch.compile): the ops below would otherwise fail on
         a reshape that names none of the block's arguments."""
+        if not isinstance(return_attention, bool):   # "no" returned the attention (a session 38 audit)
+            raise ValueError(f"Qwen3Attention: return_attention must be a bool, got {type(return_attention).__name__} "
+                             f"{short_repr(return_attention)}")
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != ndim \
                 or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"Qwen3Attention: hidden_states must be {ndim}-D {layout} with hidden_size "
@@ -137,7 +149,7 @@ class Qwen3Attention(nn.Module):
         (max_seqlen 0: derived inside the op; under torch.compile a max_seqlen that changes between
         calls is a symbol of the graph, not a recompile per value). Returns [T, hidden]; with
         ``return_attention`` also the attention output [T, Hq, D] and lse [Hq, T]."""
-        self._check_hidden(hidden_states, 2, "[T, hidden_size]")
+        self._check_hidden(hidden_states, 2, "[T, hidden_size]", return_attention)
         q, k, v = self._qkv(hidden_states, positions)
         attn, lse = rlk_ops.attention(q, k, v, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
@@ -161,12 +173,19 @@ class Qwen3Attention(nn.Module):
         attention output [B, Sq, Hq, D] and lse [B, Hq, Sq] with ``return_attention``).
         Not differentiable through attention (under grad mode only o_proj gets a gradient):
         train with ``forward``."""
-        self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]")
+        self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]", return_attention)
         b, sq, hidden = hidden_states.shape
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, sq):
             raise ValueError(f"Qwen3Attention: positions must be a tensor [B, Sq] = [{b}, {sq}] (hidden_states' "
                              f"leading shape), got {type(positions).__name__} "
                              f"{list(getattr(positions, 'shape', []))}")
+        # one row per sequence: a table of other rows was blamed on positions by the append's check (a
+        # session 38 audit)
+        for name, t, rank in (("page_table", page_table, 2), ("seq_lens", seq_lens, 1)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[0] != b:
+                want = f"[B, max_pages] = [{b}, ...]" if rank == 2 else f"[B] = [{b}]"
+                raise ValueError(f"Qwen3Attention: {name} must be a tensor {want} (one row per sequence of "
+                                 f"hidden_states), got {type(t).__name__} {list(getattr(t, 'shape', []))}")
         q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
         # the cache holds values: under grad mode k and v carry the weights' history, which an
         # in-place write would graft onto the caller's cache

@@ -6,9 +6,11 @@ the README), and the schema, tags and per-device kernels stay explicit.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from rlk_ops.meta.specs import spec
 
@@ -21,14 +23,30 @@ def define(name: str) -> None:
 
 
 def impl(name: str) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as the op's CPU and CUDA kernel (it picks the backend itself)."""
+    """Register ``fn`` as the op's CPU and CUDA kernel (it picks the backend itself). The kernel
+    refuses forward-mode AD (module doc of ``_no_forward_ad``)."""
 
     def register(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            if _forward_ad._current_level >= 0:
+                _no_forward_ad(name)
+            return fn(*args, **kwargs)
         for key in ("CPU", "CUDA"):
-            torch.library.impl(spec(name).qualname, key, lib=LIB)(fn)
+            torch.library.impl(spec(name).qualname, key, lib=LIB)(kernel)
         return fn
 
     return register
+
+
+def _no_forward_ad(name: str) -> None:
+    """The ops register a backward only: under forward-mode AD (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) PyTorch ran them without a tangent, so a JVP came back as exactly 0 (a
+    session 38 audit). Inside a forward-AD level every rlk op refuses, whatever its inputs (under
+    ``torch.func.jvp`` the kernel cannot see which inputs carry tangents)."""
+    raise RuntimeError(f"rlk::{name} has no forward-mode AD formula (torch.autograd.forward_ad, torch.func.jvp): "
+                       f"its tangent would come back as zero. Use reverse mode (.backward() or torch.autograd.grad; of "
+                       f"torch.func's transforms only vmap runs rlk ops), or call it outside the dual level.")
 
 
 def fake(name: str) -> Callable[[Callable], Callable]:
