@@ -217,8 +217,8 @@ class TinyQwen3(nn.Module):
                     type(caches).__name__
                 raise V.RlkInputError(f"{where}: {name} must be a list of {cfg.num_layers} caches (one per layer), "
                                       f"got {got}")
-        # each layer's caches hold what its k_proj makes (an embedding table may have another dtype)
-        named = [(f"{name}[{i}]", caches[i], self.layers[i].self_attn.k_proj.weight)
+        # each layer's caches hold what its k projection makes (an embedding table may have another dtype)
+        named = [(f"{name}[{i}]", caches[i], _k_weight(self.layers[i].self_attn))
                  for i in range(cfg.num_layers) for name, caches in (("k_caches", k_caches), ("v_caches", v_caches))]
         first = None
         for name, c, w in named:
@@ -230,7 +230,7 @@ class TinyQwen3(nn.Module):
             if first is not None and c.shape != first[1].shape:
                 raise V.RlkInputError(f"{where}: {name} must have {first[0]}'s shape {V.shape_str(first[1])} "
                                       f"(every layer's cache has one layout), got {V.shape_str(c)}")
-            if c.dtype != w.dtype or c.device != w.device:
+            if w is not None and (c.dtype != w.dtype or c.device != w.device):
                 raise V.RlkInputError(f"{where}: {name} must have the dtype and device of what its layer's k_proj "
                                       f"makes, {w.dtype} on {w.device}, got {c.dtype} on {c.device}")
             first = first or (name, c)
@@ -240,6 +240,16 @@ class TinyQwen3(nn.Module):
                 raise V.RlkInputError(f"{where}: {name_b} shares memory with {name_a}; each layer's K and V need "
                                       "caches of their own (one tensor for several would have each layer "
                                       "overwrite another's keys)")
+
+
+def _k_weight(attn: nn.Module) -> torch.Tensor | None:
+    """The weight that makes a layer's keys: ``k_proj``'s, or a packed ``qkv_proj``'s (vLLM's layout);
+    None for a module with neither (its caches' dtype is then left to the append's check)."""
+    for name in ("k_proj", "qkv_proj"):
+        w = getattr(getattr(attn, name, None), "weight", None)
+        if isinstance(w, torch.Tensor):
+            return w
+    return None
 
 
 def compiled_rollout(**compile_kwargs):
