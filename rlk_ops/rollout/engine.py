@@ -24,7 +24,7 @@ import torch
 
 from rlk_ops.ops._validate import finite, positive_ints, short_repr
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
-from rlk_ops.rollout.model import Trace, log_softmax
+from rlk_ops.rollout.model import Trace, k_weight, log_softmax
 
 
 @dataclass
@@ -293,13 +293,14 @@ def noise_seed(seed: int, seq_id: int, position: int) -> int:
 
 
 def _k_dtype(model):
-    """The dtype of what the model appends to the cache: its first layer's k_proj weight (a model
-    may keep its embedding table in another dtype); None where the model has no such layer."""
+    """The dtype of what the model appends to the cache: its first layer's k weight (``k_proj``, or a
+    packed ``qkv_proj``; a model may keep its embedding table in another dtype); None where the model has
+    no such layer."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         return None
-    weight = getattr(getattr(getattr(layers[0], "self_attn", None), "k_proj", None), "weight", None)
-    return weight.dtype if isinstance(weight, torch.Tensor) else None
+    weight = k_weight(getattr(layers[0], "self_attn", None))
+    return weight.dtype if weight is not None else None
 
 
 def _integer(value) -> bool:

@@ -218,7 +218,7 @@ class TinyQwen3(nn.Module):
                 raise V.RlkInputError(f"{where}: {name} must be a list of {cfg.num_layers} caches (one per layer), "
                                       f"got {got}")
         # each layer's caches hold what its k projection makes (an embedding table may have another dtype)
-        named = [(f"{name}[{i}]", caches[i], _k_weight(self.layers[i].self_attn))
+        named = [(f"{name}[{i}]", caches[i], k_weight(self.layers[i].self_attn))
                  for i in range(cfg.num_layers) for name, caches in (("k_caches", k_caches), ("v_caches", v_caches))]
         first = None
         for name, c, w in named:
@@ -242,7 +242,7 @@ class TinyQwen3(nn.Module):
                                       "overwrite another's keys)")
 
 
-def _k_weight(attn: nn.Module) -> torch.Tensor | None:
+def k_weight(attn: nn.Module) -> torch.Tensor | None:
     """The weight that makes a layer's keys: ``k_proj``'s, or a packed ``qkv_proj``'s (vLLM's layout);
     None for a module with neither (its caches' dtype is then left to the append's check)."""
     for name in ("k_proj", "qkv_proj"):
