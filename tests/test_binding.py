@@ -488,7 +488,11 @@ def test_environment_differences(train, rollout):
         odd = json.loads(json.dumps(rollout))
         odd["environment"][key] = value
         f = bind(train, odd).failure(f"env.{key}")
-        assert f is not None and f.tier == SEMANTIC and "oneDNN on CPU" in f.detail, key
+        assert f is not None and f.tier == SEMANTIC and "oneDNN" in f.detail, key
+    # oneDNN's own setting is read on the CPU only: a CUDA path records it
+    cuda_path = {"devices": ["cuda"], "backends": ["fa4"], "ranks": 1}
+    assert probe.blocking("mkldnn.matmul.fp32_precision", cuda_path) is None
+    assert probe.blocking("torch.float32_matmul_precision", cuda_path) is not None
     # a version other than this torch's (a fixed "2.11.0+cu130" was this torch's on torch 2.11: session 38)
     version = next(v for v in ("2.11.0+cu130", "2.12.0+cu130") if v != train["environment"]["version.torch"])
     other["environment"]["version.torch"] = version
@@ -1223,3 +1227,15 @@ def test_cli_sizes_past_the_demo_models_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_probe_reads_fp32_precision_set_through_the_newer_api():
+    """After torch.backends.mkldnn.matmul.fp32_precision is set, torch.get_float32_matmul_precision() raises
+    (the legacy and new APIs mixed): the probe, and so describe and demo, crashed on the very setting it
+    blocks (a session 38 review). In a subprocess: the setting is process-wide."""
+    code = ("import torch; torch.backends.mkldnn.matmul.fp32_precision = 'bf16'\n"
+            "from rlk_ops.meta import probe; p = probe.probe()\n"
+            "print(p['mkldnn.matmul.fp32_precision'], p['torch.float32_matmul_precision'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "bf16", out.stdout

@@ -46,7 +46,7 @@ def _worker(rank, world_size, dtype):
     assert torch.equal(gx, want.to(dtype).chunk(world_size, 0)[rank])
     (gx2,) = torch.autograd.grad((rlk_ops.reduce_scatter(xr, 0) * w_of(rank)[:4]).sum(), xr)
     assert torch.equal(gx2, torch.cat([w_of(r)[:4] for r in range(world_size)], 0))
-    # bad input on every rank fails before any communication (no hang)
+    # bad input on every rank fails on every rank, before any data is sent (no hang)
     try:
         rlk_ops.reduce_scatter(torch.zeros(world_size + 1, 2, dtype=dtype), 0)
     except rlk_ops.RlkInputError as e:
@@ -145,15 +145,24 @@ def _mismatch_worker(rank, world_size):
     # check=False skips the exchange (the local checks still run)
     assert torch.equal(rlk_ops.all_gather(x, 0, check=False), good)
     _raises_everywhere(lambda: rlk_ops.all_gather(x, 0, check="yes"), "check must be a bool, got str 'yes'")
-    # the bytes travel: dtypes gloo cannot send as they are ("Invalid scalar type": int16, float8), bool
-    for dtype in (torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint16, torch.complex64):
-        mine = (torch.arange(12).reshape(3, 4) + 16 * rank).to(torch.float32 if dtype.is_floating_point else
-                                                                  torch.int64).to(dtype)
-        want = torch.cat([(torch.arange(12).reshape(3, 4) + 16 * r).to(torch.float32 if dtype.is_floating_point
-                                                                           else torch.int64).to(dtype)
-                          for r in range(world_size)], 1)
-        got = rlk_ops.all_gather(mine, 1)
-        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+    # the bytes travel: dtypes gloo cannot send as they are ("Invalid scalar type": int16, float8), bool,
+    # the sub-byte shells (one byte an element), float4 pairs
+    for dtype in (torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.bool, torch.uint16, torch.complex64,
+                  torch.float4_e2m1fn_x2, torch.int3):
+        def mine(r):
+            raw = ((torch.arange(48) * 7 + 16 * r) % (2 if dtype == torch.bool else 256)).to(torch.uint8)
+            return raw.view(dtype).reshape(3, -1)
+        got = rlk_ops.all_gather(mine(rank), 1)
+        want = torch.cat([mine(r).view(torch.uint8) for r in range(world_size)], 1)   # (ATen: no float4 cat)
+        assert got.dtype == dtype and got.shape == (3, 16 // dtype.itemsize * world_size), dtype
+        assert torch.equal(got.view(torch.uint8), want), dtype
+    # quantized: the bytes are not the values (no scale); refused on every rank
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qx = torch.quantize_per_tensor(torch.ones(4, 2), 0.5, 0, torch.qint8)
+    _raises_everywhere(lambda: rlk_ops.all_gather(qx, 0), r"all_gather: x must not be quantized \(its bytes do not "
+                                                         r"carry its scale\), got torch.qint8")
     # a rank outside a subgroup is told so (it was "group must be a ProcessGroup, got int -100")
     if world_size == 3:
         sub = dist.new_group([1, 2])
@@ -168,9 +177,17 @@ def _mismatch_worker(rank, world_size):
             assert torch.equal(rlk_ops.all_gather(x, 0, group=sub), torch.cat([torch.full((4, 6), float(r))
                                                                                 for r in (1, 2)]))
     # under torch.compile the public functions trace without a break (the exchange is the caller's, as
-    # prepare's is; a session 38 audit found the first form of the checks breaking the graph)
+    # prepare's is; a session 38 audit found the first form of the checks breaking the graph), and check is
+    # still a bool there
     fn = torch.compile(lambda t: rlk_ops.all_gather(t * 2, 0) + 1, fullgraph=True, backend="eager")
     assert torch.equal(fn(x), good * 2 + 1)
+    bad = torch.compile(lambda t: rlk_ops.all_gather(t, 0, check="yes"), fullgraph=True, backend="eager")
+    try:
+        bad(x)
+    except Exception as e:   # Dynamo wraps what the traced code raises
+        assert "check must be a bool, got str 'yes'" in str(e), str(e)
+    else:
+        raise AssertionError("check='yes' accepted under torch.compile")
     assert torch.equal(rlk_ops.reduce_scatter(torch.ones(2 * world_size, 3), 0), torch.full((2, 3), float(world_size)))
 
 

@@ -668,7 +668,8 @@ def test_paged_caches_are_checked_before_any_layer_writes():
         model.forward_rollout(tokens, positions, short, [0], slots)
     assert torch.equal(short.k[0], before)
     shape = (4, 4, cfg.num_kv_heads, cfg.head_dim)
-    table, lens, slot = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), torch.tensor([8])
+    table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    slot = torch.tensor([8])
     kc = [torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.float32)]
     vc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
     with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches\[1\] must have the dtype and device of what its "
@@ -690,6 +691,9 @@ def test_paged_caches_are_checked_before_any_layer_writes():
                             slot)
 
 
+_CU3 = torch.tensor([0, 3], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("call,pattern", [
     (lambda m, c, s: m.forward_rollout(torch.tensor([[1, 2, m.config.vocab_size]]), torch.arange(3)[None], c, [0], s),
      r"forward_paged: tokens\[0, 2\] = \d+ is not a token id; token ids must be in \[0, \d+\) \(the vocabulary\)"),
@@ -699,9 +703,9 @@ def test_paged_caches_are_checked_before_any_layer_writes():
      r"tokens must be torch.int64 or torch.int32 token ids, got torch.float32"),
     (lambda m, c, s: m.forward_rollout([[1, 2, 3]], torch.arange(3)[None], c, [0], s),
      r"tokens must be a torch.Tensor \[B, Sq\] .*, got list"),
-    (lambda m, c, s: m.forward_train(torch.tensor([1, -2, 3]), torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)),
+    (lambda m, c, s: m.forward_train(torch.tensor([1, -2, 3]), torch.arange(3), _CU3),
      r"forward_train: tokens\[1\] = -2 is not a token id"),
-    (lambda m, c, s: m.forward_train(torch.tensor([[1, 2, 3]]), torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)),
+    (lambda m, c, s: m.forward_train(torch.tensor([[1, 2, 3]]), torch.arange(3), _CU3),
      r"forward_train: tokens must be 1-D \[T\] \(packed\), got shape \[1, 3\]"),
 ])
 def test_token_ids_are_named(call, pattern):
@@ -723,11 +727,13 @@ def test_allocator_lookups_take_lists_not_generators():
     for s in (0, 1):
         cache.add(s)
     cache.reserve(0, 3)
-    with pytest.raises(ValueError, match=r"PagedKVCache.seq_lens: seqs must be a list or tuple of sequence ids, "
-                                         r"got generator"):
+    with pytest.raises(ValueError, match=r"PagedKVCache.seq_lens: seqs must be a list, tuple or range of sequence "
+                                         r"ids, got generator"):
         cache.seq_lens(s for s in [0, 1])
-    with pytest.raises(ValueError, match=r"reserve_batch: requests must be a list or tuple of \(seq, n_new\) pairs"):
+    with pytest.raises(ValueError, match=r"reserve_batch: requests must be a list, tuple or range of \(seq, "
+                                         r"n_new\) pairs"):
         cache.reserve_batch((s, 1) for s in (0, 1))
-    with pytest.raises(ValueError, match=r"page_table: seqs must be a list or tuple of sequence ids, got int 0"):
+    with pytest.raises(ValueError, match=r"page_table: seqs must be a list, tuple or range of sequence ids, got int 0"):
         cache.page_table(0)
     assert cache.length(1) == 0 and torch.equal(cache.seq_lens((0, 1)), torch.tensor([3, 0], dtype=torch.int32))
+    assert torch.equal(cache.seq_lens(range(2)), cache.seq_lens([0, 1]))

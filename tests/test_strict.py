@@ -220,30 +220,38 @@ def test_settings_inside_fullgraph_are_refused_by_name():
 
     for f in (fn, checks_off):
         torch._dynamo.reset()
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"rlk_ops.strict\(\) / rlk_ops.use_backend\(\) / "
-                                                                 r"rlk_ops.value_checks\(\) changes process-wide state"):
+        with pytest.raises(torch._dynamo.exc.Unsupported,
+                           match=r"rlk_ops.strict\(\) / rlk_ops.use_backend\(\) / rlk_ops.value_checks\(\) changes "
+                                 r"process-wide state"):
             torch.compile(f, fullgraph=True, backend="eager")(*_qkv())
     assert rlk_ops.strict_mode()
 
 
 def test_value_checks_inside_a_compiled_function_apply_to_its_ops():
-    """Traced, value_checks(False) set and restored the flag together after the graph: the ops inside
-    read the outer setting (a session 38 audit). Now the block runs eagerly at a graph break."""
+    """Traced, value_checks(False) set and restored the flag together after the graph: an op inside read
+    the outer setting (a session 38 audit). Now the block runs eagerly at a graph break. The op reads
+    the flag when it runs, as the rlk ops' value checks do."""
     from rlk_ops.ops import _validate as V
 
     seen = []
 
-    @torch.compiler.disable
-    def look():
+    @torch.library.custom_op("rlk_test::read_value_checks", mutates_args=())
+    def read(x: torch.Tensor) -> torch.Tensor:
         seen.append(V.VALUE_CHECKS)
+        return x.clone()
+
+    @read.register_fake
+    def _(x):
+        return torch.empty_like(x)
 
     def fn(x):
         with rlk_ops.value_checks(False):
-            look()
-            return x + 1
-    torch._dynamo.reset()
-    torch.compile(fn, backend="eager")(torch.zeros(2))
-    assert seen == [False] and V.VALUE_CHECKS is True
+            return read(x) + 1
+    outer = V.VALUE_CHECKS
+    with rlk_ops.value_checks(True):
+        torch._dynamo.reset()
+        torch.compile(fn, backend="eager")(torch.zeros(2))
+    assert seen[-1] is False and V.VALUE_CHECKS is outer
 
 
 @pytest.mark.parametrize("value", [None, 0, [], "off"])
@@ -263,7 +271,8 @@ def test_settings_refuse_to_decorate_a_generator():
         return None
     for setting in (rlk_ops.strict(False), rlk_ops.use_backend(attention_fwd="cpu"), rlk_ops.value_checks(False)):
         for fn in (gen, coro):
-            with pytest.raises(TypeError, match=rf"cannot decorate \S*{fn.__name__}, a generator or coroutine function"):
+            with pytest.raises(TypeError, match=rf"cannot decorate \S*{fn.__name__}, a generator or coroutine "
+                                                rf"function"):
                 setting(fn)
 
 

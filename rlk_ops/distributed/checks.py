@@ -106,21 +106,23 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int | f
         if int(rows[i, 1]) != len(names):
             raise DistributedInputError(f"{what}: rank {ranks[i]} sent {int(rows[i, 1])} metadata values, "
                                         f"expected {len(names)} ({', '.join(names)})")
-    for k, name in enumerate(names):
-        col = rows[:, 3 + k]
-        if bool((col != col[0]).any()):
-            j = int((col != col[0]).nonzero()[0])
-            like = metadata[name]
-            named = (show or {}).get(name)
+    vals = rows[:, 3:3 + len(names)]
+    odd = (vals != vals[0]).any(0)   # one comparison for every value (a loop of 32 cost ~0.2 ms a call)
+    if bool(odd.any()):
+        k = int(odd.nonzero()[0])
+        name, col = names[k], vals[:, k]
+        j = int((col != col[0]).nonzero()[0])
+        like = metadata[name]
+        named = (show or {}).get(name)
 
-            def value(v):
-                text = _decode(v, like)
-                if named is None:
-                    return text
-                return named(struct.unpack("<d", struct.pack("<q", v))[0] if isinstance(like, float) else v)
+        def value(v):
+            text = _decode(v, like)
+            if named is None:
+                return text
+            return named(struct.unpack("<d", struct.pack("<q", v))[0] if isinstance(like, float) else v)
 
-            raise DistributedInputError(f"{what}: ranks disagree on {name}: {value(int(col[0]))} on rank "
-                                        f"{ranks[0]} but {value(int(col[j]))} on rank {ranks[j]}")
+        raise DistributedInputError(f"{what}: ranks disagree on {name}: {value(int(col[0]))} on rank "
+                                    f"{ranks[0]} but {value(int(col[j]))} on rank {ranks[j]}")
 
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}

@@ -25,11 +25,13 @@ def all_gather(x, dim, group_name):
     x = x.contiguous()
     if ws == 1:
         return x.clone()
-    # as bytes: every dtype of whole bytes travels on every backend (gloo has no int16 or float8)
+    # as bytes, each element's bytes along a trailing dim: every dtype travels on every backend (gloo has no
+    # int16 or float8) and is joined as bytes (ATen's cat has no float4 kernel)
     raw = x.reshape(-1).view(torch.uint8)
     parts = [torch.empty_like(raw) for _ in range(ws)]
     dist.all_gather(parts, raw, group=pg)
-    return torch.cat([p.view(x.dtype).view(x.shape) for p in parts], dim)
+    joined = torch.cat([p.view(*x.shape, x.element_size()) for p in parts], dim)
+    return joined.view(x.dtype).squeeze(-1)
 
 
 def reduce_scatter(x, dim, group_name):

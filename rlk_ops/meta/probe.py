@@ -90,7 +90,8 @@ def probe() -> dict:
     out = {
         "torch.deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch.deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "torch.float32_matmul_precision": torch.get_float32_matmul_precision(),
+        # read through _read: after the newer fp32_precision API is used, the legacy getter raises
+        "torch.float32_matmul_precision": _read(torch.get_float32_matmul_precision),
         # oneDNN's fp32 precision on CPU (bf16/tf32 arithmetic for fp32 matmuls on AMX / avx512_bf16 CPUs)
         "backends.fp32_precision": _read(lambda: getattr(torch.backends, "fp32_precision", None)),
         "mkldnn.matmul.fp32_precision": _read(lambda: torch.backends.mkldnn.matmul.fp32_precision),
@@ -125,10 +126,8 @@ def probe() -> dict:
 # settings that change fp32 matmuls on the CPU too: with float32_matmul_precision "medium", or oneDNN's
 # fp32_precision "bf16", an fp32 matmul outside the rlk ops changed its bits on this project's CPU (AMX,
 # avx512_bf16; a session 38 audit: it was taken for CUDA-only, so two CPU sides bound with other bits)
-_CPU_AND_CUDA_SETTINGS = {
-    "torch.float32_matmul_precision", "backends.fp32_precision", "mkldnn.matmul.fp32_precision",
-    "mkldnn.conv.fp32_precision",
-}
+_CPU_AND_CUDA_SETTINGS = {"torch.float32_matmul_precision", "backends.fp32_precision"}
+_CPU_SETTINGS = {"mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision"}   # oneDNN: read on the CPU only
 _CUDA_SETTINGS = {
     "torch.deterministic_algorithms", "torch.deterministic_algorithms_warn_only",
     "cuda.matmul.allow_tf32", "cuda.matmul.fp32_precision", "cuda.matmul.allow_bf16_reduced_precision_reduction",
@@ -166,6 +165,9 @@ def blocking(setting: str, path: dict) -> str | None:
             if "cpu" in path["backends"] else None
     if setting in _CPU_AND_CUDA_SETTINGS:
         return "fp32 matmuls of non-rlk graph nodes read it (oneDNN on CPU, cuBLAS on CUDA)"
+    if setting in _CPU_SETTINGS:
+        return "ran on CPU: fp32 matmuls of non-rlk graph nodes go through oneDNN, which reads it" \
+            if "cpu" in path["devices"] else None
     if setting in _CUDA_SETTINGS:
         return "ran on CUDA: non-rlk graph nodes run ATen/cuBLAS/cuDNN kernels that read it" if cuda else None
     if setting in ("NCCL_ALGO", "NCCL_PROTO"):

@@ -85,7 +85,9 @@ def _public(op, x, dim, group, check):
     is sent, so it must be the same on every rank, like ``group``: a rank with False would send its
     data into the others' exchange (module doc)."""
     if torch.compiler.is_compiling():   # what the op and its fake do not check; the rest runs there, where
-        V.tensors(op, x=x)              # c10d's group lookup does not break the graph
+        if not isinstance(check, bool):  # c10d's group lookup does not break the graph
+            V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+        V.tensors(op, x=x)
         return group_name(group, op), V.int_arg(op, "dim", dim)
     if not dist.is_available() or not dist.is_initialized():  # one process: its arguments first, as before
         V.tensors(op, x=x)
@@ -100,7 +102,7 @@ def _public(op, x, dim, group, check):
         state["dim"] = V.int_arg(op, "dim", dim)
         _check(op, x, state["dim"], name)
 
-    if check is False:
+    if check is False or dist.get_world_size(group) == 1:   # one rank: nothing to compare
         local()
         return name, state["dim"]
     from rlk_ops.distributed.checks import collect, preflight, show_choice
@@ -173,12 +175,11 @@ autograd("all_gather", _all_gather_backward, _setup_context)
 autograd("reduce_scatter", _reduce_scatter_backward, _setup_context)
 
 
-# all_gather moves x's bytes (kernels/c10d.py), so any dtype of whole bytes travels, on gloo too
-# (int16 and float8 once failed there with gloo's "Invalid scalar type"); sub-byte and bit dtypes do not
-GATHER_DTYPES = tuple(d for d in (getattr(torch, n, None) for n in (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "bfloat16",
-    "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "complex64", "complex128")) if isinstance(d, torch.dtype))
+# all_gather moves x's bytes (kernels/c10d.py), so every dtype travels, on gloo too (int16 and float8
+# once failed there with gloo's "Invalid scalar type"), but a quantized one: its values are bytes plus a
+# scale and zero point that the bytes do not carry
+QUANTIZED_DTYPES = tuple(d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2",
+                                                                        "quint2x4")) if isinstance(d, torch.dtype))
 
 
 def _check(op, x, dim, group_name) -> int:
@@ -191,9 +192,8 @@ def _check(op, x, dim, group_name) -> int:
     except Exception as e:  # noqa: BLE001 - c10d raises several types here
         V.fail(op, f"group_name {group_name!r} names no process group ({e})")
     ws = dist.get_world_size(pg)
-    if op == "all_gather" and x.dtype not in GATHER_DTYPES:
-        V.fail(op, f"x must have a dtype of whole bytes, one of {', '.join(str(d) for d in GATHER_DTYPES)}, "
-                   f"got {x.dtype}")
+    if op == "all_gather" and x.dtype in QUANTIZED_DTYPES:
+        V.fail(op, f"x must not be quantized (its bytes do not carry its scale), got {x.dtype}")
     if x.dim() == 0:
         V.fail(op, "x must have at least 1 dim, got a 0-d tensor")
     if not -x.dim() <= dim < x.dim():

@@ -177,7 +177,6 @@ class TinyQwen3(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
 
-
     # ------------------------------------------------------------------ checks
     def check_tokens(self, where: str, tokens, layout: str, dims: int = 1) -> None:
         """tokens: an integer tensor of ``dims`` dims, every value in [0, vocab_size) (the embedding's own
