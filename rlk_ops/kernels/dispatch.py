@@ -18,6 +18,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -108,6 +109,17 @@ class _Scoped(contextlib.ContextDecorator):
 
     _REASON = _EAGER.format(what="rlk_ops.strict() / rlk_ops.use_backend() / rlk_ops.value_checks()")
 
+    @classmethod
+    def module_global(cls, module_name: str, name: str, value, what: str) -> "_Scoped":
+        """The block sets the module global ``module_name.name`` to ``value`` and restores the old value."""
+        module = sys.modules[module_name]
+
+        def apply():
+            old = getattr(module, name)
+            setattr(module, name, value)
+            return lambda: setattr(module, name, old)
+        return cls(apply, what)
+
     def __call__(self, fn):
         if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
             raise TypeError(f"{self._what} cannot decorate {getattr(fn, '__qualname__', fn)!s}, a generator or "
@@ -129,17 +141,7 @@ def strict(enabled: bool = True) -> _Scoped:
     """Strict mode ``enabled`` inside the block, process-wide: threads share it, so set it
     around work in one thread (two threads entering and leaving blocks interleaved restore
     each other's modes)."""
-    value = _mode("strict", enabled)
-
-    def apply():
-        global _strict
-        old, _strict = _strict, value
-
-        def restore():
-            global _strict
-            _strict = old
-        return restore
-    return _Scoped(apply, "rlk_ops.strict()")
+    return _Scoped.module_global(__name__, "_strict", _mode("strict", enabled), "rlk_ops.strict()")
 
 
 # ------------------------------------------------------------ backend choice

@@ -43,15 +43,7 @@ def value_checks(enabled: bool = True):
         raise TypeError(f"value_checks: enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
     from rlk_ops.kernels.dispatch import _Scoped   # (dispatch imports nothing from here)
 
-    def apply():
-        global VALUE_CHECKS
-        old, VALUE_CHECKS = VALUE_CHECKS, enabled
-
-        def restore():
-            global VALUE_CHECKS
-            VALUE_CHECKS = old
-        return restore
-    return _Scoped(apply, "rlk_ops.value_checks()")
+    return _Scoped.module_global(__name__, "VALUE_CHECKS", enabled, "rlk_ops.value_checks()")
 
 
 def positive_ints(owner: str, **values) -> None:
