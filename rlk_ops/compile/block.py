@@ -45,7 +45,8 @@ class Qwen3AttentionConfig:
     def __post_init__(self):
         # numpy scalars (a config read through numpy) as the Python numbers they stand for: np.int64(8) was
         # refused as "must be None or even and in (0, head_dim]" (a session 38 audit)
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta", "rms_norm_eps"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rotary_dim", "rope_theta",
+                     "rms_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)) \
                     and type(value).__module__ == "numpy":
@@ -116,8 +117,8 @@ class Qwen3Attention(nn.Module):
         """Shape metadata (also under torch.compile): the ops below would otherwise fail on
         a reshape that names none of the block's arguments."""
         if not isinstance(return_attention, bool):   # "no" returned the attention (a session 38 audit)
-            raise ValueError(f"Qwen3Attention: return_attention must be a bool, got {type(return_attention).__name__} "
-                             f"{short_repr(return_attention)}")
+            raise ValueError(f"Qwen3Attention: return_attention must be a bool, got "
+                             f"{type(return_attention).__name__} {short_repr(return_attention)}")
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != ndim \
                 or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"Qwen3Attention: hidden_states must be {ndim}-D {layout} with hidden_size "

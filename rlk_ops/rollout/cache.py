@@ -140,8 +140,8 @@ class PagedKVCache:
 
 
 def _listed(where: str, name: str, value, what: str) -> None:
-    """A list or tuple (a generator would be used up by the checks, and the call then saw nothing: a
-    session 38 audit; a bare int is no list)."""
+    """A list, tuple or range (a generator would be used up by the checks, and the call then saw nothing:
+    a session 38 audit; a bare int is no list)."""
     if not isinstance(value, (list, tuple, range)):
         raise ValueError(f"PagedKVCache.{where}: {name} must be a list, tuple or range of {what}, got "
                          f"{type(value).__name__} {value!r}"[:300])
