@@ -1,6 +1,6 @@
 """Deterministic collectives over torch.distributed (gloo on CPU, NCCL on GPUs).
 
-* all_gather moves bytes only (sent as uint8, so any dtype of whole bytes travels): exact,
+* all_gather moves bytes only (sent as uint8, so every dtype but the quantized ones travels): exact,
   independent of the world size.
 * reduce_scatter is all_to_all (bytes only) followed by a sum of the received
   blocks in ascending rank order in fp32 (fp64 for fp64). NCCL's own reduce-scatter
