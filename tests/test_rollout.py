@@ -737,3 +737,31 @@ def test_allocator_lookups_take_lists_not_generators():
         cache.page_table(0)
     assert cache.length(1) == 0 and torch.equal(cache.seq_lens((0, 1)), torch.tensor([3, 0], dtype=torch.int32))
     assert torch.equal(cache.seq_lens(range(2)), cache.seq_lens([0, 1]))
+
+
+def test_truncate_undoes_a_reservation_whose_forward_failed():
+    """reserve() had no way back: after a forward that failed (bad tokens here) a caller that reserved
+    again attended to slots nothing had written (a session 38 audit's observation). truncate() gives
+    them back, and the retried step equals a run that never failed, bit for bit."""
+    model = _tiny(layers=2)
+    reqs = [Request(0, [1, 2, 3, 4, 5, 6], 1)]
+    tokens, positions = torch.tensor([[1, 2, 3, 4, 5, 6]]), torch.arange(6)[None]
+    clean = cache_for(model, reqs, 4, 1)
+    clean.add(0)
+    want = model.forward_rollout(tokens, positions, clean, [0], clean.reserve(0, 6))
+    cache = cache_for(model, reqs, 4, 1)
+    cache.add(0)
+    free = cache.free_pages
+    slots = cache.reserve(0, 6)
+    with pytest.raises(rlk_ops.RlkInputError, match="is not a token id"):
+        model.forward_rollout(torch.tensor([[1, 2, 3, 4, 5, 999]]), positions, cache, [0], slots)
+    cache.truncate(0, 0)
+    assert cache.length(0) == 0 and cache.free_pages == free and cache.pages(0) == []
+    got = model.forward_rollout(tokens, positions, cache, [0], cache.reserve(0, 6))
+    assert torch.equal(got, want)
+    cache.truncate(0, 5)   # a page boundary inside: page 1 (tokens 4..5) is kept for token 4
+    assert cache.length(0) == 5 and len(cache.pages(0)) == 2
+    with pytest.raises(ValueError, match=r"truncate: length must be at most sequence 0's length 5, got 6"):
+        cache.truncate(0, 6)
+    with pytest.raises(ValueError, match=r"length must be an int >= 0, got -1"):
+        cache.truncate(0, -1)

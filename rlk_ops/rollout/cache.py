@@ -72,7 +72,8 @@ class PagedKVCache:
         self._lens[seq] = 0
 
     def reserve(self, seq: int, n_new: int) -> torch.Tensor:
-        """Grow ``seq`` by ``n_new`` tokens; returns their slot_mapping (int64 [n_new])."""
+        """Grow ``seq`` by ``n_new`` tokens; returns their slot_mapping (int64 [n_new]). If the forward
+        that was to write them fails, ``truncate(seq, old_length)`` gives the slots back."""
         self._known(seq)
         _count("n_new", n_new)
         start = self._lens[seq]
@@ -114,6 +115,21 @@ class PagedKVCache:
         if not requests:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         return torch.cat([self.reserve(seq, n_new) for seq, n_new in requests])
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Shrink ``seq`` back to its first ``length`` tokens, e.g. to undo a ``reserve`` whose forward
+        failed: the reserved slots were never written, and a second ``reserve`` on top would have the
+        next forward attend to them (what the cache held there) without an error. Pages past the new
+        length go back to the free list; the rows kept are untouched."""
+        self._known(seq)
+        _count("length", length)
+        if length > self._lens[seq]:
+            raise ValueError(f"PagedKVCache.truncate: length must be at most sequence {seq}'s length "
+                             f"{self._lens[seq]}, got {length}")
+        keep = -(-length // self.page_size)
+        self._free.extend(self._pages[seq][keep:])
+        del self._pages[seq][keep:]
+        self._lens[seq] = length
 
     def release(self, seq: int) -> None:
         """Finish ``seq``: its pages go back to the free list."""
