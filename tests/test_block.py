@@ -453,6 +453,9 @@ def test_forward_mode_ad_is_refused_not_zero():
     with fwad.dual_level():
         with pytest.raises(RuntimeError, match=r"rlk::qk_rmsnorm has no forward-mode AD formula"):
             rlk_ops.qk_rmsnorm(fwad.make_dual(x, t), torch.ones(8, dtype=torch.float64))
+    from rlk_ops.rollout.glue import swiglu   # the demo model's own op too
+    with pytest.raises(RuntimeError, match=r"rlk_model::swiglu has no forward-mode AD formula"):
+        torch.func.jvp(swiglu, (x,), (t,))
     xr = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(rlk_ops.linear(xr, w).sum(), xr)
     assert torch.equal(g, w.sum(0).expand(3, 8))

@@ -24,13 +24,12 @@ def define(name: str) -> None:
 
 def impl(name: str) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the op's CPU and CUDA kernel (it picks the backend itself). The kernel
-    refuses forward-mode AD (module doc of ``_no_forward_ad``)."""
+    refuses forward-mode AD (``no_forward_ad``)."""
 
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def kernel(*args, **kwargs):
-            if _forward_ad._current_level >= 0:
-                _no_forward_ad(name)
+            no_forward_ad(f"rlk::{name}")
             return fn(*args, **kwargs)
         for key in ("CPU", "CUDA"):
             torch.library.impl(spec(name).qualname, key, lib=LIB)(kernel)
@@ -39,12 +38,14 @@ def impl(name: str) -> Callable[[Callable], Callable]:
     return register
 
 
-def _no_forward_ad(name: str) -> None:
+def no_forward_ad(qualname: str) -> None:
     """The ops register a backward only: under forward-mode AD (``torch.autograd.forward_ad``,
     ``torch.func.jvp``) PyTorch ran them without a tangent, so a JVP came back as exactly 0 (a
     session 38 audit). Inside a forward-AD level every rlk op refuses, whatever its inputs (under
     ``torch.func.jvp`` the kernel cannot see which inputs carry tangents)."""
-    raise RuntimeError(f"rlk::{name} has no forward-mode AD formula (torch.autograd.forward_ad, torch.func.jvp): "
+    if _forward_ad._current_level < 0:
+        return
+    raise RuntimeError(f"{qualname} has no forward-mode AD formula (torch.autograd.forward_ad, torch.func.jvp): "
                        f"its tangent would come back as zero. Use reverse mode (.backward() or torch.autograd.grad; of "
                        f"torch.func's transforms only vmap runs rlk ops), or call it outside the dual level.")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlk_ops.kernels.cpu import numerics as nx
+from rlk_ops.ops._library import no_forward_ad
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +59,7 @@ def _check(op: str, gate_up: torch.Tensor, dout: torch.Tensor | None = None) -> 
 
 @torch.library.custom_op("rlk_model::swiglu", mutates_args=())
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    no_forward_ad("rlk_model::swiglu")   # a backward only, like the rlk ops: a JVP would come back as 0
     _check("swiglu", gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     # contiguous, as the fake says: the product follows a permuted input's strides (a session 35 review:
