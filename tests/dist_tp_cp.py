@@ -275,6 +275,10 @@ def bad_input_checks(mesh, rank):
     k_bad = torch.zeros(q_bad.shape[0], 2, 32, dtype=DT)
     expect_everywhere(lambda: context_parallel_attention(q_bad, k_bad, k_bad, lay, group),
                       "rejected its input", f"must be this rank's token count {t}")
+    # check=None on one rank skipped its exchange there, and its K/V met the others' preflight (gloo aborted)
+    expect_everywhere(lambda: context_parallel_attention(torch.zeros(t, 4, 32, dtype=DT), kv, kv, lay, group,
+                                                         check=None if cp_rank else True),
+                      "rejected its input", "check must be a bool, got NoneType None")
     # per-rank differences the preflight once missed: a config field the forward reads (each rank ran
     # with its own rope_theta), one rank's parameter dtype, no block at all, and a softmax_scale
     odd = init_block(Qwen3Attention(**{**SMALL, "rope_theta": 1e4 if rank == 3 else 1e6}))
@@ -311,6 +315,11 @@ def bad_input_checks(mesh, rank):
     expect_everywhere(forward_grad_on_all_but_rank_1, "ranks disagree on with gradients: True on rank 0 but False "
                                                       "on rank 1")
     expect_everywhere(lambda: pb(xs, ps, lay_z, check=None), "check must be a bool, got NoneType None")
+    # the forward compares the batch layouts too: rank 1 given another batch's layout (valid for this module,
+    # same token count) ran with wrong results (a session 38 audit)
+    lay_other = pb.prepare(x, pos, torch.tensor([0, 48, 248, 384], dtype=torch.int32))[2]
+    expect_everywhere(lambda: pb(xs, ps, lay_other if rank == 1 else lay_z),
+                      "ParallelQwen3Attention.forward: ranks disagree on seq_lens_hash")
     expect_everywhere(lambda: pb(xs, ps, lay_z, check=1 if rank == 2 else True), "rank 2 rejected its input",
                       "check must be a bool, got int 1")
     # frozen weights, gradients for the input only: a rank under no_grad builds no graph either

@@ -108,3 +108,34 @@ def test_compare_block_one_process_accepts_good_input():
     for chunks in (None, CHUNKS):
         c = compare.compare_block(_BLOCK, None, _X, _POS, _CU.tolist(), "zigzag", chunks, seed=-1)
         assert c.claims_hold() and c.rows, c.table()
+
+
+def test_forward_refuses_a_layout_of_another_chunk_count():
+    """The forward compared cp, rank, mode and canonical but not the chunk count: a layout of 8 chunks given
+    to a module of 4 ran with 8 chunks, silently (a session 38 audit)."""
+    from rlk_ops.compile import Qwen3Attention
+    from rlk_ops.compile.examples import init_block, packed_batch
+    from rlk_ops.distributed import ParallelQwen3Attention, build_layout
+
+    block = init_block(Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16))
+    x, pos, cu = packed_batch([16, 8], 64, requires_grad=False)
+    pb = ParallelQwen3Attention(block, None, "contiguous", chunks=4)
+    xs, ps, lay4 = pb.prepare(x, pos, cu)
+    with pytest.raises(ValueError, match=r"layout is for cp rank 0 of 1 \(contiguous, 8 chunks, canonical=True\); "
+                                         r"this module is cp rank 0 of 1 \(contiguous, 4 chunks"):
+        pb(xs, ps, build_layout(cu, 1, 0, "contiguous", 8))
+    assert pb(xs, ps, lay4).shape == (24, 64)
+
+
+def test_compare_block_with_a_frozen_weight():
+    """A frozen weight has no gradient: compare_block crashed on None.double() (a session 38 audit); its row
+    is left out and the rest are compared."""
+    from rlk_ops.compile import Qwen3Attention
+    from rlk_ops.compile.examples import init_block, packed_batch
+
+    block = init_block(Qwen3Attention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16))
+    block.q_norm.weight.requires_grad_(False)
+    x, pos, cu = packed_batch([16, 8], 64, requires_grad=False)
+    c = compare.compare_block(block, None, x, pos, cu, "contiguous", 4)
+    names = [r.name for r in c.rows]
+    assert c.claims_hold() and "d q_norm.weight" not in names and "d k_norm.weight" in names, c.table()

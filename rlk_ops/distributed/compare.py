@@ -100,6 +100,8 @@ def _run(module, x, positions, layout, dy, fn=None):
     if taps:
         out.update({"dQ": taps["q"].grad, "dK": taps["k"].grad, "dV": taps["v"].grad})
     for name, p in module.named_parameters():
+        if not p.requires_grad:   # a frozen weight has no gradient row (it crashed the table: a session 38 audit)
+            continue
         g = p.grad
         out[f"d {name}"] = g.to_local() if hasattr(g, "to_local") else g
     return out
@@ -124,11 +126,14 @@ def _shard_of(full: dict, layout, tp: int, tp_rank: int, cfg) -> dict:
     }
     for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
         n = hq if name.startswith("q") else hkv
-        want[f"d {name}"] = heads(full[f"d {name}"].view(n, d, -1), 0, n).reshape(-1, cfg.hidden_size)
-    want["d o_proj.weight"] = heads(full["d o_proj.weight"].view(cfg.hidden_size, hq, d), 1, hq).reshape(
-        cfg.hidden_size, -1)
+        if f"d {name}" in full:   # (a frozen weight has none)
+            want[f"d {name}"] = heads(full[f"d {name}"].view(n, d, -1), 0, n).reshape(-1, cfg.hidden_size)
+    if "d o_proj.weight" in full:
+        want["d o_proj.weight"] = heads(full["d o_proj.weight"].view(cfg.hidden_size, hq, d), 1, hq).reshape(
+            cfg.hidden_size, -1)
     for name in ("q_norm.weight", "k_norm.weight"):
-        want[f"d {name}"] = full[f"d {name}"]
+        if f"d {name}" in full:
+            want[f"d {name}"] = full[f"d {name}"]
     return want
 
 

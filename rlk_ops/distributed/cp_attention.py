@@ -64,10 +64,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             raise DistributedInputError(f"context_parallel_attention: softmax_scale must be a finite float or None, "
                                         f"got {type(softmax_scale).__name__} {short_repr(softmax_scale)}")
 
-    if not check and not torch.compiler.is_compiling():
+    def check_flag():   # a check that is not a bool is exchanged as a problem: check=None on one rank skipped
+        if not isinstance(check, bool):   # the exchange there, and its K/V met the others' (a session 38 audit)
+            raise DistributedInputError(f"context_parallel_attention: check must be a bool, got "
+                                        f"{type(check).__name__} {short_repr(check)}")
+
+    if check is False and not torch.compiler.is_compiling():
         check_scale()
-    if check and not torch.compiler.is_compiling():
-        problem = collect([check_scale, lambda: check_local(q, k, v, layout, group)])
+    if check is not False and not torch.compiler.is_compiling():
+        problem = collect([check_flag, check_scale, lambda: check_local(q, k, v, layout, group)])
         if group is None:
             if problem:
                 raise DistributedInputError(problem)

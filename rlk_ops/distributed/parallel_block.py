@@ -210,8 +210,8 @@ class ParallelQwen3Attention(nn.Module):
 
         ``check`` (eager, on a mesh; skipped while torch.compile traces): the ranks compare,
         in one small all_gather before the first collective, whether each passed prepare()'s
-        inputs and layout for this module and taps of an accepted kind, and whether each runs
-        with gradients; any problem raises on every rank (before, a rank that failed these
+        inputs and layout for this module and taps of an accepted kind, their batch layouts, and
+        whether each runs with gradients; any problem raises on every rank (before, a rank that failed these
         checks raised alone and the others waited in the first collective until the timeout).
         ``check`` decides whether that exchange is sent, so it must be the same on every rank."""
         def local_checks():
@@ -229,8 +229,13 @@ class ParallelQwen3Attention(nn.Module):
             # weights, or an input that requires grad (frozen weights, gradients for the input only)
             grad = torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters())
                                                 or getattr(hidden_states, "requires_grad", False) is True)
-            preflight(None, "ParallelQwen3Attention.forward", problem, {"with gradients": grad},
-                      show={"with gradients": show_bool})
+            # and the batch layout: ranks given layouts of other batches (each valid for this module) ran, one
+            # of them with wrong results (a session 38 audit)
+            meta = dict(zip(LAYOUT_KEYS, layout.metadata() if isinstance(layout, CPLayout) else
+                            [-1] * len(LAYOUT_KEYS)))
+            meta["with gradients"] = grad
+            preflight(None, "ParallelQwen3Attention.forward", problem, meta,
+                      show={"with gradients": show_bool, "mode": show_choice(MODES), "canonical": show_bool})
         weights = [getattr(self, n.split(".")[0]).weight for n in _PARAMS]
         if self.mesh is None:
             y, attn, lse = local_forward(hidden_states, positions, *weights, layout, self.topology, taps)
@@ -251,11 +256,15 @@ class ParallelQwen3Attention(nn.Module):
         topo = self.topology
         if not isinstance(layout, CPLayout):
             _fail(f"layout must be the CPLayout returned by prepare(), got {type(layout).__name__}")
-        if (layout.cp, layout.rank, layout.mode, layout.canonical) != (topo.cp, topo.cp_rank, self.sharding,
-                                                                       self.chunks is not None):
-            _fail(f"layout is for cp rank {layout.rank} of {layout.cp} ({layout.mode}, canonical="
-                  f"{layout.canonical}); this module is cp rank {topo.cp_rank} of {topo.cp} ({self.sharding}, "
-                  f"canonical={self.chunks is not None}): use the layout from this module's prepare()")
+        # the chunk count too: a layout of 8 chunks given to a module of 4 computed with 8, silently (a
+        # session 38 audit)
+        n_chunks = n_chunks_for(self.sharding, topo.cp, self.chunks)
+        if (layout.cp, layout.rank, layout.mode, layout.canonical, layout.n_chunks) != \
+                (topo.cp, topo.cp_rank, self.sharding, self.chunks is not None, n_chunks):
+            _fail(f"layout is for cp rank {layout.rank} of {layout.cp} ({layout.mode}, {layout.n_chunks} chunks, "
+                  f"canonical={layout.canonical}); this module is cp rank {topo.cp_rank} of {topo.cp} "
+                  f"({self.sharding}, {n_chunks} chunks, canonical={self.chunks is not None}): use the layout from "
+                  f"this module's prepare()")
         if self.mesh is not None:  # prepare's DTensors on this module's mesh, in its placements
             for name, t in (("hidden_states", hidden_states), ("positions", positions)):
                 if not isinstance(t, DTensor) or t.device_mesh != self.mesh \
