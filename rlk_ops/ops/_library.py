@@ -26,10 +26,13 @@ def impl(name: str) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the op's CPU and CUDA kernel (it picks the backend itself). The kernel
     refuses forward-mode AD (``no_forward_ad``)."""
 
+    qualname = f"rlk::{name}"
+
     def register(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def kernel(*args, **kwargs):
-            no_forward_ad(f"rlk::{name}")
+            if _forward_ad._current_level >= 0:   # (one global read per call: the eager hot path)
+                no_forward_ad(qualname)
             return fn(*args, **kwargs)
         for key in ("CPU", "CUDA"):
             torch.library.impl(spec(name).qualname, key, lib=LIB)(kernel)

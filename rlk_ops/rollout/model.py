@@ -205,8 +205,8 @@ class TinyQwen3(nn.Module):
         """``forward_paged``'s tokens [B, Sq] and caches: one K and one V cache per layer, each
         [num_pages, page_size, num_kv_heads, head_dim] in the dtype and on the device of what the layer's k
         projection makes, and no two sharing memory (``[torch.zeros(shape)] * num_layers`` made every layer
-        write one cache: accepted, logits wrong, a session 38 audit). Checked before any layer writes: a bad later layer was found
-        after layer 0 had written its cache."""
+        write one cache: accepted, logits wrong, a session 38 audit). Checked before any layer writes: a
+        bad later layer was found after layer 0 had written its cache."""
         where = "TinyQwen3.forward_paged"
         self.check_tokens(where, tokens, "[B, Sq] (the newest Sq tokens of B sequences)", dims=2)
         cfg = self.config
