@@ -77,6 +77,11 @@ def _show_device(i: int) -> str:
     return repr(_DEVICES[i]) if 0 <= i < len(_DEVICES) else "a device type other than " + ", ".join(_DEVICES)
 
 
+def _check_flag(op, check) -> None:
+    if not isinstance(check, bool):
+        V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+
+
 def _public(op, x, dim, group, check):
     """The public functions' checks. ``check`` (eager): every rank collects its own problem and
     the ranks compare their metadata in one preflight, so all raise together or none does. A
@@ -85,8 +90,7 @@ def _public(op, x, dim, group, check):
     is sent, so it must be the same on every rank, like ``group``: a rank with False would send its
     data into the others' exchange (module doc)."""
     if torch.compiler.is_compiling():   # what the op and its fake do not check; the rest runs there, where
-        if not isinstance(check, bool):  # c10d's group lookup does not break the graph
-            V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+        _check_flag(op, check)          # c10d's group lookup does not break the graph
         V.tensors(op, x=x)
         return group_name(group, op), V.int_arg(op, "dim", dim)
     if not dist.is_available() or not dist.is_initialized():  # one process: its arguments first, as before
@@ -96,8 +100,7 @@ def _public(op, x, dim, group, check):
     state = {}
 
     def local():
-        if not isinstance(check, bool):
-            V.fail(op, f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
+        _check_flag(op, check)
         V.tensors(op, x=x)
         state["dim"] = V.int_arg(op, "dim", dim)
         _check(op, x, state["dim"], name)
