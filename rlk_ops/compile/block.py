@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 import rlk_ops
+from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
+from rlk_ops.kernels.dispatch import kernel_for
 from rlk_ops.meta.contract import SplitKVPolicy, spell
 from rlk_ops.ops._validate import FLOAT_DTYPES, finite, positive_ints, short_repr
 
@@ -123,6 +125,10 @@ class Qwen3Attention(nn.Module):
                 or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"Qwen3Attention: hidden_states must be {ndim}-D {layout} with hidden_size "
                              f"{self.config.hidden_size}, got {list(getattr(hidden_states, 'shape', []))}")
+        # the block reads these modules' parameters and never calls them; rlk ops do not autocast
+        check_weight_modules("Qwen3Attention", self, ("q_proj", "k_proj", "v_proj", "o_proj"), nn.Linear)
+        check_weight_modules("Qwen3Attention", self, ("q_norm", "k_norm"), _Norm)
+        check_autocast("Qwen3Attention", hidden_states.device.type, self.o_proj.weight.dtype)
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [N, hidden], positions [N] -> q [N, Hq, D], k, v [N, Hkv, D] (normed, rotated)."""
@@ -177,16 +183,21 @@ class Qwen3Attention(nn.Module):
         self._check_hidden(hidden_states, 3, "[B, Sq, hidden_size]", return_attention)
         b, sq, hidden = hidden_states.shape
         if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != (b, sq):
+            got = list(positions.shape) if isinstance(positions, torch.Tensor) else short_repr(positions)
             raise ValueError(f"Qwen3Attention: positions must be a tensor [B, Sq] = [{b}, {sq}] (hidden_states' "
-                             f"leading shape), got {type(positions).__name__} "
-                             f"{list(getattr(positions, 'shape', []))}")
+                             f"leading shape), got {type(positions).__name__} {got}")
         # one row per sequence: a table of other rows was blamed on positions by the append's check (a
         # session 38 audit)
         for name, t, rank in (("page_table", page_table, 2), ("seq_lens", seq_lens, 1)):
             if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[0] != b:
                 want = f"[B, max_pages] = [{b}, ...]" if rank == 2 else f"[B] = [{b}]"
+                got = list(t.shape) if isinstance(t, torch.Tensor) else short_repr(t)
                 raise ValueError(f"Qwen3Attention: {name} must be a tensor {want} (one row per sequence of "
-                                 f"hidden_states), got {type(t).__name__} {list(getattr(t, 'shape', []))}")
+                                 f"hidden_states), got {type(t).__name__} {got}")
+        if not torch.compiler.is_compiling():
+            # a paged-attention backend that cannot run here raises before the append writes the cache, not
+            # after (a session 39 audit; compiled, the ops' own checks run when the graph runs)
+            kernel_for("paged_attention", hidden_states.device)
         q, k, v = self._qkv(hidden_states.reshape(b * sq, hidden), positions.reshape(b * sq))
         # the cache holds values: under grad mode k and v carry the weights' history, which an
         # in-place write would graft onto the caller's cache

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
 
 from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.distributed.checks import (LAYOUT_KEYS, DistributedInputError, collect, dtype_code, preflight, show_bool,
                                         show_choice, show_dtype, show_flags, show_or_none)
 from rlk_ops.distributed.layout import MODES, CPLayout, build_layout, n_chunks_for, seq_lens_from_cu
@@ -76,6 +77,9 @@ class ParallelQwen3Attention(nn.Module):
         def local_checks():
             if not is_block:
                 _fail(f"block must be an rlk_ops.compile.Qwen3Attention, got {type(block).__name__}")
+            # the shards are copied from these modules' parameters: a wrapper (LoRA) would be left out
+            check_weight_modules("ParallelQwen3Attention: block", block, ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                 nn.Linear)
             for name, p in block.named_parameters():  # each rank's own: the preflight compares o_proj's
                 if p.dtype != dtype or p.device != block.o_proj.weight.device:
                     _fail(f"block.{name} must have o_proj.weight's dtype {dtype} and device "
@@ -219,6 +223,9 @@ class ParallelQwen3Attention(nn.Module):
                 _fail(f"check must be a bool, got {type(check).__name__} {V.short_repr(check)}")
             if taps is not None and not isinstance(taps, dict):
                 _fail(f"taps must be a dict or None, got {type(taps).__name__}")
+            check_weight_modules("ParallelQwen3Attention", self, tuple(n.split(".")[0] for n in _PARAMS), _Holder)
+            if isinstance(hidden_states, torch.Tensor):
+                check_autocast("ParallelQwen3Attention", hidden_states.device.type, self.o_proj.weight.dtype)
             self._check_forward(hidden_states, positions, layout)
 
         if self.mesh is None or check is False or torch.compiler.is_compiling():

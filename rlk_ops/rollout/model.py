@@ -26,6 +26,7 @@ from torch import nn
 
 import rlk_ops
 from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
+from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.kernels.cpu import numerics as nx
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
@@ -87,6 +88,7 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False, **f)
 
     def forward(self, x):
+        check_weight_modules("TinyQwen3 mlp", self, ("gate_proj", "up_proj", "down_proj"), nn.Linear)
         gate_up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         return rlk_ops.linear(swiglu(gate_up), self.down_proj.weight)   # an op: compiled bits = eager bits
 
@@ -136,6 +138,7 @@ class TinyQwen3(nn.Module):
         """tokens/positions [T] (packed), cu_seqlens int32 [B+1] -> logits [T, vocab]."""
         if not torch.compiler.is_compiling():
             self.check_tokens("TinyQwen3.forward_train", tokens, "[T] (packed)")
+        self._check_setup("TinyQwen3.forward_train", tokens)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             out, attn, lse = layer.self_attn(layer.input_layernorm(h), positions, cu_seqlens, max_seqlen,
@@ -164,6 +167,7 @@ class TinyQwen3(nn.Module):
         (``compiled_rollout`` checks them before the compiled call)."""
         if not torch.compiler.is_compiling():
             self.check_paged_inputs(tokens, k_caches, v_caches)
+        self._check_setup("TinyQwen3.forward_paged", tokens)
         b, sq = tokens.shape
         h = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
@@ -178,6 +182,11 @@ class TinyQwen3(nn.Module):
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
 
     # ------------------------------------------------------------------ checks
+    def _check_setup(self, where: str, tokens: torch.Tensor) -> None:
+        """lm_head is read, not called; rlk ops do not autocast (``compile/module_checks.py``)."""
+        check_weight_modules(where, self, ("lm_head",), nn.Linear)
+        check_autocast(where, tokens.device.type, self.lm_head.weight.dtype)
+
     def check_tokens(self, where: str, tokens, layout: str, dims: int = 1) -> None:
         """tokens: an integer tensor of ``dims`` dims, every value in [0, vocab_size) (the embedding's own
         errors name neither the argument nor the value; CUDA values checked as the ops check theirs)."""
