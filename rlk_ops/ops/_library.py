@@ -20,6 +20,25 @@ LIB = torch.library.Library("rlk", "DEF")  # noqa: TOR901 - kept alive for the p
 def define(name: str) -> None:
     s = spec(name)
     torch.library.define(s.qualname, s.schema, lib=LIB, tags=s.tags)
+    if not s.differentiable and not s.mutates:   # (PyTorch takes autograd formulas for functional ops only)
+        no_backward(s.qualname, lib=LIB)
+
+
+def no_backward(qualname: str, lib=None) -> None:
+    """An op without a derivative (a backward op, the rollout's paged ops): backpropagating through it
+    raises, naming it. Without an autograd kernel PyTorch's fallback only warned: eagerly the result came
+    from whatever the kernel was made of (the CPU reference's torch ops: right; a CUDA kernel: not), and a
+    compiled graph gave a zero gradient (double backward through the block, or a gradient through
+    ``rlk::paged_attention``; a session 39 audit). Outputs still require grad where an input does, so
+    only a backward that reaches the op fails; under torch.compile that is when AOTAutograd traces the
+    backward."""
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{qualname} has no derivative, and a gradient reached it: "
+                           + ("double backward (create_graph=True, then a gradient of a gradient) is not supported "
+                              "by rlk ops" if qualname.endswith("_bwd") else
+                              "it is a rollout-side op (detach its inputs, or compute the gradient with the training "
+                              "ops)"))
+    torch.library.register_autograd(qualname, backward, lib=lib)
 
 
 def impl(name: str) -> Callable[[Callable], Callable]:
