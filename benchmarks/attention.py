@@ -656,11 +656,13 @@ def install_dry_run():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_fa4 import make_fake_fa4
 
+    from rlk_ops.kernels import dispatch
     from rlk_ops.kernels import fa4 as fa4_backend
 
     sys.modules[loader.INTERFACE_MODULE] = make_fake_fa4()
     loader.installed_version = lambda: "dry-run"
     fa4_backend.check_available = lambda op: None  # no GPU here; the tensors stay on the CPU
+    dispatch._DEVICES["fa4"] = ("cuda", "cpu")   # the stand-in runs on CPU tensors (the device gate refused it)
     rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4", paged_attention="fa4").__enter__()
 
 

@@ -933,6 +933,7 @@ def install_dry_run():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_fa4 import make_fake_fa4
 
+    from rlk_ops.kernels import dispatch
     from rlk_ops.kernels import fa4 as fa4_backend
     from rlk_ops.kernels import triton as triton_backend
     from rlk_ops.kernels.fa4 import loader
@@ -942,6 +943,7 @@ def install_dry_run():
     sys.modules[loader.INTERFACE_MODULE] = make_fake_fa4()
     loader.installed_version = lambda: "dry-run"
     fa4_backend.check_available = lambda op: None
+    dispatch._DEVICES["fa4"] = ("cuda", "cpu")   # the stand-in runs on CPU tensors (the device gate refused it)
     triton_backend.check_available = lambda op: None
     rlk_ops.use_backend(attention_fwd="fa4", attention_bwd="fa4", paged_attention="fa4",
                         merge_attn_states="triton", merge_attn_states_bwd="triton").__enter__()

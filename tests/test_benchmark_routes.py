@@ -45,3 +45,23 @@ def test_the_report_names_the_settings():
     md = cb.markdown({"routes_set": {"VEC_EAGER": True}, "shapes": {}})
     assert "Route switches set for this run (--route): VEC_EAGER=True" in md
     assert "Route switches" not in cb.markdown({"routes_set": {}, "shapes": {}})
+
+
+@pytest.mark.parametrize("script", ["attention", "canonical"])
+def test_dry_run_routes_attention_to_the_stand_in_on_cpu(script):
+    """``--dry-run`` checks a benchmark script on the CPU against a stand-in FA4: since the device gate (FA4 runs
+    on CUDA tensors) every section failed with StrictModeError, and no test saw it (a session 39 audit). A
+    subprocess: the dry run sets process-wide backends."""
+    import subprocess
+
+    code = (f"import sys, torch; sys.path.insert(0, 'benchmarks'); import {script} as s; s.install_dry_run(); "
+            "import rlk_ops; from rlk_ops.meta import provenance\n"
+            "q, k, v = (torch.randn(1, 9, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))\n"
+            "with provenance.capture() as rec:\n"
+            "    rlk_ops.attention(q, k, v, causal=True)\n"
+            "print(sorted({(r.op, r.actual_backend) for r in rec.records()}))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "RLK_FA4_DRY_RUN": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "('attention_fwd', 'fa4')" in out.stdout

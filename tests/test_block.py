@@ -380,7 +380,7 @@ def test_rollout_forward_under_grad_mode_leaves_the_cache_a_plain_tensor():
                           torch.tensor([4], dtype=torch.int32), torch.tensor([19]))
     with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got Tensor \[2, 2\]"):
         block.forward_rollout(x, torch.zeros(2, 2, dtype=torch.int64), caches[0], caches[1], *args[1:])
-    with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got NoneType \[\]"):
+    with pytest.raises(ValueError, match=r"positions must be a tensor \[B, Sq\] = \[1, 3\] .*got NoneType None"):
         block.forward_rollout(x, None, caches[0], caches[1], *args[1:])
 
 
@@ -460,3 +460,176 @@ def test_forward_mode_ad_is_refused_not_zero():
     (g,) = torch.autograd.grad(rlk_ops.linear(xr, w).sum(), xr)
     assert torch.equal(g, w.sum(0).expand(3, 8))
     assert torch.equal(torch.vmap(lambda a: rlk_ops.linear(a, w))(x[None])[0], rlk_ops.linear(x, w))
+
+
+# ------------------------------------------------------- a session 39 audit: how the block is set up
+class _Wrapped(torch.nn.Module):
+    """A LoRA adapter as peft builds one: ``weight`` is the base layer's, ``forward`` adds the adapter."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+        self.lora = torch.nn.Linear(base.in_features, base.out_features, bias=False, dtype=base.weight.dtype)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora(x)
+
+
+def test_block_refuses_submodules_it_would_bypass():
+    """The block reads q_proj.weight and never calls q_proj: a LoRA wrapper added nothing (output
+    bitwise unchanged, no gradient for the adapter) and hooks on o_proj never fired. Both are refused,
+    in training and in rollout; a parametrized nn.Linear (its weight computed on each read) still runs."""
+    import copy
+
+    import torch.nn.utils.parametrize as parametrize
+
+    block = _block()
+    x, pos, cu = packed_batch([5, 7], SMALL["hidden_size"])
+    ref = block(x, pos, cu)
+    wrapped = copy.deepcopy(block)
+    wrapped.v_proj = _Wrapped(wrapped.v_proj)
+    with pytest.raises(ValueError, match=r"Qwen3Attention: v_proj must be a torch.nn.Linear .*got "
+                                         r"test_block._Wrapped\. .*a wrapper's forward \(a LoRA adapter\)"):
+        wrapped(x, pos, cu)
+    xd, posd, kc, vc, pt, sl, sm = decode_batch(block, [5, 9])
+    before = kc.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"v_proj must be a torch.nn.Linear"):
+        wrapped.forward_rollout(xd, posd, kc, vc, pt, sl, sm)
+    assert torch.equal(kc, before)
+    normed = copy.deepcopy(block)
+    normed.k_norm = torch.nn.RMSNorm(SMALL["head_dim"], dtype=torch.bfloat16)   # its own eps and forward
+    with pytest.raises(ValueError, match=r"k_norm must be a rlk_ops.compile.block._Norm .*got torch.nn.modules"):
+        normed(x, pos, cu)
+    for register, name in ((lambda m: m.register_forward_hook(lambda *a: None), "forward_hooks"),
+                           (lambda m: m.register_forward_pre_hook(lambda *a: None), "forward_pre_hooks"),
+                           (lambda m: m.register_full_backward_hook(lambda *a: None), "backward_hooks")):
+        hooked = copy.deepcopy(block)
+        handle = register(hooked.o_proj)
+        with pytest.raises(ValueError, match=rf"o_proj has module hooks \({name}\), which would never run"):
+            hooked(x, pos, cu)
+        handle.remove()
+        assert torch.equal(hooked(x, pos, cu), ref)
+
+    class Same(torch.nn.Module):
+        def forward(self, w):
+            return w
+
+    param = copy.deepcopy(block)
+    parametrize.register_parametrization(param.q_proj, "weight", Same())
+    assert torch.equal(param(x, pos, cu), ref)
+
+
+def test_block_refuses_an_autocast_it_would_ignore():
+    """rlk ops compute in their inputs' dtype: a float32 block under autocast(bfloat16) ran in float32 with
+    no word. Refused, eagerly and compiled; autocast to the parameters' own dtype changes nothing and runs."""
+    block32 = _block(dtype=torch.float32)
+    x, pos, cu = packed_batch([5, 7], SMALL["hidden_size"], dtype=torch.float32)
+    compiled = torch.compile(block32, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"torch.autocast is on for cpu with torch.bfloat16, and the parameters "
+                                             r"are torch.float32. rlk ops .* do not autocast"):
+            block32(x, pos, cu)
+        with pytest.raises(Exception, match=r"torch.autocast is on for cpu with torch.bfloat16"):
+            compiled(x, pos, cu)
+    block = _block()
+    xb, posb, cub = packed_batch([5, 7], SMALL["hidden_size"])
+    ref = block(xb, posb, cub)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(block(xb, posb, cub), ref)
+
+
+def test_rollout_backend_refused_before_the_cache_is_written():
+    """A paged-attention backend that cannot run here (strict mode) raised after the append had written the
+    new K/V: it now raises first. A list where a tensor belongs is shown as given (was ``[]``)."""
+    import rlk_ops
+    from rlk_ops.kernels.dispatch import StrictModeError
+
+    block = _block()
+    x, pos, kc, vc, pt, sl, sm = decode_batch(block, [5, 9])
+    before = (kc.clone(), vc.clone())
+    with torch.no_grad(), rlk_ops.use_backend(paged_attention="flashinfer"):
+        with pytest.raises(StrictModeError, match=r"rlk::paged_attention on cpu: backend 'flashinfer' unavailable"):
+            block.forward_rollout(x, pos, kc, vc, pt, sl, sm)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"seq_lens must be a tensor \[B\] = \[2\] .*got list "
+                                                          r"\[5, 9\]"):
+        block.forward_rollout(x, pos, kc, vc, pt, [5, 9], sm)
+
+
+def test_a_gradient_through_an_op_without_one_raises():
+    """Ops without a derivative (the backward ops, the rollout's paged ops) had no autograd kernel, and PyTorch's
+    fallback only warned: double backward through the block ran the CPU reference's torch ops (a CUDA kernel
+    has none), and a compiled graph gave q a gradient of exactly 0 through rlk::paged_attention. Both now
+    raise, naming the op; first-order gradients are unchanged (the suite's other tests)."""
+    import rlk_ops
+
+    block = _block(dtype=torch.float64)
+    x, pos, cu = packed_batch([5, 7], SMALL["hidden_size"], dtype=torch.float64)
+    (g,) = torch.autograd.grad(block(x, pos, cu).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"rlk::\w+_bwd has no derivative, .*double backward"):
+        torch.autograd.grad(g.square().sum(), x)
+    _, _, kc, vc, pt, sl, _ = decode_batch(block, [5, 9])
+    q = torch.randn(2, 1, SMALL["num_heads"], SMALL["head_dim"], dtype=torch.float64, requires_grad=True)
+
+    def loss(q, kc, vc, pt, sl):
+        return rlk_ops.paged_attention(q, kc, vc, pt, sl)[0].square().sum()
+
+    with pytest.raises(RuntimeError, match=r"rlk::paged_attention has no derivative, .*rollout-side op"):
+        loss(q, kc, vc, pt, sl).backward()
+    with pytest.raises(Exception, match=r"rlk::paged_attention has no derivative"):
+        torch.compile(loss, fullgraph=True, backend="aot_eager")(q, kc, vc, pt, sl).backward()
+    assert q.grad is None
+    with torch.no_grad():
+        loss(q, kc, vc, pt, sl)
+
+
+def test_tiny_model_and_parallel_block_refuse_what_they_would_bypass():
+    """The same rules where weights are read, not called: TinyQwen3's MLP projections and lm_head, and
+    ParallelQwen3Attention (its block's projections, copied into shards when it is built; its own
+    holders; autocast)."""
+    import copy
+
+    from rlk_ops.distributed.parallel_block import ParallelQwen3Attention
+    from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config
+
+    model = TinyQwen3(TinyQwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                                      num_heads=4, num_kv_heads=2, head_dim=16))
+    tokens, pos, cu = torch.tensor([1, 2, 3]), torch.arange(3), torch.tensor([0, 3], dtype=torch.int32)
+    ref = model.forward_train(tokens, pos, cu)
+    wrapped = copy.deepcopy(model)
+    wrapped.layers[0].mlp.up_proj = _Wrapped(wrapped.layers[0].mlp.up_proj)
+    with pytest.raises(ValueError, match=r"TinyQwen3 mlp: up_proj must be a torch.nn.Linear"):
+        wrapped.forward_train(tokens, pos, cu)
+    hooked = copy.deepcopy(model)
+    hooked.lm_head.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"TinyQwen3.forward_train: lm_head has module hooks"):
+        hooked.forward_train(tokens, pos, cu)
+    model32 = copy.deepcopy(model).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"TinyQwen3.forward_train: torch.autocast is on for cpu"):
+            model32.forward_train(tokens, pos, cu)
+        assert torch.equal(model.forward_train(tokens, pos, cu), ref)
+
+    block = _block(dtype=torch.float32)
+    bad = copy.deepcopy(block)
+    bad.k_proj = _Wrapped(bad.k_proj)
+    with pytest.raises(ValueError, match=r"ParallelQwen3Attention: block: k_proj must be a torch.nn.Linear"):
+        ParallelQwen3Attention(bad)
+    par = ParallelQwen3Attention(block)
+    xs, ps, lay = par.prepare(*packed_batch([5, 7], SMALL["hidden_size"], dtype=torch.float32))
+    ref = par(xs, ps, lay)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=r"torch.autocast is on"):
+        par(xs, ps, lay)
+    handle = par.o_proj.register_forward_pre_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"ParallelQwen3Attention: o_proj has module hooks"):
+        par(xs, ps, lay)
+    handle.remove()
+    assert torch.equal(par(xs, ps, lay), ref)
