@@ -460,6 +460,11 @@ def test_forward_mode_ad_is_refused_not_zero():
     (g,) = torch.autograd.grad(rlk_ops.linear(xr, w).sum(), xr)
     assert torch.equal(g, w.sum(0).expand(3, 8))
     assert torch.equal(torch.vmap(lambda a: rlk_ops.linear(a, w))(x[None])[0], rlk_ops.linear(x, w))
+    # torch.func's reverse-mode transforms fail with PyTorch's own message (README says so)
+    for transform in (lambda: torch.func.grad(lambda a: rlk_ops.linear(a, w).sum())(x),
+                      lambda: torch.func.vjp(lambda a: rlk_ops.linear(a, w), x)):
+        with pytest.raises(RuntimeError, match=r"autograd.Function with functorch transforms"):
+            transform()
 
 
 # ------------------------------------------------------- a session 39 audit: how the block is set up

@@ -331,3 +331,30 @@ def test_a_collective_falls_back_to_c10d_not_to_the_cpu_reference(single_process
     assert torch.equal(out, x)
     (rec,) = log.fallbacks()
     assert (rec.requested_backend, rec.actual_backend) == ("triton", "c10d") and "unavailable" in rec.fallback_reason
+
+
+@pytest.mark.parametrize("env, strict, checks", [({}, True, True), ({"RLK_STRICT": "0"}, False, True),
+                                                  ({"RLK_STRICT": "off", "RLK_VALUE_CHECKS": "0"}, False, False),
+                                                  ({"RLK_VALUE_CHECKS": "no"}, True, False),
+                                                  ({"RLK_STRICT": "yes", "RLK_VALUE_CHECKS": "1"}, True, True)])
+def test_environment_variables_set_the_process_defaults(env, strict, checks):
+    """RLK_STRICT and RLK_VALUE_CHECKS (README) had no test. A new process reads them at import: RLK_STRICT=0
+    lets an unavailable backend fall back, recorded; the default refuses."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, rlk_ops; from rlk_ops.ops import _validate as V; from rlk_ops.meta import provenance\n"
+            "q = torch.randn(1, 4, 2, 16)\n"
+            "try:\n"
+            "    with rlk_ops.use_backend(attention_fwd='flashinfer'), provenance.capture() as log:\n"
+            "        rlk_ops.attention(q, q, q)\n"
+            "    ran = [r.actual_backend for r in log.fallbacks()]\n"
+            "except rlk_ops.StrictModeError:\n"
+            "    ran = 'refused'\n"
+            "print(rlk_ops.strict_mode(), V.VALUE_CHECKS, ran)")
+    base = {k: v for k, v in os.environ.items() if k not in ("RLK_STRICT", "RLK_VALUE_CHECKS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(strict), str(checks), "refused" if strict else "['cpu']"]
