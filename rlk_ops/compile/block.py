@@ -125,15 +125,17 @@ class Qwen3Attention(nn.Module):
                 or hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"Qwen3Attention: hidden_states must be {ndim}-D {layout} with hidden_size "
                              f"{self.config.hidden_size}, got {list(getattr(hidden_states, 'shape', []))}")
-        # the block reads these modules' parameters and never calls them; rlk ops do not autocast
-        check_weight_modules("Qwen3Attention", self, ("q_proj", "k_proj", "v_proj", "o_proj"), nn.Linear)
-        check_weight_modules("Qwen3Attention", self, ("q_norm", "k_norm"), _Norm)
+        # the block reads its modules' parameters and never calls them (o_proj here, the rest where _qkv reads
+        # them); rlk ops do not autocast
+        check_weight_modules("Qwen3Attention", self, ("o_proj",), nn.Linear)
         check_autocast("Qwen3Attention", hidden_states.device.type, self.o_proj.weight.dtype)
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [N, hidden], positions [N] -> q [N, Hq, D], k, v [N, Hkv, D] (normed, rotated)."""
         cfg = self.config
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        check_weight_modules("Qwen3Attention", self, ("q_proj", "k_proj", "v_proj"), nn.Linear)
+        check_weight_modules("Qwen3Attention", self, ("q_norm", "k_norm"), _Norm)
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         bias = None
         if cfg.attention_bias:

@@ -24,16 +24,17 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 def check_weight_modules(where: str, owner: nn.Module, names: tuple[str, ...], kind: type[nn.Module]) -> None:
     """Each ``owner.<name>`` is a module with ``kind``'s forward (``nn.Linear``, or a parameter holder
-    that has none) and no module hooks. Subclasses that keep the forward pass (a parametrized
+    that has none) and no module hooks. A subclass that keeps the forward passes (a parametrized
     ``nn.Linear``, whose ``weight`` the parametrization computes on every read)."""
     for name in names:
         m = getattr(owner, name, None)
         if not isinstance(m, nn.Module) or type(m).forward is not kind.forward:
             want = f"torch.nn.{kind.__qualname__}" if kind.__module__.startswith("torch.nn.") else \
                 f"{kind.__module__}.{kind.__qualname__}"
+            got = "None (missing)" if m is None else f"{type(m).__module__}.{type(m).__qualname__}"
             raise RlkInputError(
                 f"{where}: {name} must be a {want} (or a subclass that keeps its "
-                f"forward), got {type(m).__module__}.{type(m).__qualname__}. The block reads {name}'s parameters "
+                f"forward), got {got}. The block reads {name}'s parameters "
                 f"and calls rlk ops on them; it never calls {name}, so a wrapper's forward (a LoRA adapter) would "
                 f"be bypassed. Merge the adapter into the weight, or build the block from rlk ops around it")
         hooks = [h.strip("_") for h in _HOOKS if getattr(m, h, None)]
