@@ -208,3 +208,101 @@ def test_gradcheck_attention_varlen():
 def test_gradcheck_linear():
     assert torch.autograd.gradcheck(rlk_ops.linear, (_d(2, 3, 5), _d(4, 5), _d(4)))
     assert torch.autograd.gradcheck(lambda x, w: rlk_ops.linear(x, w), (_d(3, 5), _d(4, 5)))
+
+
+# ------------------------------------------- a session 39 mutation audit: arithmetic no test pinned down
+def test_linear_bf16_products_and_bias_are_fp32_exact():
+    """fp32 accumulation: bf16 products are exact in fp32, and the bias is added before the one rounding.
+    (1+2^-7)(1-2^-7) - 1 = -2^-14 exactly (bf16 accumulation gave 0); 1 + 2^-8 - 1 = 2^-8 exactly (rounding
+    before the bias gave 0)."""
+    bf = torch.bfloat16
+    x = torch.tensor([[1 + 2 ** -7, -1.0]], dtype=bf)
+    w = torch.tensor([[1 - 2 ** -7, 1.0]], dtype=bf)
+    assert rlk_ops.linear(x, w).item() == -2 ** -14
+    x = torch.tensor([[1.0, 1.0]], dtype=bf)
+    w = torch.tensor([[1.0, 2 ** -8]], dtype=bf)
+    assert rlk_ops.linear(x, w, torch.tensor([-1.0], dtype=bf)).item() == 2 ** -8
+
+
+def test_qk_rmsnorm_dweight_uses_the_rounded_xhat():
+    """dweight sums dy * xhat rounded to x's dtype (the forward multiplies the weight by the rounded xhat):
+    against float64 math of that formula on an fp16 case."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 16, generator=g).half()
+    w = torch.ones(16, dtype=torch.half, requires_grad=True)
+    dy = torch.randn(64, 1, 16, generator=g).half()
+    (dw,) = torch.autograd.grad(rlk_ops.qk_rmsnorm(x, w, 1e-6), w, dy)
+    x32 = x.float()
+    xhat = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
+    assert torch.equal(dw, (dy.double() * xhat.double()).reshape(-1, 16).sum(0).half())
+
+
+def test_attention_bf16_feeds_p_rounded_to_bf16_into_pv():
+    """Scores 0 and -1 (D=1, scale 1): p = [1, e^-1], V = [0, 1]. P is rounded to bf16 for the PV product (as
+    FA4's MMA) but not in the row sum: out = bf16(bf16(e^-1) / (1 + e^-1)) = 0.267578125 (unrounded: 0.26953125)."""
+    bf = torch.bfloat16
+    q = torch.ones(1, 1, 1, 1, dtype=bf)
+    k = torch.tensor([0.0, -1.0], dtype=bf).view(1, 2, 1, 1)
+    v = torch.tensor([0.0, 1.0], dtype=bf).view(1, 2, 1, 1)
+    out, _ = rlk_ops.attention(q, k, v, causal=False, softmax_scale=1.0)
+    p = torch.tensor(math.exp(-1.0), dtype=torch.float32)
+    assert out.item() == (p.to(bf).float() / (1 + p)).to(bf).item()
+
+
+def test_attention_bwd_bf16_dv_uses_p_rounded_to_bf16():
+    """dV = P^T dO with P rounded to bf16, as in the forward's PV product: against float64 math of that formula."""
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 16, 1, 8, generator=g).to(bf) for _ in range(2))
+    v = torch.randn(1, 16, 1, 8, generator=g).to(bf).requires_grad_()
+    dout = torch.randn(1, 16, 1, 8, generator=g).to(bf)
+    out, lse = rlk_ops.attention(q, k, v, causal=False)
+    (dv,) = torch.autograd.grad(out, v, dout)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 8 ** -0.5
+    p = torch.exp(s - lse.double()[..., None]).to(bf).double()
+    assert torch.equal(dv, torch.einsum("bhqk,bqhd->bkhd", p, dout.double()).to(bf))
+
+
+def test_fp32_exp_is_within_one_ulp():
+    """numerics.exp in fp32 is under 1 ulp (0.76 measured); a shorter polynomial drifts to ~2 ulp, which the
+    2-ulp bound of test_exp_log_accuracy lets through."""
+    x = torch.cat([torch.linspace(-87.0, 0.0, 20001), torch.linspace(-0.35, 0.35, 20001)])
+    ref = torch.exp(x.double())
+    err = ((nx.exp(x).double() - ref).abs() / (ref * torch.finfo(torch.float32).eps)).max().item()
+    assert err < 1.0, err
+
+
+def test_merge_is_the_numerics_exp_fold_on_many_rows():
+    """The merge's ascending fold uses numerics.exp and divides by the total (torch.exp, or a multiply by the
+    reciprocal, agree on most inputs, not all): 8192 rows, bitwise against the fold written out."""
+    g = torch.Generator().manual_seed(0)
+    out_parts = torch.randn(4, 1024, 8, 4, generator=g)
+    lse_parts = torch.randn(4, 8, 1024, generator=g) * 3
+    out, lse = rlk_ops.merge_attn_states(out_parts, lse_parts)
+    ls = lse_parts.transpose(-1, -2)
+    m = ls.amax(0)
+    total, acc = torch.zeros_like(m), torch.zeros(out_parts.shape[1:])
+    for n in range(4):
+        w = nx.exp(ls[n] - m)
+        total = total + w
+        acc = acc + w[..., None] * out_parts[n]
+    assert torch.equal(lse, (m + nx.log(total)).transpose(0, 1))
+    assert torch.equal(out, acc / total[..., None])
+
+
+def test_merge_propagates_a_nan_or_inf_state():
+    """Only lse = -inf marks an empty state; a NaN or +inf lse is present and makes the row NaN (not skipped)."""
+    out_parts = torch.randn(2, 2, 1, 4)
+    out, lse = rlk_ops.merge_attn_states(out_parts, torch.tensor([[[0.5, 0.5]], [[math.nan, math.inf]]]))
+    assert bool(torch.isnan(out).all()) and bool(torch.isnan(lse).all())
+
+
+def test_public_defaults_are_qwen3s():
+    """qk_rmsnorm's eps defaults to 1e-6 and rope's theta to 1e6 (Qwen3's rms_norm_eps and rope_theta)."""
+    x = torch.randn(3, 2, 16) * 1e-3          # small rows: eps shows in rsqrt(var + eps)
+    w = torch.ones(16)
+    assert torch.equal(rlk_ops.qk_rmsnorm(x, w), rlk_ops.qk_rmsnorm(x, w, 1e-6))
+    assert not torch.equal(rlk_ops.qk_rmsnorm(x, w), rlk_ops.qk_rmsnorm(x, w, 1e-5))
+    pos = torch.tensor([0, 7, 5000])
+    assert torch.equal(rlk_ops.rope(x, pos), rlk_ops.rope(x, pos, 1e6, 16))
+    assert not torch.equal(rlk_ops.rope(x, pos), rlk_ops.rope(x, pos, 1e4, 16))

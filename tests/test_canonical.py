@@ -607,3 +607,11 @@ def test_default_chunk_at_qwen3_head_dim_and_gqa_8():
             lens = torch.tensor([stop], dtype=torch.int32)
             o, l = rlk_ops.paged_attention(q[:, start:stop], kc, vc, table, lens, split_kv="canonical")
             assert torch.equal(o, out[:, start:stop]) and torch.equal(l, lse[:, :, start:stop]), (start, stop)
+
+
+def test_decode_pairs_width_is_capped_by_the_table():
+    """A chunk wider than the table: one pair per sequence, the table's own width (not C / page_size columns;
+    a session 39 mutation audit found the cap untested)."""
+    table = torch.tensor([[3, 1], [2, 0]], dtype=torch.int32)
+    pair_table, pair_lens, n = canonical.decode_pairs(table, torch.tensor([7, 3], dtype=torch.int32), 4, 1024)
+    assert n == 1 and tuple(pair_table.shape) == (2, 2) and pair_lens.tolist() == [7, 3]

@@ -767,3 +767,53 @@ def test_an_int_past_4300_digits_is_named_not_printed():
     q, kv = torch.randn(24, 4, 16), torch.randn(24, 2, 16)
     with pytest.raises(DistributedInputError, match=r"softmax_scale must be a finite float or None, got int ~2\*\*16609"):
         context_parallel_attention(q, kv, kv, lay, softmax_scale=10 ** 5000)
+
+
+# ------------------------------------------- a session 39 mutation audit: bounds no test pinned down
+def test_int_arg_refuses_two_to_the_63():
+    q = torch.randn(3, 2, 8)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(RlkInputError, match=r"max_seqlen_q must fit in int64"):
+        rlk_ops.attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2 ** 63)
+
+
+def test_rope_takes_the_largest_position_and_refuses_one_past_it():
+    from rlk_ops.ops.rope import MAX_POSITION
+
+    x = torch.randn(2, 1, 8)
+    rlk_ops.rope(x, torch.tensor([0, MAX_POSITION]), 1e6)
+    with pytest.raises(RlkInputError, match=r"positions\[1\] = .* exceeds the largest supported position"):
+        rlk_ops.rope(x, torch.tensor([0, MAX_POSITION + 1]), 1e6)
+
+
+def test_append_refuses_the_last_cached_token_of_a_row_sharing_the_page():
+    """Rows 0 and 1 both hold page 0; row 1 has cached tokens 0 and 1 (seq_lens 3, one new token). Row 0's
+    new token 1 going to slot 1 would overwrite row 1's last cached token."""
+    kc, vc = torch.zeros(4, 4, 1, 2), torch.zeros(4, 4, 1, 2)
+    table = torch.tensor([[0], [0]], dtype=torch.int32)
+    lens = torch.tensor([2, 3], dtype=torch.int32)
+    with pytest.raises(RlkInputError, match=r"slot_mapping\[0\] = 1 \(page 0, offset 1\) holds token 1 of "
+                                            r"sequence 1"):
+        rlk_ops.paged_kv_append(kc, vc, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.tensor([1, 2]), table, lens)
+    assert not kc.any() and not vc.any()
+
+
+def test_attention_op_refuses_causal_other_than_0_or_1():
+    q = torch.randn(1, 2, 1, 8)
+    with pytest.raises(RlkInputError, match=r"causal must be 0 or 1, got 2"):
+        torch.ops.rlk.attention_fwd(q, q, q, 2, 0.5, None, None, 0, 0, "disabled")
+
+
+def test_causal_attention_refuses_one_more_query_than_keys():
+    q, k = torch.randn(1, 3, 1, 8), torch.randn(1, 2, 1, 8)
+    with pytest.raises(RlkInputError, match=r"q has 3 queries, k has 2 keys"):
+        rlk_ops.attention(q, k, k, causal=True)
+
+
+def test_backward_ops_check_their_own_arguments():
+    """Called directly (not through autograd), the backward ops validate what the forward would."""
+    x, w = torch.randn(2, 1, 8), torch.ones(8)
+    with pytest.raises(RlkInputError, match=r"dy must have x's shape"):
+        torch.ops.rlk.qk_rmsnorm_bwd(torch.randn(1, 1, 8), x, w, 1e-6)
+    with pytest.raises(RlkInputError, match=r"positions\[1\] = -1 is negative"):
+        torch.ops.rlk.rope_bwd(x, torch.tensor([0, -1]), 1e6, 8)
