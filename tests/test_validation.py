@@ -630,6 +630,9 @@ def test_value_checks_during_cuda_graph_capture_raise_a_clear_error(monkeypatch)
                            match=r"rlk::paged_attention: value checks .* CUDA graph capture forbids.*"
                                  r"rlk_ops\.value_checks\(False\)"):
             V.value_checks_enabled(on_cuda, "paged_attention")
+        # a caller's own name is not an op's: TinyQwen3's token check read "rlk::TinyQwen3.forward_paged"
+        with pytest.raises(rlk_ops.ValueChecksInCapture, match=r"^TinyQwen3.forward_paged: value checks"):
+            V.value_checks_enabled(on_cuda, "TinyQwen3.forward_paged")
         assert V.value_checks_enabled(torch.zeros(1), "paged_attention") is True  # CPU: checked, no sync
     with rlk_ops.value_checks(False):
         assert V.value_checks_enabled(on_cuda, "paged_attention") is False

@@ -216,8 +216,10 @@ def value_checks_enabled(t: torch.Tensor, op: str = "") -> bool:
     if not VALUE_CHECKS:
         return False
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # an op's name (paged_kv_append) is prefixed rlk::, a caller's own (TinyQwen3.forward_paged) is not
+        where = f"rlk::{op}" if op.isidentifier() else (op or "rlk op")
         raise ValueChecksInCapture(
-            f"rlk::{op or 'op'}: value checks read its index tensors on the host (one sync), which CUDA graph "
+            f"{where}: value checks read its index tensors on the host (one sync), which CUDA graph "
             "capture forbids; validate page tables, slots and cu_seqlens before capturing and capture under "
             "rlk_ops.value_checks(False) (or set RLK_VALUE_CHECKS=0)")
     return True
