@@ -196,7 +196,7 @@ class Qwen3Attention(nn.Module):
                 got = list(t.shape) if isinstance(t, torch.Tensor) else short_repr(t)
                 raise ValueError(f"Qwen3Attention: {name} must be a tensor {want} (one row per sequence of "
                                  f"hidden_states), got {type(t).__name__} {got}")
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and hidden_states.device.type != "meta":   # (meta: the fakes run)
             # a paged-attention backend that cannot run here raises before the append writes the cache, not
             # after (a session 39 audit; compiled, the ops' own checks run when the graph runs)
             kernel_for("paged_attention", hidden_states.device)

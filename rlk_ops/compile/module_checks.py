@@ -28,26 +28,35 @@ def check_weight_modules(where: str, owner: nn.Module, names: tuple[str, ...], k
     ``nn.Linear``, whose ``weight`` the parametrization computes on every read)."""
     for name in names:
         m = getattr(owner, name, None)
-        if not isinstance(m, nn.Module) or type(m).forward is not kind.forward:
+        inner = getattr(m, "_orig_mod", None)   # torch.compile(m): its weights are m's; never called either way
+        if type(m).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+            _no_hooks(where, name, m)
+            m = inner
+        if not isinstance(m, nn.Module) or type(m).forward is not kind.forward or "forward" in m.__dict__:
             want = f"torch.nn.{kind.__qualname__}" if kind.__module__.startswith("torch.nn.") else \
                 f"{kind.__module__}.{kind.__qualname__}"
-            got = "None (missing)" if m is None else f"{type(m).__module__}.{type(m).__qualname__}"
+            got = "None (missing)" if m is None else f"{type(m).__module__}.{type(m).__qualname__}" + (
+                " with its forward replaced on the instance" if "forward" in getattr(m, "__dict__", {}) else "")
             raise RlkInputError(
                 f"{where}: {name} must be a {want} (or a subclass that keeps its "
                 f"forward), got {got}. The block reads {name}'s parameters "
                 f"and calls rlk ops on them; it never calls {name}, so a wrapper's forward (a LoRA adapter) would "
                 f"be bypassed. Merge the adapter into the weight, or build the block from rlk ops around it")
-        hooks = [h.strip("_") for h in _HOOKS if getattr(m, h, None)]
-        if hooks:
-            raise RlkInputError(
-                f"{where}: {name} has module hooks ({', '.join(hooks)}), which would never run: the block reads "
-                f"{name}'s parameters and never calls it. Register the hooks on the block instead")
+        _no_hooks(where, name, m)
+
+
+def _no_hooks(where: str, name: str, m: nn.Module) -> None:
+    hooks = [h.strip("_") for h in _HOOKS if getattr(m, h, None)]
+    if hooks:
+        raise RlkInputError(
+            f"{where}: {name} has module hooks ({', '.join(hooks)}), which would never run: the block reads "
+            f"{name}'s parameters and never calls it. Register the hooks on the block instead")
 
 
 def check_autocast(where: str, device_type: str, dtype: torch.dtype) -> None:
     """Refuse a ``torch.autocast`` region for ``device_type`` whose dtype is not the parameters' ``dtype``
     (the same dtype changes nothing and passes)."""
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         want = torch.get_autocast_dtype(device_type)
         if want != dtype:
             raise RlkInputError(

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import local_map
 
-from rlk_ops.compile.block import Qwen3Attention
+from rlk_ops.compile.block import Qwen3Attention, _Norm
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.distributed.checks import (LAYOUT_KEYS, DistributedInputError, collect, dtype_code, preflight, show_bool,
                                         show_choice, show_dtype, show_flags, show_or_none)
@@ -80,6 +80,7 @@ class ParallelQwen3Attention(nn.Module):
             # the shards are copied from these modules' parameters: a wrapper (LoRA) would be left out
             check_weight_modules("ParallelQwen3Attention: block", block, ("q_proj", "k_proj", "v_proj", "o_proj"),
                                  nn.Linear)
+            check_weight_modules("ParallelQwen3Attention: block", block, ("q_norm", "k_norm"), _Norm)
             for name, p in block.named_parameters():  # each rank's own: the preflight compares o_proj's
                 if p.dtype != dtype or p.device != block.o_proj.weight.device:
                     _fail(f"block.{name} must have o_proj.weight's dtype {dtype} and device "

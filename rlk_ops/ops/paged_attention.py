@@ -32,6 +32,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     split_kv: str = "disabled") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest Sq tokens of each sequence over its paged KV; (out, lse)."""
     V.tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens)
+    V.no_gradient_inputs("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     scale = V.softmax_scale("paged_attention", q, softmax_scale)
     return torch.ops.rlk.paged_attention(q, k_cache, v_cache, page_table, seq_lens, scale, spell(split_kv))
 

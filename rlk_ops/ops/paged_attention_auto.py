@@ -31,6 +31,7 @@ def paged_attention_auto(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Diagnostic lane: batch-dependent split-KV. Refused in strict mode."""
     V.tensors(OP, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens)
+    V.no_gradient_inputs(OP, q=q, k_cache=k_cache, v_cache=v_cache)
     scale = V.softmax_scale(OP, q, softmax_scale)
     return torch.ops.rlk.paged_attention_auto(q, k_cache, v_cache, page_table, seq_lens, scale)
 

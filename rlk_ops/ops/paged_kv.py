@@ -45,6 +45,7 @@ def paged_kv_gather(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: to
                     seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical per-sequence K and V, zero past seq_len."""
     V.tensors("paged_kv_gather", k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens)
+    V.no_gradient_inputs("paged_kv_gather", k_cache=k_cache, v_cache=v_cache)
     return torch.ops.rlk.paged_kv_gather(k_cache, v_cache, page_table, seq_lens)
 
 
