@@ -674,3 +674,39 @@ def test_tiny_model_and_parallel_block_refuse_what_they_would_bypass():
         par(xs, ps, lay)
     handle.remove()
     assert torch.equal(par(xs, ps, lay), ref)
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def test_rollout_with_attention_bias_equals_training():
+    torch.manual_seed(0)
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True))
+    with torch.no_grad():
+        for m in (block.q_proj, block.k_proj, block.v_proj, block.o_proj):
+            m.bias.normal_()
+    n = 12
+    x, pos = torch.randn(n, 128).bfloat16(), torch.arange(n)
+    want = block(x, pos, torch.tensor([0, n], dtype=torch.int32))
+    cache = PagedKVCache(1, 4, 16, 2, 32, dtype=torch.bfloat16)
+    cache.add(0)
+    slots = cache.reserve(0, n)
+    with torch.no_grad():
+        got = block.forward_rollout(x[None], pos[None], cache.k[0], cache.v[0], cache.page_table([0]),
+                                    cache.seq_lens([0]), slots)
+    assert torch.equal(got[0], want.detach())
+
+
+def test_block_refuses_a_backward_pre_hook_and_a_linear_subclass_with_its_own_forward():
+    x, pos, cu = torch.randn(4, 128).bfloat16(), torch.arange(4), torch.tensor([0, 4], dtype=torch.int32)
+    block = Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+    block.q_proj.register_full_backward_pre_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"q_proj has module hooks \(backward_pre_hooks\)"):
+        block(x, pos, cu)
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, h):
+            return 2 * super().forward(h)
+
+    block = Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32)
+    block.k_proj = Scaled(128, 64, bias=False, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k_proj must be a torch.nn.Linear \(or a subclass that keeps its forward\)"):
+        block(x, pos, cu)

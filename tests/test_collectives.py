@@ -194,3 +194,24 @@ def _mismatch_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_compare_ranks_first(world_size):
     run_workers(_mismatch_worker, world_size)
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def _dim27_fp64_worker(rank, world_size):
+    from rlk_ops.distributed import DistributedInputError
+    shape = [2] + [1] * 26 + [2 if rank else 3, 5]   # differs only in dim 27, the first hashed dim
+    try:
+        rlk_ops.all_gather(torch.zeros(shape), 0)
+    except DistributedInputError as e:
+        assert "ranks disagree on x.shape past dim 26 (hashed)" in str(e), str(e)
+    else:
+        raise AssertionError("a dim-27 mismatch went through")
+    xs = [torch.full((2, 3), 1.0 + r * 2.0 ** -40, dtype=torch.float64) for r in range(world_size)]
+    out = rlk_ops.reduce_scatter(xs[rank], 0)        # fp64 is summed in fp64
+    want = (xs[0] + xs[1]).chunk(world_size, 0)[rank]
+    assert out.dtype == torch.float64 and torch.equal(out, want), (out, want)
+
+
+@pytest.mark.distributed
+def test_collectives_hash_dim_27_and_sum_fp64_in_fp64():
+    run_workers(_dim27_fp64_worker, 2)

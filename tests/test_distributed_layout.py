@@ -532,3 +532,62 @@ def test_metadata_rows_take_the_groups_cpu_backend(monkeypatch):
     if torch.cuda.is_available():
         monkeypatch.setattr(checks.dist, "get_backend", lambda group=None: "nccl")
         assert checks.metadata_device(None).type == "cuda"
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def test_layout_metadata_tells_canonical_from_default_of_one_chunk_count():
+    cu = [0, 8, 24]
+    assert build_layout(cu, 2, 0, "contiguous").n_chunks == build_layout(cu, 2, 0, "contiguous", 2).n_chunks
+    assert build_layout(cu, 2, 0, "contiguous").metadata() != build_layout(cu, 2, 0, "contiguous", 2).metadata()
+
+
+def test_ordered_sum_is_left_to_right_in_fp32_or_fp64():
+    from rlk_ops.distributed.reductions import ordered_sum
+    g = torch.Generator().manual_seed(0)
+    for dtype, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        parts = (torch.randn(6, 500, generator=g, dtype=torch.float64)
+                 * 10.0 ** torch.randint(-4, 5, (6, 500), generator=g)).to(dtype)
+        want = parts[0].to(acc)
+        for i in range(1, 6):
+            want = want + parts[i].to(acc)
+        assert torch.equal(ordered_sum(parts, dtype), want.to(dtype)), dtype
+
+
+def test_preflight_refuses_an_int_past_int64():
+    from rlk_ops.distributed import checks
+    assert checks._encode("x", 2 ** 63)[1] == "metadata x must be an int or a float, got 9223372036854775808"
+    assert checks._encode("x", 2 ** 63 - 1) == (2 ** 63 - 1, None)
+
+
+def test_comparison_claims_need_compiled_equal_and_claim_canonical_rows():
+    from rlk_ops.distributed.compare import Comparison, Row, compare_block
+    c = Comparison(1, 1, "contiguous", None, "none", [Row("lse", True, 0.0, 0.0, True, False, True)])
+    assert not c.claims_hold()   # compiled != eager breaks the claims
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    x, pos, cu = packed_batch([8, 16], 128, requires_grad=False)
+    res = compare_block(block, None, x, pos, cu, "contiguous", chunks=2)
+    assert all(r.claimed for r in res.rows) and res.claims_hold(), res.table()
+
+
+def test_compare_block_seeds_the_output_gradient(monkeypatch):
+    from rlk_ops.distributed import compare
+    seen = []
+    real = compare._run
+
+    def spy(module, x, positions, layout, dy, fn=None):
+        seen.append(dy.clone())
+        return real(module, x, positions, layout, dy, fn)
+
+    monkeypatch.setattr(compare, "_run", spy)
+    block = init_block(Qwen3Attention(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32))
+    x, pos, cu = packed_batch([8, 16], 128, requires_grad=False)
+    compare.compare_block(block, None, x, pos, cu, seed=0)
+    compare.compare_block(block, None, x, pos, cu, seed=1)
+    assert not torch.equal(seen[0], seen[len(seen) // 2])
+
+
+def test_canonical_order_finds_each_chunk_in_the_gathered_pieces():
+    for mode, cp, n in (("contiguous", 2, 8), ("zigzag", 2, 8), ("contiguous", 4, 8)):
+        gathered = [j for r in range(cp) for j in owned_chunks(mode, cp, r, n)]
+        order = build_layout([0, 8 * n], cp, 0, mode, n).canonical_order()
+        assert [gathered[i] for i in order] == list(range(n)), (mode, cp, order)

@@ -137,3 +137,15 @@ def test_triton_fused_with_no_q_heads_still_writes_k():
     fq, fk = rlk_ops.qk_norm_rope(q0, k, qw, kw, pos)
     _, uk = _unfused(q, k, qw, kw, pos, 1e-6, 1e6, 128)
     assert fq.shape == q0.shape and bitwise_equal(fk, uk)
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def test_qk_norm_rope_names_a_second_lead_dim_and_a_rotary_dim_past_head_dim():
+    from rlk_ops import RlkInputError
+    w = torch.ones(16)
+    with pytest.raises(RlkInputError, match=r"rlk::qk_norm_rope: k must have q's leading shape \[2, 9\]"):
+        rlk_ops.qk_norm_rope(torch.randn(2, 9, 4, 16), torch.randn(2, 8, 2, 16), w, w,
+                             torch.zeros(2, 9, dtype=torch.int64))
+    with pytest.raises(RlkInputError, match=r"rlk::qk_norm_rope: rotary_dim must be even and in \(0, head_dim=16\], "
+                                            r"got 18"):
+        rlk_ops.qk_norm_rope(torch.randn(5, 4, 16), torch.randn(5, 2, 16), w, w, torch.arange(5), 1e-6, 1e6, 18)

@@ -765,3 +765,25 @@ def test_truncate_undoes_a_reservation_whose_forward_failed():
         cache.truncate(0, 6)
     with pytest.raises(ValueError, match=r"length must be an int >= 0, got -1"):
         cache.truncate(0, -1)
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def _tiny_engine(num_pages):
+    cfg = TinyQwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,
+                          num_kv_heads=1, head_dim=32)
+    cache = PagedKVCache(1, num_pages, 4, 1, 32, dtype=torch.bfloat16)
+    return RolloutEngine(TinyQwen3(cfg), cache, max_running=2, chunk=8), cache
+
+
+def test_a_request_that_needs_every_page_runs():
+    eng, cache = _tiny_engine(2)
+    (res,) = eng.run([Request(0, list(range(1, 8)), 2)])   # 7 + 2 - 1 = 8 cached tokens = 2 pages of 4
+    assert len(res.generated) == 2 and cache.free_pages == 2
+
+
+def test_a_request_whose_id_is_already_cached_is_refused_before_any_runs():
+    eng, cache = _tiny_engine(8)
+    cache.add(5)
+    with pytest.raises(ValueError, match=r"request 5: seq_id appears twice in the requests or is already in the cache"):
+        eng.run([Request(0, [1, 2, 3], 1), Request(5, [1, 2], 1)])
+    assert eng.log == [] and 0 not in cache

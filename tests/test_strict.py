@@ -358,3 +358,43 @@ def test_environment_variables_set_the_process_defaults(env, strict, checks):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(strict), str(checks), "refused" if strict else "['cpu']"]
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def test_a_dispatched_op_inside_another_kernel_is_recorded_nested(monkeypatch):
+    from rlk_ops.kernels import cpu, dispatch
+    inner = cpu.rope
+
+    def rope_calling_an_op(x, positions, theta, rotary_dim):
+        torch.ops.rlk.qk_rmsnorm(x, torch.ones(x.shape[-1], dtype=x.dtype), 1e-6)   # a nested dispatched call
+        return inner(x, positions, theta, rotary_dim)
+
+    monkeypatch.setattr(cpu, "rope", rope_calling_an_op)
+    monkeypatch.setattr(dispatch, "_cache", {})
+    with provenance.capture() as log:
+        rlk_ops.rope(torch.randn(3, 2, 8), torch.arange(3))
+    assert {(r.op, r.nested) for r in log.records()} == {("rope", False), ("qk_rmsnorm", True)}
+
+
+def test_environment_marks_verification_only_for_a_gpu():
+    from rlk_ops.meta.provenance import VERIFIED_ARCHS, environment
+    env = environment()
+    want = (env["gpu_arch"] in VERIFIED_ARCHS) if env["gpu_arch"] else None
+    assert env["gpu_arch_verified"] is want
+
+
+def test_an_unavailable_reference_is_not_blamed_on_strict_mode(monkeypatch):
+    from rlk_ops.kernels import dispatch
+    monkeypatch.setattr(dispatch, "_cache", {})
+    monkeypatch.setitem(dispatch._BACKEND_MODULES, "cpu", "rlk_ops.no_such_backend_module")
+    with pytest.raises(dispatch.BackendUnavailable, match=r"rlk_ops.no_such_backend_module cannot be imported"):
+        dispatch.kernel_for("rope", torch.device("cpu"))
+
+
+def test_the_dry_run_needs_the_triton_interpreter_too(monkeypatch):
+    from rlk_ops.kernels import dispatch
+    monkeypatch.setenv("RLK_FA4_DRY_RUN", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not dispatch._dry_run("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch._dry_run("triton", torch.device("cpu"))

@@ -820,3 +820,24 @@ def test_backward_ops_check_their_own_arguments():
         torch.ops.rlk.qk_rmsnorm_bwd(torch.randn(1, 1, 8), x, w, 1e-6)
     with pytest.raises(RlkInputError, match=r"positions\[1\] = -1 is negative"):
         torch.ops.rlk.rope_bwd(x, torch.tensor([0, -1]), 1e6, 8)
+
+
+# ------------------------------------------- a session 39 mutation audit (round 2): gaps it found
+def test_linear_and_its_backward_ops_name_dtype_and_shape():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(RlkInputError, match=r"rlk::linear: bias must have the dtype of x \(torch.float32\)"):
+        rlk_ops.linear(x, w, torch.randn(4).bfloat16())
+    with pytest.raises(RlkInputError, match=r"rlk::linear_bwd: dy must have the dtype of x \(torch.float32\)"):
+        torch.ops.rlk.linear_bwd(torch.randn(3, 4).bfloat16(), x, w)
+    with pytest.raises(RlkInputError, match=r"rlk::linear_bwd: dy must have shape \[3, 4\], got \[4, 3\]"):
+        torch.ops.rlk.linear_bwd(torch.randn(4, 3), x, w)
+    with pytest.raises(RlkInputError, match=r"rlk::linear_bias_bwd: dy must be \[..., out_features\], got shape \[\]"):
+        torch.ops.rlk.linear_bias_bwd(torch.tensor(1.0))
+
+
+def test_contract_fields_resolve_the_default_scale_and_canonical_needs_128():
+    from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
+    assert AttentionContract(head_dim=64).fields()["softmax_scale"] == 0.125
+    for c in (64, 192, 320):
+        with pytest.raises(ValueError, match=rf"canonical:C needs C a positive multiple of 128, got {c}"):
+            SplitKVPolicy.parse(f"canonical:{c}")
