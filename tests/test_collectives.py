@@ -215,3 +215,20 @@ def _dim27_fp64_worker(rank, world_size):
 @pytest.mark.distributed
 def test_collectives_hash_dim_27_and_sum_fp64_in_fp64():
     run_workers(_dim27_fp64_worker, 2)
+
+
+def _bf16_sum_worker(rank, world_size):
+    """Three bf16 ranks: the sum is in fp32, rounded once (summing in bf16 rounds after every add, which two
+    ranks cannot show: one add either way)."""
+    g = torch.Generator().manual_seed(7)
+    xs = [(torch.randn(world_size * 4, 64, generator=g) * 3).bfloat16() for _ in range(world_size)]
+    out = rlk_ops.reduce_scatter(xs[rank], 0)
+    total = xs[0].float()
+    for r in range(1, world_size):
+        total = total + xs[r].float()
+    assert torch.equal(out, total.bfloat16().chunk(world_size, 0)[rank])
+
+
+@pytest.mark.distributed
+def test_reduce_scatter_sums_bf16_in_fp32_over_three_ranks():
+    run_workers(_bf16_sum_worker, 3)
