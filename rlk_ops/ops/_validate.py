@@ -77,16 +77,18 @@ def tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
             fail(op, f"{name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
-def no_gradient_inputs(op: str, **values) -> None:
-    """A rollout-side op without a derivative refuses inputs that require grad under grad mode, at the call
-    (public function; traced by Dynamo too), so eager and compiled calls agree: its autograd kernel raises
-    only once a backward reaches it, and under torch.compile AOTAutograd traces that backward at the first
-    call (a session 39 review)."""
+def no_gradient_inputs(op: str, reason: str | None = None, **values) -> None:
+    """An op that records no gradient refuses inputs that require grad under grad mode, at the call.
+    The rollout-side ops without a derivative (public function; traced by Dynamo too), so eager and
+    compiled calls agree: their autograd kernel raises only once a backward reaches it, and under
+    torch.compile AOTAutograd traces that backward at the first call (a session 39 review); and the
+    append, whose write would record a gradient into the cache. ``reason``: why (default: no derivative)."""
     if torch.is_grad_enabled():
+        why = reason or f"rlk::{op} has no derivative (a rollout-side op)"
         for name, t in values.items():
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                fail(op, f"{name} must not require grad: rlk::{op} has no derivative (a rollout-side op); pass "
-                         f"{name}.detach(), or call it under torch.no_grad() or torch.inference_mode()")
+                fail(op, f"{name} must not require grad: {why}; pass {name}.detach(), or call it under "
+                         f"torch.no_grad() or torch.inference_mode()")
 
 
 def float_arg(op: str, name: str, value, what: str = "a float") -> float:

@@ -69,11 +69,8 @@ def _paged_kv_append(k_cache, v_cache, k, v, slot_mapping, page_table=None, seq_
         if c.is_inference() and not torch.is_inference_mode_enabled():
             V.fail(op, f"{name} is an inference tensor, which cannot be written in place outside "
                        f"torch.inference_mode(); create the cache outside inference mode or append inside it")
-    if torch.is_grad_enabled():  # the write would record a gradient into the cache (or fail half-way on a view)
-        for name, t in (("k", k), ("v", v)):
-            if t.requires_grad:
-                V.fail(op, f"{name} must not require grad: the append writes values into the cache and records "
-                           f"no gradient; pass {name}.detach() or append under torch.no_grad()")
+    # the write would record a gradient into the cache (or fail half-way on a view)
+    V.no_gradient_inputs(op, "the append writes values into the cache and records no gradient", k=k, v=v)
     if V.value_checks_enabled(slot_mapping, op):
         _check_append_values(op, k_cache, slot_mapping, page_table, seq_lens, positions)
     with torch.no_grad():  # a data write: no autograd history on the cache, whatever the caller's mode
