@@ -576,6 +576,24 @@ def test_block_refuses_an_autocast_it_would_ignore():
         assert torch.equal(block(xb, posb, cub), ref)
 
 
+def test_autocast_check_asks_no_availability_for_cpu_and_cuda(monkeypatch):
+    """Dynamo of torch 2.11 cannot trace ``torch._C._is_autocast_available``: the compiled block broke its
+    graph there (7 breaks per entry; the CUDA demos' binding failed on the GPU, session 40). CI's torch
+    2.13 folds it, so this pins what 2.11 needs: cpu and cuda never ask (other types do; meta passes)."""
+    from rlk_ops.compile.module_checks import check_autocast
+
+    def refuse(device_type):
+        raise AssertionError(f"is_autocast_available({device_type!r}) called")
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse)
+    for device_type in ("cpu", "cuda"):
+        check_autocast("t", device_type, torch.float32)
+    with pytest.raises(AssertionError, match="'meta'"):
+        check_autocast("t", "meta", torch.float32)
+    monkeypatch.undo()
+    check_autocast("t", "meta", torch.float32)
+
+
 def test_rollout_backend_refused_before_the_cache_is_written():
     """A paged-attention backend that cannot run here (strict mode) raised after the append had written the
     new K/V: it now raises first. A list where a tensor belongs is shown as given (was ``[]``)."""
