@@ -5,6 +5,7 @@
 # Usage (GPU machine): bash benchmarks/cuda_suite.sh COMMIT PART
 #   PART=main: FlashInfer install, the CUDA demos (single pass, canonical, compiled rollout), `pytest -m cuda -n 8 tests/` except the two
 #              pair/walk files -> $OUT/demo_cuda*.json, $OUT/cuda_suite.log
+#   PART=demos: the same without the pytest run (when little device time is left)
 #   PART=pairs: tests/test_triton_pair_decode.py and tests/test_walk_decode.py -> $OUT/pair_walk_tests.log
 set -u -o pipefail
 source /opt/rlk/env.sh
@@ -13,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --target /opt/rlk/site .gpu/xd/*.
 { echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   > "$OUT/machine_${2:-main}.txt"
-if [ "${2:-main}" = main ]; then
+if [ "${2:-main}" = main ] || [ "${2:-main}" = demos ]; then
   if [ -d .gpu/fi3 ] && [ ! -d /opt/rlk/site/flashinfer ]; then
     mkdir -p .gpu/fiw && cp .gpu/fi3/install.sh .gpu/fiw/
     cat .gpu/fi1/fipart.* .gpu/fi2/fipart.* .gpu/fi3/fipart.* > .gpu/fiw/flashinfer_python-0.7.2.post1-py3-none-any.whl
@@ -21,13 +22,14 @@ if [ "${2:-main}" = main ]; then
       | sha256sum -c --quiet) \
       && bash .gpu/fiw/install.sh
   fi
-  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >> "$OUT/machine_main.txt" 2>&1
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" >> "$OUT/machine_${2:-main}.txt" 2>&1
   timeout 150 python3 -m rlk_ops demo --device cuda --quiet --json "$OUT/demo_cuda.json"; echo "demo rc=$?"
   timeout 150 python3 -m rlk_ops demo --device cuda --split-kv canonical --quiet \
     --json "$OUT/demo_cuda_canonical.json"; echo "demo canonical rc=$?"
   # the rollout under Inductor (compiled_rollout), the trainer eager (session 35; not yet run on a GPU)
   timeout 200 python3 -m rlk_ops demo --device cuda --compile --quiet --json "$OUT/demo_cuda_compile.json"
   echo "demo compile rc=$?"
+  [ "${2:-main}" = demos ] && exit 0
   timeout 330 python3 -m pytest -m cuda -q -rfEs -n 8 -p no:cacheprovider tests/ \
     --ignore=tests/test_walk_decode.py --ignore=tests/test_triton_pair_decode.py > "$OUT/cuda_suite.log" 2>&1
   echo "suite rc=$?"; tail -5 "$OUT/cuda_suite.log"
