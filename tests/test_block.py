@@ -578,7 +578,7 @@ def test_block_refuses_an_autocast_it_would_ignore():
 
 def test_autocast_check_asks_no_availability_for_cpu_and_cuda(monkeypatch):
     """Dynamo of torch 2.11 cannot trace ``torch._C._is_autocast_available``: the compiled block broke its
-    graph there (7 breaks per entry; the CUDA demos' binding failed on the GPU, session 40). CI's torch
+    graph there (7 and 8 breaks in the two entries; the CUDA demos' binding failed on the GPU, session 40). CI's torch
     2.13 folds it, so this pins what 2.11 needs: cpu and cuda never ask (other types do; meta passes)."""
     from rlk_ops.compile.module_checks import check_autocast
 
