@@ -17,6 +17,7 @@ import torch
 from rlk_ops import RlkInputError
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops import paged_kv as P
+from test_index_checks import blocks  # noqa: F401 - the kernels at their shipped blocks and at 2 x 2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -122,25 +123,12 @@ def test_page_value_masks_decide_each_edge(ps, num_pages, table, lens, min_len, 
     assert got is clear
 
 
-def _ic():
-    from rlk_ops.kernels.triton import index_checks
-    return index_checks
-
-
-@pytest.fixture(params=["blocks 256", "blocks 2"])
-def ic(request, monkeypatch):
-    mod = _ic()
-    if request.param == "blocks 2":
-        monkeypatch.setattr(mod, "ROWS_BLOCK", 2)
-        monkeypatch.setattr(mod, "COLS_BLOCK", 2)
-    return mod
-
-
 @kernels
 @on_gpu
 @pytest.mark.parametrize("name,ps,num_pages,slots,table,lens,clear", APPENDS, ids=[c[0] for c in APPENDS])
 @pytest.mark.parametrize("with_pos", [False, True])
-def test_kernel_decides_each_edge(name, ps, num_pages, slots, table, lens, clear, with_pos, ic):
+def test_kernel_decides_each_edge(name, ps, num_pages, slots, table, lens, clear, with_pos, blocks):
+    ic = blocks
     s, tab, ln, n_pages, p = _case(ps, num_pages, slots, table, lens)
     pos = None
     if with_pos:
@@ -155,14 +143,15 @@ def test_kernel_decides_each_edge(name, ps, num_pages, slots, table, lens, clear
 @kernels
 @on_gpu
 @pytest.mark.parametrize("ps,num_pages,table,lens,min_len,clear", PAGES)
-def test_kernel_page_values_decide_each_edge(ps, num_pages, table, lens, min_len, clear, ic):
-    got = ic.page_values_clear(_t(table, torch.int32).to(DEVICE), _t(lens, torch.int32).to(DEVICE), num_pages, ps,
+def test_kernel_page_values_decide_each_edge(ps, num_pages, table, lens, min_len, clear, blocks):
+    got = blocks.page_values_clear(_t(table, torch.int32).to(DEVICE), _t(lens, torch.int32).to(DEVICE), num_pages, ps,
                                min_len)
     assert got is clear
 
 
 @kernels
 @on_gpu
-def test_kernel_slots_only_edges(ic):
+def test_kernel_slots_only_edges(blocks):
+    ic = blocks
     for slots, clear in (([0, 0], False), ([0, -1, -1], True), ([16], False), ([15, -1], True), ([-2], False)):
         assert ic.append_clear(_t(slots, torch.int64).to(DEVICE), 16, 4, 4) is clear, slots
