@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import rlk_ops
-from dist_tp_cp import DT, SMALL, attention_inputs, block_inputs
+from dist_tp_cp import DT, SMALL, attention_inputs, block_inputs, expect_everywhere
 from dist_utils import run_workers
 from rlk_ops.compile import Qwen3Attention
 from rlk_ops.compile.examples import init_block, packed_batch
@@ -175,20 +175,10 @@ def test_canonical_fp32_block_is_bitwise_equal_to_one_process_on_1x2():
 
 
 # ---------------------------------------------------- a 1 x 2 mesh: init_mesh, cp attention and prepare/forward
-def _raises_everywhere(fn, *fragments):
-    try:
-        fn()
-    except DistributedInputError as e:
-        for frag in fragments:
-            assert frag in str(e), f"error {str(e)!r} lacks {frag!r}"
-        return
-    raise AssertionError(f"no DistributedInputError; expected one mentioning {fragments}")
-
-
 def _cp2_worker(rank, world_size, store_dir):
     # init_mesh's own argument checks (a bool is not a size; tp * cp must be the world)
-    _raises_everywhere(lambda: init_mesh(True, 2, "cpu"), "init_mesh: tp must be a positive int, got True")
-    _raises_everywhere(lambda: init_mesh(2, 2, "cpu"), "init_mesh: tp * cp = 2 * 2 = 4 must equal the world size 2")
+    expect_everywhere(lambda: init_mesh(True, 2, "cpu"), "init_mesh: tp must be a positive int, got True")
+    expect_everywhere(lambda: init_mesh(2, 2, "cpu"), "init_mesh: tp * cp = 2 * 2 = 4 must equal the world size 2")
     mesh = init_mesh(1, 2, "cpu")
     group = mesh.get_group("cp")
     block, x, pos, cu = block_inputs()
@@ -196,12 +186,12 @@ def _cp2_worker(rank, world_size, store_dir):
     q, k, v, _, _, _ = attention_inputs()
     lay0 = build_layout(cu, 2, 0, "contiguous")
     t = lay0.local_tokens
-    _raises_everywhere(lambda: context_parallel_attention(q[:t], k[:t], v[:t], lay0, group),
+    expect_everywhere(lambda: context_parallel_attention(q[:t], k[:t], v[:t], lay0, group),
                        "layout is for cp rank 0 of 2, but this process is rank 1 of 2")
     # a 1-D q on one rank is a problem that rank reports to both (building the check's row failed there alone)
     lay = build_layout(cu, 2, rank, "contiguous")
     q_bad = torch.zeros(lay.local_tokens, dtype=DT) if rank == 1 else lay.shard(q)
-    _raises_everywhere(lambda: context_parallel_attention(q_bad, lay.shard(k), lay.shard(v), lay, group),
+    expect_everywhere(lambda: context_parallel_attention(q_bad, lay.shard(k), lay.shard(v), lay, group),
                        "rank 1 rejected its input", "q must be 3-D")
     # ParallelQwen3Attention: prepare(local=True) takes this rank's shard (cu_seqlens[-1] is cp x its rows)
     pb = ParallelQwen3Attention(block, mesh, "zigzag")
@@ -212,10 +202,10 @@ def _cp2_worker(rank, world_size, store_dir):
         assert torch.equal(pb(xl, pl, lay_l).to_local(), pb(xs, ps, lay_z).to_local())
     # the forward refuses the layout of the other cp rank (same batch, mode and chunks), on every rank
     other = build_layout(cu, 2, 1 - rank, "zigzag")
-    _raises_everywhere(lambda: pb(xs, ps, other), "layout is for cp rank", "use the layout from this module's prepare()")
+    expect_everywhere(lambda: pb(xs, ps, other), "layout is for cp rank", "use the layout from this module's prepare()")
     # a DeviceMesh not made by init_mesh (other dim names) is named, not indexed
     cp_only = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    _raises_everywhere(lambda: ParallelQwen3Attention(block, cp_only), "mesh must be 2-D with mesh_dim_names ('tp', 'cp')")
+    expect_everywhere(lambda: ParallelQwen3Attention(block, cp_only), "mesh must be 2-D with mesh_dim_names ('tp', 'cp')")
     # a mesh cached under a process group since destroyed is not returned by the next init_mesh
     old = init_mesh(1, 2, "cpu")
     dist.destroy_process_group()
