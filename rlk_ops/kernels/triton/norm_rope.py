@@ -198,7 +198,9 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, eps_ptr, dx_ptr, part_ptr, n_tok,
         dy = tl.load(dy_ptr + ptrs, mask=mask, other=0.0).to(ACC)
         rstd = _rstd(xa, eps, D, ACC)
         xhat = xa * rstd[:, None]
-        dw += tl.sum(dy * xhat.to(OUT).to(ACC), axis=0)
+        # rows past the last token add nothing: with eps 0 (refused by the ops, not here) their
+        # xhat is 0 * inf = NaN, and 0 * NaN would reach dweight
+        dw += tl.sum(tl.where(mask, dy * xhat.to(OUT).to(ACC), 0.0), axis=0)
         g = dy * w[None, :]
         if ACC == tl.float64:
             proj = tl.sum(g * xhat, axis=1) / D
