@@ -468,16 +468,21 @@ def world_timeout_kept_check(rank):
     dist.barrier()
 
 
-def env_init_worker(rank, world_size, port):
+def env_init_worker(rank, world_size, port, bad="device_type"):
     """init_mesh under torchrun's environment (no process group yet): a rank with a bad device_type
     joined no group and raised alone while the others waited in init_process_group until its timeout
-    (a session 35 review); it now joins and raises with them."""
+    (a session 35 review); it now joins and raises with them. ``bad="timeout"``: rank 1's timeout is not
+    a timedelta; it must join with the default timeout, not hand its own to init_process_group (which
+    raised there alone: a session 41 audit's mutant)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.time()
-    msg = expect_everywhere(lambda: init_mesh(2, 1, "gpu" if rank == 1 else "cpu",
-                                              timeout=datetime.timedelta(seconds=30)),
-                            "init_mesh: rank 1 rejected its input", "device_type must be 'cpu' or 'cuda'")
+    device = "gpu" if rank == 1 and bad == "device_type" else "cpu"
+    timeout = "30" if rank == 1 and bad == "timeout" else datetime.timedelta(seconds=30)
+    why = {"device_type": "device_type must be 'cpu' or 'cuda'",
+           "timeout": "timeout must be a positive datetime.timedelta, got '30'"}[bad]
+    msg = expect_everywhere(lambda: init_mesh(2, 1, device, timeout=timeout),
+                            "init_mesh: rank 1 rejected its input", why)
     assert time.time() - t0 < 20, f"rank {rank} raised after {time.time() - t0:.0f} s: {msg}"
     dist.barrier()
     os._exit(0)

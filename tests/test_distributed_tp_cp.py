@@ -51,7 +51,8 @@ def test_meshes_1x2_and_2x1(tmp_path):
                                  "block_2x1.json"]
 
 
-def test_init_mesh_under_torchrun_env_refuses_a_bad_argument_on_every_rank():
+@pytest.mark.parametrize("bad", ["device_type", "timeout"])
+def test_init_mesh_under_torchrun_env_refuses_a_bad_argument_on_every_rank(bad):
     import socket
 
     import torch.multiprocessing as mp
@@ -60,7 +61,7 @@ def test_init_mesh_under_torchrun_env_refuses_a_bad_argument_on_every_rank():
     with socket.socket() as sock:   # a free port for the TCP rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(env_init_worker, args=(2, port), nprocs=2, join=True)
+    mp.spawn(env_init_worker, args=(2, port, bad), nprocs=2, join=True)
 
 
 def _nan_at(t, idx, value=float("nan")):
