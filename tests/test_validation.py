@@ -367,6 +367,24 @@ def test_append_placement_refusals_on_the_tensors_device(case, pattern, sq, devi
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and not torch.equal(kc, before[0])
 
 
+@pytest.mark.parametrize("device_path", [False, True])
+def test_a_zero_row_append_still_checks_the_page_values(device_path, monkeypatch):
+    """No rows to write (Sq = 0 for each page_table row): the page ids and seq_lens are still checked
+    (they were skipped before session 41); good ones write nothing."""
+    if device_path:
+        monkeypatch.setattr(V, "on_device", lambda t: True)
+    kc, vc = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    k = torch.zeros(0, 1, 8)
+    slots = torch.zeros(0, dtype=torch.int64)
+    table, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    torch.ops.rlk.paged_kv_append(kc, vc, k, k, slots, table, lens, torch.zeros(2, 0, dtype=torch.int64))
+    assert not kc.any() and not vc.any()
+    with pytest.raises(RlkInputError, match=r"page_table\[1, 0\] = 9 is out of range"):
+        torch.ops.rlk.paged_kv_append(kc, vc, k, k, slots, torch.tensor([[0, 1], [9, 3]], dtype=torch.int32), lens)
+    with pytest.raises(RlkInputError, match=r"seq_lens\[1\] = 5 .*capacity"):
+        torch.ops.rlk.paged_kv_append(kc, vc, k, k, slots, table, torch.tensor([3, 5], dtype=torch.int32))
+
+
 def test_append_placement_arguments_go_together():
     blk, (x, pos, kc, vc, pt, sl, slots) = _rollout_step()
     k = torch.zeros(2, 2, 16, dtype=kc.dtype)

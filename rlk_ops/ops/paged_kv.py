@@ -174,7 +174,9 @@ def _check_append_values(op, k_cache, slot_mapping, page_table, seq_lens, positi
     values and the placement (``_check_placement``). On a device the decision comes first, in one
     sync (``_append_clear``); the host checks, which name the first offender, run only when some
     check is not clear."""
-    if slot_mapping.shape[0] == 0:
+    if slot_mapping.shape[0] == 0:   # nothing to place; the page values are still checked (before session
+        if page_table is not None:    # 41 a zero-row append took any seq_lens and page ids)
+            check_page_values(op, k_cache, page_table, seq_lens, min_len=0)
         return
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
     n_slots = num_pages * ps
