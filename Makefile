@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 # second pytest run of `make test` checks the decode pair kernel's arithmetic order, launch rules
 # and bad arguments there, that the paged-KV value checks' kernels decide as the torch masks do, and
 # the other kernels (norm/rope, paged KV, linear, column sums, the merge) on what the interpreter
-# decides exactly (tests/test_triton_interpret.py). 3.9: 3.6's interpreter (the Triton the H200 compiles with) fails on
+# decides exactly (tests/test_triton_interpret.py), over 2 workers (pytest-xdist; numpy-bound). 3.9: 3.6's interpreter (the Triton the H200 compiles with) fails on
 # these kernels (a scalar conversion TypeError).
 TRITON ?= triton==3.9.0
 # The Triton the GPU compiles with (the H200's torch 2.11+cu130 brings 3.6.0), beside the venv's:
@@ -63,7 +63,7 @@ demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py tests/test_index_checks.py tests/test_mutation_value_checks.py \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py tests/test_index_checks.py tests/test_mutation_value_checks.py \
 		tests/test_triton_interpret.py tests/test_mutation_pair_decode.py
 	PYTHONPATH=$(TRITON_GPU_DIR) RLK_SM90_TRITON=$(subst triton==,,$(TRITON_GPU)) $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_sm90_compile.py
 	PYTHONPATH=$(CUTE_GPU_DIR):$(CUTE_GPU_DIR)/nvidia_cutlass_dsl/dsl_packages $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_fa4_walk_compile.py
