@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (runs the kernel on CPU tensors)", allow_module_level=True)
 
-from test_triton_pair_decode import D, G, HKV, _inputs, _transcribed  # noqa: E402
+from test_triton_pair_decode import D, HKV, _inputs, compare_with_transcription  # noqa: E402
 
 LAYOUTS = [("keys", 3, {}), ("keys", 0, {}), ("keys", 1, {}), ("rows", None, {}), ("tile", None, {}),
            ("keys", 3, {"ahead": True, "slices": 2})]
@@ -41,21 +41,8 @@ def _run_and_compare(lens, ps, chunk, layout, prefetch, extra, scale, scores, vc
     rows = kc.view(-1, HKV, D)
     rows[..., 0] = scores(rows.shape[0], table, lens).to(torch.bfloat16)
     vc = vc(kc)
-    out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout,
-                                                  prefetch=prefetch, **extra)
-    for c in range(n_chunks):
-        for b, n in enumerate(lens):
-            p, length = c * len(lens) + b, max(0, min(n - c * chunk, chunk))
-            if length == 0:
-                continue
-            pos = c * chunk + torch.arange(length)
-            idx = table[b, pos // ps].long() * ps + pos % ps
-            for h in range(HKV):
-                o, l, total = _transcribed(q[b, 0, h * G:(h + 1) * G], rows[idx, h], vc.view(-1, HKV, D)[idx, h],
-                                           length, scale)
-                assert bitwise_equal(sums[p, h * G:(h + 1) * G], total), (c, b, h)
-                assert bitwise_equal(lse[p, h * G:(h + 1) * G, 0], l), (c, b, h)
-                assert bitwise_equal(out[p, 0, h * G:(h + 1) * G], o), (c, b, h)
+    result = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout, prefetch=prefetch, **extra)
+    compare_with_transcription(result, q, rows, vc, table, lens, ps, chunk, scale)
 
 
 @pytest.mark.parametrize("layout,prefetch,extra", LAYOUTS, ids=lambda v: v if isinstance(v, str) else None)

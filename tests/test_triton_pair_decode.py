@@ -145,8 +145,15 @@ def _check_transcribed(ps, chunk, lens, layout, prefetch, extra, poison=False):
             last = int(table[b, n // ps]) * ps
             rows[last + n % ps:last + ps] = math.nan
             vc.view(-1, HKV, D)[last + n % ps:last + ps] = math.nan
-    out, lse, plens, n_chunks, sums = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout,
-                                                  prefetch=prefetch, **extra)
+    result = pair_decode(q, kc, vc, table, sl, scale, chunk, sums=True, layout=layout, prefetch=prefetch, **extra)
+    compare_with_transcription(result, q, rows, vc, table, lens, ps, chunk, scale)
+
+
+def compare_with_transcription(result, q, rows, vc, table, lens, ps, chunk, scale):
+    """pair_decode's ``(out, lse, pair lengths, chunks, row sums)`` (``sums=True``) against
+    ``_transcribed`` for every non-empty pair and KV head, bit for bit; empty pairs give out 0, lse -inf.
+    ``rows``: the K cache viewed as [slots, HKV, D]."""
+    out, lse, plens, n_chunks, sums = result
     for c in range(n_chunks):
         for b, n in enumerate(lens):
             p, length = c * len(lens) + b, max(0, min(n - c * chunk, chunk))
@@ -159,9 +166,9 @@ def _check_transcribed(ps, chunk, lens, layout, prefetch, extra, poison=False):
             for h in range(HKV):
                 o, l, total = _transcribed(q[b, 0, h * G:(h + 1) * G], rows[idx, h], vc.view(-1, HKV, D)[idx, h],
                                            length, scale)
-                assert bitwise_equal(sums[p, h * G:(h + 1) * G], total)
-                assert bitwise_equal(out[p, 0, h * G:(h + 1) * G], o)
-                assert bitwise_equal(lse[p, h * G:(h + 1) * G, 0], l)
+                assert bitwise_equal(sums[p, h * G:(h + 1) * G], total), (c, b, h)
+                assert bitwise_equal(out[p, 0, h * G:(h + 1) * G], o), (c, b, h)
+                assert bitwise_equal(lse[p, h * G:(h + 1) * G, 0], l), (c, b, h)
 
 
 def _merged_both_ways(q, kc, vc, table, sl, scale, chunk, **kw):
