@@ -61,9 +61,9 @@ setup: $(VENV)/.stamp
 demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
-# The first run stays in one process: session 42 measured it over 2 workers (-n 2) in one fresh clone
-# here, 417 s against 423 s (1279 passed, 814 skipped both): no gain worth the workers (its long tests,
-# the demo fixture and the gloo-spawning ones, serialize or fill both cores already).
+# The first run stays in one process: session 42 timed it over 2 workers (-n 2) once, in a fresh clone
+# here, at 417 s, against 423 s and 548 s in one process (1279 passed, 814 skipped each): one sample
+# inside the one-process spread (400-550 s between runs), so no shown gain for the workers.
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py tests/test_index_checks.py tests/test_mutation_value_checks.py \
