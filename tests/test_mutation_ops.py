@@ -20,13 +20,10 @@ from rlk_ops import RlkInputError
 from rlk_ops.rollout.cache import PagedKVCache
 
 from samples import _paged as _sample_paged
+from test_accuracy import _d, _rope_ref
 from test_validation import _cache
 
 F64 = torch.float64
-
-
-def _d(*shape):
-    return torch.randn(*shape, dtype=F64, requires_grad=True)
 
 
 # ============================================================== _validate.py
@@ -174,17 +171,10 @@ def test_rotary_dim_past_an_odd_head_dim_is_refused():
         rlk_ops.rope(x, torch.arange(3), 1e6, 8)
 
 
-def _rope_ref(x, pos, theta, rd):
-    """float64 rotate-half RoPE."""
-    inv = theta ** (-torch.arange(0, rd, 2, dtype=F64) / rd)
-    ang = pos.to(F64)[:, None, None] * inv
-    x1, x2 = x[..., :rd // 2].double(), x[..., rd // 2:rd].double()
-    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin(), x[..., rd:].double()], -1)
-
-
 def test_theta_one_is_a_valid_base_and_inf_is_not():
     """Kills O03 (theta > 1 refused theta = 1, which the contract allows: every frequency 1) and O04 (the
-    finiteness of theta unchecked: inf made every frequency but the first 0 without an error)."""
+    finiteness of theta unchecked: inf made every frequency but the first 0 without an error). At theta 1
+    the angle is the position itself, exact in fp32, so test_accuracy's reference (fp32 angle) is exact."""
     x, pos = torch.randn(4, 2, 8, dtype=F64), torch.tensor([0, 1, 5, 300])
     torch.testing.assert_close(rlk_ops.rope(x, pos, 1.0, 8), _rope_ref(x, pos, 1.0, 8), rtol=0, atol=1e-6)
     with pytest.raises(RlkInputError, match=r"rlk::rope: theta must be a finite number >= 1 \(the RoPE base\), got inf"):
