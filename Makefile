@@ -61,11 +61,13 @@ setup: $(VENV)/.stamp
 demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 	$(PY) -m rlk_ops demo --device $(DEVICE) $(DEMO_ARGS)
 
-# The first run stays in one process: session 42 timed it over 2 workers (-n 2) once, in a fresh clone
-# here, at 417 s, against 423 s and 548 s in one process (1279 passed, 814 skipped each): one sample
-# inside the one-process spread (400-550 s between runs), so no shown gain for the workers.
+# The first run goes over 2 workers, one test file per worker (--dist loadfile: a file's module fixtures,
+# the demo report and the compiled models, are built once) and one torch thread per worker (tests/conftest.py).
+# Session 43, idle machine, back to back: one process 533 s wall / 700 s CPU; -n 2 --dist worksteal 452 s /
+# 845 s (fixtures built on both workers); -n 2 --dist loadfile 369 s / 718 s (1322 passed, 814 skipped each).
+# Session 42's -n 2 (default distribution, 2 threads per worker) had shown no gain (417 s against 423-548 s).
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py tests/test_index_checks.py tests/test_mutation_value_checks.py \
 		tests/test_triton_interpret.py tests/test_mutation_pair_decode.py
 	PYTHONPATH=$(TRITON_GPU_DIR) RLK_SM90_TRITON=$(subst triton==,,$(TRITON_GPU)) $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_sm90_compile.py

@@ -7,7 +7,10 @@ import torch.distributed as dist
 
 import rlk_ops  # noqa: F401 - registers torch.ops.rlk
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One process: 2 intra-op threads. Under pytest-xdist (make test's runs over 2 workers) one thread per
+# worker, so the workers do not share 2 cores among 4 threads; the tests that need 2 threads to be able to
+# fail (a row sum split across threads) set 2 themselves.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
