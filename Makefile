@@ -63,8 +63,10 @@ demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 
 # The first run goes over 2 workers, one test file per worker (--dist loadfile: a file's module fixtures,
 # the demo report and the compiled models, are built once) and one torch thread per worker (tests/conftest.py).
-# Session 43, idle machine, back to back: one process 533 s wall / 700 s CPU; -n 2 --dist worksteal 452 s /
-# 845 s (fixtures built on both workers); -n 2 --dist loadfile 369 s / 718 s (1322 passed, 814 skipped each).
+# Session 43, idle machine, in this checkout: one process 533 s wall / 700 s CPU; -n 2 --dist worksteal 452 s /
+# 845 s (fixtures built on both workers); -n 2 --dist loadfile 369 s / 718 s; a second pair, loadfile first:
+# 370 s, then one process 519 s (1322 passed, 814 skipped each). In a fresh clone (CI, cold caches) loadfile
+# took 434 s, make test 725 s in all.
 # Session 42's -n 2 (default distribution, 2 threads per worker) had shown no gain (417 s against 423-548 s).
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
