@@ -570,6 +570,8 @@ def test_comparison_claims_need_compiled_equal_and_claim_canonical_rows():
 
 
 def test_compare_block_seeds_the_output_gradient(monkeypatch):
+    """Every run of one comparison takes dy drawn from a generator seeded with ``seed`` alone (session 43's
+    audit, P18: from the global generator, each rank of a mesh would draw its own dy)."""
     from rlk_ops.distributed import compare
     seen = []
     real = compare._run
@@ -584,6 +586,9 @@ def test_compare_block_seeds_the_output_gradient(monkeypatch):
     compare.compare_block(block, None, x, pos, cu, seed=0)
     compare.compare_block(block, None, x, pos, cu, seed=1)
     assert not torch.equal(seen[0], seen[len(seen) // 2])
+    assert len(seen) == 6   # the one-process reference and two eager runs, per call
+    for i, dy in enumerate(seen):
+        assert torch.equal(dy, torch.randn(x.shape, generator=torch.Generator().manual_seed(i // 3))), i
 
 
 def test_canonical_order_finds_each_chunk_in_the_gathered_pieces():

@@ -5,7 +5,8 @@ boundaries (chunks=0, a 2-D or one-entry cu_seqlens, a token count of exactly 2*
 one-past-the-end dim) and the metadata's mode and length order; the order canonical_reduce and
 fanout sum in, and the chain element that orders the collectives; preflight's message truncation,
 metadata limit, empty problem text, rank naming in a subgroup and the value names (show_*) of a
-disagreement; compare_block's seed bounds, weight digest, output gradient, reference module,
+disagreement; compare_block's seed bounds, weight digest, output gradient (its seeded draw: in
+tests/test_distributed_layout.py), reference module,
 run-to-run and compiled verdicts, drift statistics and table. All single process: preflight runs on
 the world-1 gloo group of conftest, or on a fake two-rank group whose all_gather hands back rows
 that preflight itself built for each rank.
@@ -324,23 +325,6 @@ def test_run_backpropagates_the_given_output_gradient():
     plus, minus = compare._run(pb, xs, ps, lay, dy), compare._run(pb, xs, ps, lay, -dy)
     for name in ("dX", "dQ", "d q_proj.weight"):
         assert torch.equal(minus[name], -plus[name]) and plus[name].abs().sum() > 0, name
-
-
-def test_compare_block_draws_the_output_gradient_from_its_seed_alone(monkeypatch):
-    """Kills P18 (dy drawn from the global generator, not one seeded with ``seed``: on a mesh each rank
-    would draw its own dy)."""
-    seen = []
-    real = compare._run
-
-    def spy(module, x, positions, layout, dy, fn=None):
-        seen.append(dy.clone())
-        return real(module, x, positions, layout, dy, fn)
-
-    monkeypatch.setattr(compare, "_run", spy)
-    block, x, pos, cu = _tiny()
-    compare.compare_block(block, None, x, pos, cu, seed=5)
-    want = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
-    assert len(seen) == 3 and all(torch.equal(dy, want) for dy in seen)
 
 
 def test_compare_block_reference_is_the_plain_contiguous_block(monkeypatch):
