@@ -191,24 +191,30 @@ def test_tokens_int32_accepted_and_another_device_named():
         model.forward_train(torch.zeros(3, dtype=torch.int64, device="meta"), torch.arange(3), cu)
 
 
+_CACHE = (4, 4, 2, 16)   # [pages, page_size, Hkv, D] of SMALL
+
+
+def _one_token(dtype=torch.bfloat16):
+    """forward_paged's arguments for one token of one sequence in a fresh cache of SMALL's 2 layers:
+    (tokens, positions, k_caches, v_caches, page_table, seq_lens, slots)."""
+    return (torch.tensor([[1]]), torch.tensor([[0]]), [torch.zeros(_CACHE, dtype=dtype) for _ in range(2)],
+            [torch.zeros(_CACHE, dtype=dtype) for _ in range(2)], torch.tensor([[2, 0]], dtype=torch.int32),
+            torch.tensor([1], dtype=torch.int32), torch.tensor([8]))
+
+
 def test_paged_caches_too_many_and_on_another_device_are_refused():
     """Kills M42 (a list of more caches than layers accepted, the extras ignored) and M45 (a cache on
     another device than its layer's k_proj accepted)."""
     model = TinyQwen3(TinyQwen3Config(**SMALL))
-    shape = (4, 4, 2, 16)
-    tokens, positions = torch.tensor([[1]]), torch.tensor([[0]])
-    table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
-    slot = torch.tensor([8])
-    kc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3)]
-    vc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)]
+    tokens, positions, kc, vc, *rest = _one_token()
     with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches must be a list of 2 caches \(one per layer\), got "
                                                     r"list of 3"):
-        model.forward_paged(tokens, positions, kc, vc, table, lens, slot)
-    meta = [kc[0], torch.zeros(shape, dtype=torch.bfloat16, device="meta")]
+        model.forward_paged(tokens, positions, kc + [torch.zeros(_CACHE, dtype=torch.bfloat16)], vc, *rest)
+    meta = [kc[0], torch.zeros(_CACHE, dtype=torch.bfloat16, device="meta")]
     with pytest.raises(rlk_ops.RlkInputError, match=r"k_caches\[1\] must have the dtype and device of what its "
                                                     r"layer's k_proj makes, torch.bfloat16 on cpu, got "
                                                     r"torch.bfloat16 on meta"):
-        model.forward_paged(tokens, positions, meta, vc, table, lens, slot)
+        model.forward_paged(tokens, positions, meta, vc, *rest)
 
 
 def test_k_weight_finds_k_proj_or_a_packed_qkv_proj():
@@ -243,16 +249,11 @@ def test_rollout_entry_refuses_a_hooked_lm_head_and_autocast():
     """Kills M36 (forward_paged's _check_setup dropped: a hook on lm_head, which the model reads and never
     calls, and an autocast the rlk ops ignore were refused by forward_train only)."""
     model = TinyQwen3(TinyQwen3Config(**SMALL))
-    shape = (4, 4, 2, 16)
-    args = (torch.tensor([[1]]), torch.tensor([[0]]), [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)],
-            [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)], torch.tensor([[2, 0]], dtype=torch.int32),
-            torch.tensor([1], dtype=torch.int32), torch.tensor([8]))
     handle = model.lm_head.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match=r"TinyQwen3.forward_paged: lm_head has module hooks"):
-        model.forward_paged(*args)
+        model.forward_paged(*_one_token())
     handle.remove()
     model32 = TinyQwen3(TinyQwen3Config(**SMALL), dtype=torch.float32)
-    args32 = args[:2] + ([c.float() for c in args[2]], [c.float() for c in args[3]]) + args[4:]
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
             ValueError, match=r"TinyQwen3.forward_paged: torch.autocast is on for cpu"):
-        model32.forward_paged(*args32)
+        model32.forward_paged(*_one_token(torch.float32))
