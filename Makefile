@@ -29,7 +29,7 @@ CUTE_GPU_DIR := .cute-gpu
 DEVICE ?= cpu
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
-# Disk: `make test` puts about 3 GB beside the clone (.venv 2.0 GB, .triton-gpu 0.6 GB, .cute-gpu
+# Disk: `make test` puts about 3 GB beside the clone (.venv 2.2 GB with transformers, .triton-gpu 0.6 GB, .cute-gpu
 # 0.3 GB). --no-cache-dir keeps pip from writing a second copy of every wheel into its cache (a CI
 # run failed with 'No space left on device' while installing .cute-gpu).
 

@@ -1,0 +1,307 @@
+"""rlk_ops.compile.hf: a transformers Qwen3 model with every self_attn replaced by the rlk block.
+
+Against transformers' own Qwen3 (float64, SDPA): logits and every parameter's gradient, one sequence per
+row and packed padding-free (cu_seq_lens). The patched layers' training rows equal their own rollout
+(chunked prefill + decode over a paged cache) bitwise; the model compiles with fullgraph=True, forward
+and backward, with the rlk ops in both graphs; what the block does not compute is refused."""
+import copy
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+import rlk_ops  # noqa: E402
+from rlk_ops.compile.hf import HFQwen3Attention, attention_config, patch_qwen3  # noqa: E402
+from rlk_ops.ops._validate import RlkInputError  # noqa: E402
+from rlk_ops.rollout.cache import PagedKVCache  # noqa: E402
+
+VOCAB = 96
+
+
+def _config(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=5000.0,
+                rms_norm_eps=1e-5, attn_implementation="sdpa")
+    base.update(kw)
+    rope_theta = base.pop("rope_theta")
+    cfg = transformers.Qwen3Config(**base)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    return cfg
+
+
+def _models(dtype=torch.float64, **kw):
+    """(HF's model, the same weights patched). Norm weights moved off 1 and biases (if any) off 0, so a
+    norm or bias that went missing shows."""
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(_config(**kw)).to(dtype)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    patched = transformers.Qwen3ForCausalLM(copy.deepcopy(ref.config)).to(dtype)   # (a config of its own: the
+    patched.load_state_dict(ref.state_dict())                                      # patch changes it)
+    return ref, patch_qwen3(patched)
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_logits_and_gradients_match_transformers(bias):
+    """float64: HF computes cos/sin from fp32 angles, as rlk::rope does, so the two agree to ~1e-7 (measured:
+    logits 1.1-1.4e-7, gradients up to 4.3e-7 relative to each tensor's largest); a convention error
+    (interleaved RoPE, norm order, theta, GQA grouping, a missing bias) is orders of magnitude more, and eps
+    1e-6 in place of the config's 1e-5 fails it too."""
+    ref, patched = _models(attention_bias=bias)
+    assert all(type(layer.self_attn) is HFQwen3Attention for layer in patched.model.layers)
+    ids = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1))
+    want = ref(ids, labels=ids, use_cache=False)
+    got = patched(ids, labels=ids)
+    assert _rel(got.logits, want.logits) < 1e-6
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p_ref), (name2, p) in zip(ref.named_parameters(), patched.named_parameters()):
+        assert name == name2
+        assert _rel(p.grad, p_ref.grad) < 1e-5, name
+
+
+def test_packed_sequences_match_transformers_per_sequence():
+    """cu_seq_lens (padding-free packing, one row): each sequence's rows are HF's for that sequence alone
+    (attention stays inside each sequence). No bitwise claim here: HF's MLP and norms are not rlk ops
+    (float64 rows packed and alone differed in the last bits)."""
+    ref, patched = _models()
+    lens = [11, 1, 30]
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(2))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 11, 12, 42], dtype=torch.int32)
+    packed = patched(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=30,
+                     max_length_k=30).logits[0]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = ref(ids[:, a:b], use_cache=False).logits[0]
+        assert _rel(packed[a:b], alone) < 1e-6
+
+
+def test_parameters_are_shared_not_copied():
+    """The patch keeps the layer's nn.Linear modules and norm Parameters: the parameter set, the
+    state-dict keys and an optimizer built before the patch are unchanged, and a patched model's state
+    dict loads into an unpatched one."""
+    ref, _ = _models()
+    model = copy.deepcopy(ref)   # (its config a copy too, shared by its submodules as in ref)
+    before = [(n, id(p)) for n, p in model.named_parameters()]
+    keys = list(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.eval()
+    patch_qwen3(model)
+    assert not any(m.training for m in model.modules())   # the new modules take the model's mode
+    model.train()
+    assert [(n, id(p)) for n, p in model.named_parameters()] == before
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    attn = model.model.layers[1].self_attn
+    assert not torch.equal(attn.k_norm.weight, ref.model.layers[1].self_attn.k_norm.weight)  # stepped in place
+    fresh = transformers.Qwen3ForCausalLM(copy.deepcopy(ref.config)).to(torch.float64)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    assert _rel(fresh(ids, use_cache=False).logits, model(ids).logits) < 1e-6
+    assert model.config.use_cache is False and model.config._attn_implementation == "rlk"
+
+
+def test_activation_checkpointing_recomputes_the_same_bits():
+    """HF's activation checkpointing runs each layer's forward again in the backward: the rlk block
+    recomputes the same bits, so the gradients are bitwise those without checkpointing."""
+    _, model = _models()
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(10))
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.activation_checkpointing_enable({"use_reentrant": False})   # (transformers 5's name)
+    assert model.model.gradient_checkpointing
+    model(ids, labels=ids).loss.backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def _rollout_rows(attn, x, lens, prefill, page_size=4):
+    """The block's rollout over one paged cache: each sequence's first ``prefill`` tokens as one chunk,
+    then one token per step for all sequences together (continuous batching: a finished sequence leaves
+    the batch). x: [sum(lens), hidden]. Returns the rows in x's order."""
+    cfg = attn.config
+    cache = PagedKVCache(1, 64, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, seed=5)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    out = torch.empty_like(x)
+
+    def step(seqs, offsets, n):
+        slots = cache.reserve_batch([(s, n) for s in seqs])
+        rows = torch.stack([x[starts[s] + o:starts[s] + o + n] for s, o in zip(seqs, offsets)])
+        positions = torch.tensor([[o + j for j in range(n)] for o in offsets])
+        y = attn.forward_rollout(rows, positions, cache.k[0], cache.v[0], cache.page_table(seqs),
+                                 cache.seq_lens(seqs), slots)
+        for s, o, row in zip(seqs, offsets, y):
+            out[starts[s] + o:starts[s] + o + n] = row
+    for s in range(len(lens)):
+        cache.add(s)
+        step([s], [0], min(prefill, lens[s]))
+    t = prefill
+    while any(t < n for n in lens):
+        live = [s for s, n in enumerate(lens) if t < n]
+        step(live, [t] * len(live), 1)
+        t += 1
+    return out
+
+
+def test_patched_layers_train_rows_equal_their_rollout_rows():
+    """The mission on an HF model: each patched layer's training forward (packed, bf16) and its rollout over
+    a paged cache (chunked prefill, then batched decode) give the same bits, row for row."""
+    _, model = _models(torch.bfloat16)
+    lens = [9, 14]
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(4))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32)
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
+                                                   with_kwargs=True) for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2
+    for attn, kw, train_out in seen:
+        x = kw["hidden_states"][0]
+        with torch.inference_mode():
+            roll = _rollout_rows(attn, x, lens, prefill=5)
+        assert torch.equal(roll, train_out[0])
+
+
+def test_compiles_fullgraph_forward_and_backward_with_rlk_ops_in_both_graphs():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = {}
+
+    def record(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compiler
+    _, model = _models(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")))
+    out = compiled(ids, labels=ids)
+    out.loss.backward()
+    eager = model(ids, labels=ids)
+    assert torch.equal(out.logits, eager.logits)   # (aot_eager: the same ops run, so the same bits)
+    for op in ("rlk.linear.default", "rlk.qk_rmsnorm.default", "rlk.rope.default", "rlk.attention_fwd.default"):
+        assert op in graphs["forward"], op
+    for op in ("rlk.attention_bwd.default", "rlk.linear_bwd.default"):
+        assert any(t.startswith(op.rsplit(".", 1)[0]) for t in graphs["backward"]), op
+    # a row with a position reset is refused inside the compiled graph too (an in-graph assert)
+    bad = torch.arange(12).repeat(2, 1)
+    bad[1, 6:] = torch.arange(6)
+    with pytest.raises(RuntimeError, match="value check failed"):
+        compiled(ids, position_ids=bad)
+    torch._dynamo.reset()
+
+
+def _call(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(use_cache=True), "HF's KV cache is not supported"),
+    (dict(attention_mask=torch.tensor([[0, 0] + [1] * 8, [1] * 10])), "attention_mask marks padding"),
+    (dict(position_ids=torch.tensor([list(range(5)) + list(range(5))] * 2)),
+     r"position_ids\[0, 4:6\] = \[4, 0\]: packed sequences need cu_seq_lens_q"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 10, 20], dtype=torch.int32),
+          cu_seq_lens_k=torch.tensor([0, 10, 20], dtype=torch.int32)), "hidden_states must have batch size 1, got 2"),
+    (dict(output_attentions=True), "output_attentions=True"),
+])
+def test_what_the_block_does_not_compute_is_refused(kw, fragment):
+    _, model = _models(torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(RlkInputError, match=fragment):
+        _call(model, ids, **kw)
+
+
+def test_a_padding_mask_is_refused_with_packed_sequences_too():
+    _, model = _models(torch.float32)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    with pytest.raises(RlkInputError, match="attention_mask marks padding"):
+        _call(model, torch.ones(1, 10, dtype=torch.int64), attention_mask=torch.tensor([[1] * 9 + [0]]),
+              position_ids=torch.cat([torch.arange(5), torch.arange(5)])[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+@pytest.mark.parametrize("cu_k, fragment", [
+    (None, "come together, as tensors"),
+    (torch.tensor([0, 4, 10], dtype=torch.int32), r"must equal cu_seq_lens_q .* got \[0, 4, 10\] and \[0, 5, 10\]"),
+    (torch.tensor([0, 10], dtype=torch.int32), r"got shapes \[2\] and \[3\]"),
+])
+def test_packed_arguments_are_checked(cu_k, fragment):
+    _, model = _models(torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(8))
+    pos = torch.cat([torch.arange(5), torch.arange(5)])[None]
+    with pytest.raises(RlkInputError, match=fragment):
+        _call(model, ids, position_ids=pos, cu_seq_lens_q=torch.tensor([0, 5, 10], dtype=torch.int32),
+              cu_seq_lens_k=cu_k)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                           "original_max_position_embeddings": 128}), "RoPE type must be 'default'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor must be 1.0"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "every layer must be full attention"),
+    (dict(use_sliding_window=True), "every layer must be full attention"),
+    (dict(attention_dropout=0.1), "attention_dropout must be 0"),
+    (dict(model_type="llama"), "model_type must be one of"),
+])
+def test_configs_the_block_does_not_compute_are_refused(change, fragment):
+    cfg = copy.deepcopy(_config())
+    for k, v in change.items():
+        setattr(cfg, k, v)
+    with pytest.raises(RlkInputError, match=fragment):
+        attention_config(cfg)
+
+
+def test_transformers_4_config_reads_rope_theta():
+    """transformers 4.x configs carry rope_theta (and rope_scaling) instead of rope_parameters."""
+    v4 = types.SimpleNamespace(model_type="qwen3", rope_theta=12345.0, rope_scaling=None, hidden_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                               attention_bias=True, use_sliding_window=False, attention_dropout=0.0)
+    cfg = attention_config(v4, split_kv="canonical:256")
+    assert (cfg.rope_theta, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.attention_bias,
+            cfg.split_kv) == (12345.0, 16, 4, 2, 1e-5, True, "canonical:256")
+    v4.rope_scaling = {"type": "linear", "factor": 2.0}
+    with pytest.raises(RlkInputError, match="got 'linear'"):
+        attention_config(v4)
+
+
+def test_patch_refuses_other_models_and_a_second_patch():
+    with pytest.raises(RlkInputError, match="must be a transformers PreTrainedModel"):
+        patch_qwen3(torch.nn.Linear(2, 2))
+    _, model = _models(torch.float32)
+    with pytest.raises(RlkInputError, match=r"no transformers Qwen3Attention .* \['HFQwen3Attention'\]"):
+        patch_qwen3(model)
+
+
+def test_an_unpatched_attention_under_the_rlk_implementation_raises():
+    """A Qwen3Attention left in place (a config shared with the patched model) would otherwise run
+    an attention function nobody chose."""
+    ref, patched = _models(torch.float32)
+    ref.config._attn_implementation = patched.config._attn_implementation
+    with pytest.raises(RuntimeError, match="was not replaced by patch_qwen3"):
+        _call(ref, torch.zeros(1, 4, dtype=torch.int64), use_cache=False)
+
+
+def test_split_kv_policy_reaches_the_blocks():
+    ref = _models(torch.float32)[0]
+    model = patch_qwen3(copy.deepcopy(ref), split_kv="canonical:128")
+    assert {layer.self_attn.config.split_kv for layer in model.model.layers} == {"canonical:128"}
+    ids = torch.randint(0, VOCAB, (1, 300), generator=torch.Generator().manual_seed(9))
+    with rlk_ops.strict():
+        assert _rel(model(ids).logits, ref(ids, use_cache=False).logits) < 1e-4
