@@ -18,6 +18,10 @@ from rlk_ops.ops._validate import RlkInputError  # noqa: E402
 from rlk_ops.rollout.cache import PagedKVCache  # noqa: E402
 
 VOCAB = 96
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU")])
+# head_dim 128 on CUDA: FA4's SM90 tiles
+CUDA_SIZES = dict(hidden_size=256, head_dim=128)
 
 
 def _config(**kw):
@@ -31,17 +35,30 @@ def _config(**kw):
     return cfg
 
 
-def _models(dtype=torch.float64, **kw):
+def _cast(model, dtype, device):
+    """``model.to(dtype, device)`` with HF's RoPE frequencies kept in float32, as ``from_pretrained(dtype=...)``
+    leaves them: ``.to(torch.bfloat16)`` also rounds the ``inv_freq`` buffer, and at position 200 (theta 5000,
+    head_dim 128) HF's angles were then off by up to ~0.5 rad against the exact frequencies (the rlk block
+    computes its frequencies from theta)."""
+    rotary = model.model.rotary_emb
+    inv_freq = rotary.inv_freq.float().clone()
+    model.to(dtype=dtype, device=device)
+    rotary.inv_freq = inv_freq.to(device)
+    rotary.original_inv_freq = inv_freq.clone().to(device)
+    return model
+
+
+def _models(dtype=torch.float64, device="cpu", **kw):
     """(HF's model, the same weights patched). Norm weights moved off 1 and biases (if any) off 0, so a
     norm or bias that went missing shows."""
     torch.manual_seed(0)
-    ref = transformers.Qwen3ForCausalLM(_config(**kw)).to(dtype)
+    ref = _cast(transformers.Qwen3ForCausalLM(_config(**kw)), dtype, device)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.2 * torch.randn_like(p))
-    patched = transformers.Qwen3ForCausalLM(copy.deepcopy(ref.config)).to(dtype)   # (a config of its own: the
-    patched.load_state_dict(ref.state_dict())                                      # patch changes it)
+    patched = _cast(transformers.Qwen3ForCausalLM(copy.deepcopy(ref.config)), dtype, device)  # (own config: the
+    patched.load_state_dict(ref.state_dict())                                                # patch changes it)
     return ref, patch_qwen3(patched)
 
 
@@ -66,6 +83,26 @@ def test_logits_and_gradients_match_transformers(bias):
     for (name, p_ref), (name2, p) in zip(ref.named_parameters(), patched.named_parameters()):
         assert name == name2
         assert _rel(p.grad, p_ref.grad) < 1e-5, name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_logits_and_gradients_match_transformers():
+    """bf16 on CUDA (FA4 forward and deterministic backward, the Triton linear and norm/RoPE kernels) against
+    transformers' own bf16 SDPA model, with HF's model in float64 on the CPU as the judge: the rlk model's
+    logits and every gradient no further from it than twice HF's own bf16 error (plus 1e-3 of the tensor's
+    largest value, for gradients HF gets almost exact)."""
+    ref, patched = _models(torch.bfloat16, "cuda", **CUDA_SIZES)
+    judge = _cast(copy.deepcopy(ref), torch.float64, "cpu")
+    ids = torch.randint(0, VOCAB, (2, 200), generator=torch.Generator().manual_seed(11))
+    outs = [m(i, labels=i, use_cache=False) for m, i in ((judge, ids), (ref, ids.cuda()), (patched, ids.cuda()))]
+    for o in outs:
+        o.loss.backward()
+    exact, hf, rlk = (o.logits.double().cpu() for o in outs)
+    assert _rel(rlk, exact) <= 2 * _rel(hf, exact)
+    for (name, p_exact), p_hf, p_rlk in zip(judge.named_parameters(), ref.parameters(), patched.parameters()):
+        err_hf, err_rlk = (_rel(p.grad.double().cpu(), p_exact.grad) for p in (p_hf, p_rlk))
+        assert err_rlk <= 2 * err_hf + 1e-3, (name, err_rlk, err_hf)
 
 
 def test_packed_sequences_match_transformers_per_sequence():
@@ -130,14 +167,15 @@ def _rollout_rows(attn, x, lens, prefill, page_size=4):
     then one token per step for all sequences together (continuous batching: a finished sequence leaves
     the batch). x: [sum(lens), hidden]. Returns the rows in x's order."""
     cfg = attn.config
-    cache = PagedKVCache(1, 64, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, seed=5)
+    pages = sum(-(-n // page_size) for n in lens) + 3
+    cache = PagedKVCache(1, pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=x.dtype, device=x.device, seed=5)
     starts = [sum(lens[:i]) for i in range(len(lens))]
     out = torch.empty_like(x)
 
     def step(seqs, offsets, n):
         slots = cache.reserve_batch([(s, n) for s in seqs])
         rows = torch.stack([x[starts[s] + o:starts[s] + o + n] for s, o in zip(seqs, offsets)])
-        positions = torch.tensor([[o + j for j in range(n)] for o in offsets])
+        positions = torch.tensor([[o + j for j in range(n)] for o in offsets], device=x.device)
         y = attn.forward_rollout(rows, positions, cache.k[0], cache.v[0], cache.page_table(seqs),
                                  cache.seq_lens(seqs), slots)
         for s, o, row in zip(seqs, offsets, y):
@@ -153,14 +191,19 @@ def _rollout_rows(attn, x, lens, prefill, page_size=4):
     return out
 
 
-def test_patched_layers_train_rows_equal_their_rollout_rows():
+@pytest.mark.parametrize("device, page_size, lens, prefill", [
+    ("cpu", 4, [9, 14], 5),
+    pytest.param(*CUDA.values, 16, [150, 301], 130, marks=CUDA.marks, id="cuda-page16"),
+    pytest.param(*CUDA.values, 128, [150, 301], 130, marks=CUDA.marks, id="cuda-page128"),
+])
+def test_patched_layers_train_rows_equal_their_rollout_rows(device, page_size, lens, prefill):
     """The mission on an HF model: each patched layer's training forward (packed, bf16) and its rollout over
-    a paged cache (chunked prefill, then batched decode) give the same bits, row for row."""
-    _, model = _models(torch.bfloat16)
-    lens = [9, 14]
-    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(4))
-    pos = torch.cat([torch.arange(n) for n in lens])[None]
-    cu = torch.tensor([0, 9, 23], dtype=torch.int32)
+    a paged cache (chunked prefill, then batched decode) give the same bits, row for row. On CUDA: FA4's
+    varlen forward against the routed decode (page 128: FA4's TMA path)."""
+    _, model = _models(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(4)).to(device)
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
     seen = []
     hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
                                                    with_kwargs=True) for layer in model.model.layers]
@@ -172,11 +215,12 @@ def test_patched_layers_train_rows_equal_their_rollout_rows():
     for attn, kw, train_out in seen:
         x = kw["hidden_states"][0]
         with torch.inference_mode():
-            roll = _rollout_rows(attn, x, lens, prefill=5)
+            roll = _rollout_rows(attn, x, lens, prefill, page_size)
         assert torch.equal(roll, train_out[0])
 
 
-def test_compiles_fullgraph_forward_and_backward_with_rlk_ops_in_both_graphs():
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_compiles_fullgraph_forward_and_backward_with_rlk_ops_in_both_graphs(device):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     graphs = {}
@@ -186,8 +230,8 @@ def test_compiles_fullgraph_forward_and_backward_with_rlk_ops_in_both_graphs():
             graphs[kind] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
             return make_boxed_func(gm.forward)
         return compiler
-    _, model = _models(torch.bfloat16)
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    _, model = _models(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6)).to(device)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True,
                              backend=aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward")))
@@ -199,6 +243,8 @@ def test_compiles_fullgraph_forward_and_backward_with_rlk_ops_in_both_graphs():
         assert op in graphs["forward"], op
     for op in ("rlk.attention_bwd.default", "rlk.linear_bwd.default"):
         assert any(t.startswith(op.rsplit(".", 1)[0]) for t in graphs["backward"]), op
+    if device == "cuda":   # (there the in-graph assert is a device-side assert, which ends the CUDA context)
+        return
     # a row with a position reset is refused inside the compiled graph too (an in-graph assert)
     bad = torch.arange(12).repeat(2, 1)
     bad[1, 6:] = torch.arange(6)
