@@ -1,0 +1,107 @@
+"""A transformers Qwen3 training step with rlk attention (rlk_ops.compile.hf.patch_qwen3) against the same
+model on transformers' SDPA attention, in one run on one GPU: step time (forward + backward), forward
+time, the loss of each, and whether each lane's gradients are bitwise equal run to run.
+
+    python benchmarks/hf_train_step.py --out results/.../hf_train_step.json [--layers 28 --batch 4 --seq 2048]
+
+Random weights in a Qwen3-0.6B shape (hidden 1024, 16/8 heads, head_dim 128, intermediate 3072,
+vocab 151936); one sequence per row, no padding; bf16. Only the attention blocks differ between the lanes
+(HF's MLP, norms, embedding and lm_head are the same modules in both)."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+
+
+def _lane(model, ids, steps, warmup):
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    grads = [p.grad.clone() for p in model.parameters()]
+    step()
+    rerun_equal = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    fwd = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(ids, use_cache=False)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                fwd.append(start.elapsed_time(end))
+    return {"step_ms": statistics.median(times), "step_ms_all": times, "forward_ms": statistics.median(fwd),
+            "loss": float(loss), "grads_bitwise_run_to_run": rerun_equal}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    import transformers
+
+    from rlk_ops.compile.hf import patch_qwen3
+
+    cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                   num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=8,
+                                   head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1e6}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.Qwen3ForCausalLM(cfg)
+    rotary = hf.model.rotary_emb
+    inv_freq = rotary.inv_freq.float().clone()
+    hf.to(torch.bfloat16)
+    rotary.inv_freq, rotary.original_inv_freq = inv_freq, inv_freq.clone()   # (as from_pretrained keeps them)
+    rlk = copy.deepcopy(hf)
+    rlk.config = copy.deepcopy(hf.config)
+    rlk.model.config = rlk.config
+    patch_qwen3(rlk)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).cuda()
+    t0 = time.time()
+    lanes = {"hf_sdpa": _lane(hf, ids, args.steps, args.warmup), "rlk": _lane(rlk, ids, args.steps, args.warmup)}
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "shape": {"layers": args.layers, "batch": args.batch, "seq": args.seq, "hidden": 1024, "heads": "16/8",
+                  "head_dim": 128, "dtype": "bfloat16"},
+        "lanes": lanes,
+        "rlk_over_hf_step": lanes["rlk"]["step_ms"] / lanes["hf_sdpa"]["step_ms"],
+        "rlk_over_hf_forward": lanes["rlk"]["forward_ms"] / lanes["hf_sdpa"]["forward_ms"],
+        "wall_s": time.time() - t0,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'lane':10} {'step ms':>9} {'fwd ms':>8} {'loss':>8}  grads run-to-run")
+    for name, lane in lanes.items():
+        print(f"{name:10} {lane['step_ms']:9.2f} {lane['forward_ms']:8.2f} {lane['loss']:8.4f}  "
+              f"{'bitwise' if lane['grads_bitwise_run_to_run'] else 'differ'}")
+    print(f"rlk / hf: step {report['rlk_over_hf_step']:.3f}x, forward {report['rlk_over_hf_forward']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
