@@ -53,7 +53,7 @@ def _lane(model, ids, steps, warmup):
             if i >= warmup:
                 fwd.append(start.elapsed_time(end))
     return {"step_ms": statistics.median(times), "step_ms_all": times, "forward_ms": statistics.median(fwd),
-            "loss": float(loss), "grads_bitwise_run_to_run": rerun_equal}
+            "loss": loss.item(), "grads_bitwise_run_to_run": rerun_equal}
 
 
 def main():
@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", help="also write each lane's top CUDA kernels of one step to this file")
     args = ap.parse_args()
     import transformers
 
@@ -99,6 +100,16 @@ def main():
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with open(args.profile, "w") as f:
+            for name, model in (("hf_sdpa", hf), ("rlk", rlk)):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model(ids, labels=ids, use_cache=False).loss.backward()
+                    torch.cuda.synchronize()
+                f.write(f"== {name}: one step (forward + backward), kernels by CUDA time ==\n")
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+                f.write("\n")
     print(f"{'lane':10} {'step ms':>9} {'fwd ms':>8} {'loss':>8}  grads run-to-run")
     for name, lane in lanes.items():
         print(f"{name:10} {lane['step_ms']:9.2f} {lane['forward_ms']:8.2f} {lane['loss']:8.4f}  "
