@@ -1,6 +1,8 @@
 """A transformers Qwen3 training step with rlk attention (rlk_ops.compile.hf.patch_qwen3) against the same
 model on transformers' SDPA attention, in one run on one GPU: step time (forward + backward), forward
-time, the loss of each, and whether each lane's gradients are bitwise equal run to run.
+time, the loss of each, and whether each lane's gradients are bitwise equal run to run. The rlk model
+runs twice: with the CUDA value checks (the default: ``cu_seqlens`` is read on the host once per
+attention call, a sync) and under ``rlk_ops.value_checks(False)``.
 
     python -m benchmarks.hf_train_step --out results/.../hf_train_step.json [--layers 28 --batch 4 --seq 2048]
 
@@ -68,6 +70,7 @@ def main():
     args = ap.parse_args()
     import transformers
 
+    import rlk_ops
     from rlk_ops.compile.hf import patch_qwen3
 
     cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -89,6 +92,8 @@ def main():
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).cuda()
     t0 = time.time()
     lanes = {"hf_sdpa": _lane(hf, ids, args.steps, args.warmup), "rlk": _lane(rlk, ids, args.steps, args.warmup)}
+    with rlk_ops.value_checks(False):   # cu_seqlens' value check is a host sync per attention call (fwd and bwd)
+        lanes["rlk_no_value_checks"] = _lane(rlk, ids, args.steps, args.warmup)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "shape": {"layers": args.layers, "batch": args.batch, "seq": args.seq, "hidden": 1024, "heads": "16/8",
@@ -96,6 +101,7 @@ def main():
         "lanes": lanes,
         "rlk_over_hf_step": lanes["rlk"]["step_ms"] / lanes["hf_sdpa"]["step_ms"],
         "rlk_over_hf_forward": lanes["rlk"]["forward_ms"] / lanes["hf_sdpa"]["forward_ms"],
+        "rlk_no_value_checks_over_hf_step": lanes["rlk_no_value_checks"]["step_ms"] / lanes["hf_sdpa"]["step_ms"],
         "wall_s": time.time() - t0,
     }
     with open(args.out, "w") as f:
@@ -103,18 +109,21 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with open(args.profile, "w") as f:
-            for name, model in (("hf_sdpa", hf), ("rlk", rlk)):
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for name, model, checks in (("hf_sdpa", hf, True), ("rlk", rlk, True), ("rlk_no_value_checks", rlk, False)):
+                with rlk_ops.value_checks(checks), profile(activities=[ProfilerActivity.CUDA]) as prof:
                     model(ids, labels=ids, use_cache=False).loss.backward()
                     torch.cuda.synchronize()
-                f.write(f"== {name}: one step (forward + backward), kernels by CUDA time ==\n")
-                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
-                f.write("\n")
-    print(f"{'lane':10} {'step ms':>9} {'fwd ms':>8} {'loss':>8}  grads run-to-run")
+                events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+                total = sum(e.self_device_time_total for e in events)
+                f.write(f"== {name}: one step (forward + backward), GPU time {total / 1e3:.1f} ms; kernels by GPU time ==\n")
+                for e in events[:20]:
+                    f.write(f"{e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[:110]}\n")
+    print(f"{'lane':20} {'step ms':>9} {'fwd ms':>8} {'loss':>8}  grads run-to-run")
     for name, lane in lanes.items():
-        print(f"{name:10} {lane['step_ms']:9.2f} {lane['forward_ms']:8.2f} {lane['loss']:8.4f}  "
+        print(f"{name:20} {lane['step_ms']:9.2f} {lane['forward_ms']:8.2f} {lane['loss']:8.4f}  "
               f"{'bitwise' if lane['grads_bitwise_run_to_run'] else 'differ'}")
-    print(f"rlk / hf: step {report['rlk_over_hf_step']:.3f}x, forward {report['rlk_over_hf_forward']:.3f}x")
+    print(f"rlk / hf: step {report['rlk_over_hf_step']:.3f}x, forward {report['rlk_over_hf_forward']:.3f}x; "
+          f"without value checks: step {report['rlk_no_value_checks_over_hf_step']:.3f}x")
 
 
 if __name__ == "__main__":
