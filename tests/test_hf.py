@@ -314,6 +314,21 @@ def test_configs_the_block_does_not_compute_are_refused(change, fragment):
         attention_config(cfg)
 
 
+def test_an_adapter_on_a_projection_is_refused():
+    """A LoRA-style wrapper on q_proj (its weight the base layer's, its own forward adding the adapter): the
+    block reads q_proj.weight and never calls q_proj, so the adapter would add nothing; refused."""
+    class LoraLike(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+    _, model = _models(torch.float32)
+    base = model.model.layers[1].self_attn.q_proj
+    wrapped = LoraLike(base.in_features, base.out_features, bias=False)
+    wrapped.weight = base.weight
+    model.model.layers[1].self_attn.q_proj = wrapped
+    with pytest.raises(RlkInputError, match="q_proj"):
+        _call(model, torch.zeros(1, 4, dtype=torch.int64))
+
+
 def test_transformers_4_config_reads_rope_theta():
     """transformers 4.x configs carry rope_theta (and rope_scaling) instead of rope_parameters."""
     v4 = types.SimpleNamespace(model_type="qwen3", rope_theta=12345.0, rope_scaling=None, hidden_size=64,
@@ -324,6 +339,9 @@ def test_transformers_4_config_reads_rope_theta():
             cfg.split_kv) == (12345.0, 16, 4, 2, 1e-5, True, "canonical:256")
     v4.rope_scaling = {"type": "linear", "factor": 2.0}
     with pytest.raises(RlkInputError, match="got 'linear'"):
+        attention_config(v4)
+    v4.rope_scaling, v4.rope_theta = None, None
+    with pytest.raises(RlkInputError, match="RoPE base .* as a number, got None"):
         attention_config(v4)
 
 

@@ -54,6 +54,9 @@ def attention_config(hf_config, split_kv: str = "disabled") -> Qwen3AttentionCon
     if rope is None:   # transformers 4.x
         rope = dict(getattr(hf_config, "rope_scaling", None) or {})
         rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", None))
+    if not isinstance(rope.get("rope_theta"), (int, float)) or isinstance(rope.get("rope_theta"), bool):
+        _refuse("attention_config", f"config must give the RoPE base (rope_parameters['rope_theta'] or rope_theta) "
+                                    f"as a number, got {short_repr(rope.get('rope_theta'))}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         _refuse("attention_config", f"config RoPE type must be 'default' (rlk::rope has no scaling), got "
@@ -200,7 +203,9 @@ def patch_qwen3(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
     """Replaces every HF ``Qwen3Attention`` in ``model`` (a transformers Qwen3 model, e.g.
     ``Qwen3ForCausalLM``) with an ``HFQwen3Attention`` sharing its weights; sets the model's attention
     implementation to ``"rlk"`` and ``config.use_cache = False``. Returns ``model``. Patch before
-    wrapping the model (FSDP, DDP, torch.compile, peft) and before loading adapters."""
+    wrapping the model (FSDP, DDP, torch.compile). An adapter on an attention projection (a peft LoRA
+    wrapper, added before or after the patch) is refused at the forward: the block reads the projection's
+    weight and never calls it, so the adapter would add nothing."""
     from transformers import PreTrainedModel
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as HFAttention
 
