@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the JSON report, its sections and the random inputs.
 
 ``benchmarks/attention.py`` and ``benchmarks/canonical.py`` subclass ``Report``.
-``graph_time_us`` is the CUDA-graph timer of ``canonical.py`` and ``kernels.py``
+``graph_time_us`` is the CUDA-graph timer of ``canonical.py`` and ``kernel_bench.py``
 (``graph_times_us``: several functions' graphs replayed in turn, for ratios);
 ``attention.py`` keeps its own (fixed 10 calls per graph, replays interleaved with the
 raw kernel's, as its report says).

@@ -6,8 +6,7 @@ attention call, a sync) and under ``rlk_ops.value_checks(False)``.
 
     python -m benchmarks.hf_train_step --out results/.../hf_train_step.json [--layers 28 --batch 4 --seq 2048]
 
-(as a module from the repository root: run as a script, benchmarks/ heads sys.path and its kernels.py
-shadows the ``kernels`` package transformers imports)
+(from the repository root)
 
 Random weights in a Qwen3-0.6B shape (hidden 1024, 16/8 heads, head_dim 128, intermediate 3072,
 vocab 151936); one sequence per row, no padding; bf16. Only the attention blocks differ between the lanes

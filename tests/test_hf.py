@@ -362,6 +362,37 @@ def test_an_unpatched_attention_under_the_rlk_implementation_raises():
         _call(ref, torch.zeros(1, 4, dtype=torch.int64), use_cache=False)
 
 
+def test_benchmarks_shadow_no_module_transformers_imports():
+    """Tests put benchmarks/ first on sys.path (test_benchmark_routes, test_report_fits, test_sm90_compile),
+    and an xdist worker keeps it for the next file: benchmarks/kernels.py then stood in for the PyPI
+    ``kernels`` package transformers imports, and this file failed in make test (session 44; renamed
+    kernel_bench.py)."""
+    import importlib.metadata
+    import pathlib
+    benchmarks = {p.stem for p in (pathlib.Path(__file__).parent.parent / "benchmarks").glob("*.py")}
+    deps = {"transformers"}
+    for req in importlib.metadata.requires("transformers") or ():
+        if "extra ==" not in req:
+            deps.add(req.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0]
+                     .strip().replace("-", "_"))
+    top_level = {m for d in deps for m in _top_level_modules(d)}
+    assert "kernels" in top_level and "huggingface_hub" in top_level   # (the check sees what it should)
+    assert not benchmarks & top_level
+
+
+def _top_level_modules(dist_name):
+    import importlib.metadata
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return {dist_name}
+    names = (dist.read_text("top_level.txt") or "").split()
+    if not names:
+        names = {f.parts[0].removesuffix(".py") for f in dist.files or () if len(f.parts) and not
+                 f.parts[0].endswith((".dist-info", ".data")) and f.parts[0] not in ("..", "__pycache__")}
+    return set(names) | {dist_name}
+
+
 def test_split_kv_policy_reaches_the_blocks():
     ref = _models(torch.float32)[0]
     model = patch_qwen3(copy.deepcopy(ref), split_kv="canonical:128")

@@ -94,7 +94,7 @@ _C10D_RS = DeterminismSpec(
 
 # triton (kernels/triton/) and flashinfer (kernels/flashinfer.py): verified on sm90 (H200,
 # triton 3.6, flashinfer 0.7.2.post1) by tests/test_triton.py, tests/test_flashinfer.py and
-# benchmarks/kernels.py (results/h200/kernels.json). Not bitwise equal to the cpu reference
+# benchmarks/kernel_bench.py (results/h200/kernels.json). Not bitwise equal to the cpu reference
 # (other summation orders); the drift is reported there.
 _TRITON_ROW = DeterminismSpec(
     True, True, notes="verified on sm90: a row's reduction order is fixed by head_dim, dtype and num_warps; "
