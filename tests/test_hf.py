@@ -121,6 +121,84 @@ def test_packed_sequences_match_transformers_per_sequence():
         assert _rel(packed[a:b], alone) < 1e-6
 
 
+def _padding():
+    """Rows of 12: left padding, padding only, right padding, a gap (9, 0, 10 and 8 tokens: no two
+    boundaries alike, so a packing in another row order shows)."""
+    mask = torch.ones(4, 12, dtype=torch.int64)
+    mask[0, :3] = 0
+    mask[1] = 0
+    mask[2, -2:] = 0
+    mask[3, 4:8] = 0
+    return mask, (mask.cumsum(1) - 1).clamp(min=0)   # positions as the rollout numbers the tokens
+
+
+def test_padded_batch_matches_transformers():
+    """Each row's unmasked tokens are one sequence (the keys HF's causal padding mask leaves each query):
+    logits at the tokens and every gradient of a loss over the tokens' logits only match HF's padded SDPA
+    model in float64 (padding positions differ: the block gives them zeros), and each row's tokens match
+    HF on that sequence alone."""
+    ref, patched = _models()
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(12))
+    mask, pos = _padding()
+    real = mask.bool()
+    weights = torch.randn(int(real.sum()), VOCAB, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    want = ref(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    got = patched(ids, attention_mask=mask, position_ids=pos).logits
+    assert _rel(got[real], want[real]) < 1e-6
+    assert not got.isnan().any()   # (the padding-only row: zeros from the block, no 0/0)
+    (want[real] * weights).sum().backward()
+    (got[real] * weights).sum().backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), patched.parameters()):
+        assert _rel(p.grad, p_ref.grad) < 1e-5, name
+    for r in (0, 2, 3):
+        alone = ref(ids[r:r + 1, real[r]], use_cache=False).logits[0]
+        assert _rel(got[r][real[r]], alone) < 1e-6
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_padded_rows_are_bitwise_the_sequences_alone(device):
+    """The block's rows in a padded batch are bitwise its rows for each sequence alone (batch invariance
+    through the packing); padding positions get zeros."""
+    _, model = _models(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(13)).to(device)
+    mask, pos = (t.to(device) for t in _padding())
+    real = mask.bool()
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
+                                                   with_kwargs=True) for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=pos)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2
+    for attn, kw, out in seen:
+        assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+        for r in (0, 2, 3):
+            x, p = kw["hidden_states"][r][real[r]], pos[r][real[r]]
+            with torch.no_grad():
+                alone = attn.forward_train(x, p, torch.tensor([0, x.shape[0]], dtype=torch.int32, device=device))
+            assert torch.equal(out[r][real[r]], alone)
+
+
+def test_a_padded_batch_is_refused_inside_a_compiled_graph():
+    """The packing's size depends on the mask's values: under fullgraph the block refuses (Dynamo reports
+    the refusal); without fullgraph Dynamo runs the block eagerly at that point and the result is eager's."""
+    _, model = _models(torch.float32)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(14))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+
+    def call(x, mask):
+        return attn(x, attention_mask=mask, position_ids=torch.arange(6)[None])[0]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a padded batch runs eagerly only"):
+        torch.compile(call, fullgraph=True, backend="eager")(x, mask)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(call, backend="eager")(x, mask), call(x, mask))
+    torch._dynamo.reset()
+
+
 def test_parameters_are_shared_not_copied():
     """The patch keeps the layer's nn.Linear modules and norm Parameters: the parameter set, the
     state-dict keys and an optimizer built before the patch are unchanged, and a patched model's state
@@ -260,7 +338,7 @@ def _call(model, ids, **kw):
 
 @pytest.mark.parametrize("kw, fragment", [
     (dict(use_cache=True), "HF's KV cache is not supported"),
-    (dict(attention_mask=torch.tensor([[0, 0] + [1] * 8, [1] * 10])), "attention_mask marks padding"),
+    (dict(attention_mask=torch.ones(2, 1, 10, 10, dtype=torch.bool)), r"must be the 2-D padding mask \[B, S\] = \[2, 10\]"),
     (dict(position_ids=torch.tensor([list(range(5)) + list(range(5))] * 2)),
      r"position_ids\[0, 4:6\] = \[4, 0\]: packed sequences need cu_seq_lens_q"),
     (dict(cu_seq_lens_q=torch.tensor([0, 10, 20], dtype=torch.int32),
@@ -274,10 +352,10 @@ def test_what_the_block_does_not_compute_is_refused(kw, fragment):
         _call(model, ids, **kw)
 
 
-def test_a_padding_mask_is_refused_with_packed_sequences_too():
+def test_a_padding_mask_is_refused_with_packed_sequences():
     _, model = _models(torch.float32)
     cu = torch.tensor([0, 5, 10], dtype=torch.int32)
-    with pytest.raises(RlkInputError, match="attention_mask marks padding"):
+    with pytest.raises(RlkInputError, match="attention_mask and cu_seq_lens_q / cu_seq_lens_k together"):
         _call(model, torch.ones(1, 10, dtype=torch.int64), attention_mask=torch.tensor([[1] * 9 + [0]]),
               position_ids=torch.cat([torch.arange(5), torch.arange(5)])[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 

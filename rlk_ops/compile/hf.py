@@ -14,18 +14,19 @@ equal to the rollout's; the rest of an HF model (MLP, layer norms, lm_head) stay
 covered by any rlk claim.
 
 What the block computes is the HF attention of the model's config (checked at the patch): full causal
-attention, default RoPE (no scaling) over the whole head, no dropout. Sequences come in one of two
+attention, default RoPE (no scaling) over the whole head, no dropout. Sequences come in one of three
 ways, nothing else:
 
 * padding-free packing, as ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
   builds it: one row (batch size 1) and ``cu_seq_lens_q`` (with ``cu_seq_lens_k`` equal to it) in the
   model call's keyword arguments, which HF hands to every attention layer;
 * one sequence per row, every token real: ``position_ids`` must step by 1 along each row (a reset
-  would be a packed row, which HF's own attention masks per sequence) and ``attention_mask`` must
-  mark no padding.
+  would be a packed row, which HF's own attention masks per sequence);
+* a padded batch (eager only): each row's unmasked tokens are one sequence, packed varlen and put back;
+  padding positions get zeros.
 
-A padded batch, HF's KV cache (generation: use the rlk rollout engine) and attention weights are refused
-with the reason. transformers is imported only by ``patch_qwen3`` and ``attention_config``.
+HF's KV cache (generation: use the rlk rollout engine), attention weights and prepared 4-D masks are
+refused with the reason. transformers is imported only by ``patch_qwen3``.
 """
 from __future__ import annotations
 
@@ -126,12 +127,9 @@ class HFQwen3Attention(Qwen3Attention):
             got = list(position_ids.shape) if isinstance(position_ids, torch.Tensor) else short_repr(position_ids)
             _refuse(where, f"position_ids must be a tensor [B, S] or [1, S] with S = {s} (transformers passes "
                            f"the model's), got {got}")
-        if attention_mask is not None:   # (under the rlk mask implementation: a 2-D mask with padding in it)
-            _refuse(where, "attention_mask marks padding (or is a prepared mask): the rlk block takes whole "
-                           "sequences (pack them padding-free with cu_seq_lens_q / cu_seq_lens_k, e.g. "
-                           "transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True), or drop the "
-                           f"padding); got a mask of shape {list(getattr(attention_mask, 'shape', []))}")
         positions = position_ids.expand(b, s).reshape(b * s)
+        if attention_mask is not None:   # (under the rlk mask implementation: the 2-D mask, when it masks a token)
+            return self._padded(where, hidden_states, positions, attention_mask, cu_seq_lens_q, cu_seq_lens_k), None
         if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
             cu_seqlens = self._packed(where, b, cu_seq_lens_q, cu_seq_lens_k)
         else:
@@ -139,6 +137,33 @@ class HFQwen3Attention(Qwen3Attention):
             cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=hidden_states.device)
         out = self.forward_train(hidden_states.reshape(b * s, hidden), positions, cu_seqlens)
         return out.reshape(b, s, hidden), None
+
+    def _padded(self, where, hidden_states, positions, attention_mask, cu_q, cu_k):
+        """A padded batch: each row's unmasked tokens are one sequence (in row order, gaps closed up, which
+        is the set of keys HF's causal padding mask leaves each query), packed varlen, run, and put back;
+        masked positions get zeros. Eager only (the packing's size depends on the mask's values)."""
+        b, s, hidden = hidden_states.shape
+        if cu_q is not None or cu_k is not None:
+            _refuse(where, "attention_mask and cu_seq_lens_q / cu_seq_lens_k together: pass one of them (a padded "
+                           "batch, or sequences packed padding-free)")
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, s):
+            _refuse(where, f"attention_mask must be the 2-D padding mask [B, S] = [{b}, {s}] (1 = token, 0 = "
+                           f"padding), got {list(getattr(attention_mask, 'shape', [])) or short_repr(attention_mask)}"
+                           f" (a prepared 4-D mask is not read: the block's attention is causal per sequence)")
+        if torch.compiler.is_compiling():
+            _refuse(where, "a padded batch runs eagerly only (its packing depends on the mask's values); under "
+                           "torch.compile pack the sequences padding-free (cu_seq_lens_q / cu_seq_lens_k) or pass "
+                           "rows without padding")
+        keep = attention_mask.to(torch.bool).reshape(b * s)
+        index = keep.nonzero().squeeze(1)
+        out = hidden_states.new_zeros(b * s, hidden)
+        if index.numel():
+            lengths = attention_mask.to(torch.bool).sum(1)
+            cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+            rows = self.forward_train(hidden_states.reshape(b * s, hidden).index_select(0, index),
+                                      positions.index_select(0, index), cu_seqlens)
+            out = out.index_copy(0, index, rows)
+        return out.reshape(b, s, hidden)
 
     @staticmethod
     def _packed(where, b, cu_q, cu_k):
