@@ -212,8 +212,8 @@ def _rows_are_sequences(where: str, position_ids: torch.Tensor) -> None:
 
 def _register() -> None:
     """Registers ``ATTN_IMPLEMENTATION`` with transformers: as a mask implementation it is the one HF
-    uses for FlashAttention (None, or the 2-D padding mask: the patched layers refuse a mask); as an
-    attention function it raises, since only an unpatched attention layer would call it."""
+    uses for FlashAttention (None, or the 2-D padding mask when it masks a token, which the patched layers
+    pack); as an attention function it raises, since only an unpatched attention layer would call it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
