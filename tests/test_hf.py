@@ -1,9 +1,10 @@
 """rlk_ops.compile.hf: a transformers Qwen3 model with every self_attn replaced by the rlk block.
 
 Against transformers' own Qwen3 (float64, SDPA): logits and every parameter's gradient, one sequence per
-row and packed padding-free (cu_seq_lens). The patched layers' training rows equal their own rollout
-(chunked prefill + decode over a paged cache) bitwise; the model compiles with fullgraph=True, forward
-and backward, with the rlk ops in both graphs; what the block does not compute is refused."""
+row, packed padding-free (cu_seq_lens) and padded. The patched layers' training rows equal their own
+rollout (chunked prefill + decode over a paged cache) bitwise, and a padded batch's rows each sequence's
+alone; the model compiles with fullgraph=True, forward and backward, with the rlk ops in both graphs;
+what the block does not compute is refused."""
 import copy
 import types
 
@@ -121,6 +122,21 @@ def test_packed_sequences_match_transformers_per_sequence():
         assert _rel(packed[a:b], alone) < 1e-6
 
 
+def _attention_calls(model, ids, **kw):
+    """(module, keyword arguments, output) of every patched layer's self_attn call in one no-grad forward."""
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
+                                                   with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == len(model.model.layers)
+    return seen
+
+
 def _padding():
     """Rows of 12: left padding, padding only, right padding, a gap (9, 0, 10 and 8 tokens: no two
     boundaries alike, so a packing in another row order shows)."""
@@ -163,15 +179,7 @@ def test_padded_rows_are_bitwise_the_sequences_alone(device):
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(13)).to(device)
     mask, pos = (t.to(device) for t in _padding())
     real = mask.bool()
-    seen = []
-    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
-                                                   with_kwargs=True) for layer in model.model.layers]
-    with torch.no_grad():
-        model(ids, attention_mask=mask, position_ids=pos)
-    for h in hooks:
-        h.remove()
-    assert len(seen) == 2
-    for attn, kw, out in seen:
+    for attn, kw, out in _attention_calls(model, ids, attention_mask=mask, position_ids=pos):
         assert torch.equal(out[~real], torch.zeros_like(out[~real]))
         for r in (0, 2, 3):
             x, p = kw["hidden_states"][r][real[r]], pos[r][real[r]]
@@ -282,15 +290,7 @@ def test_patched_layers_train_rows_equal_their_rollout_rows(device, page_size, l
     ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(4)).to(device)
     pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
     cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
-    seen = []
-    hooks = [layer.self_attn.register_forward_hook(lambda m, args, kw, out: seen.append((m, kw, out[0])),
-                                                   with_kwargs=True) for layer in model.model.layers]
-    with torch.no_grad():
-        model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    for h in hooks:
-        h.remove()
-    assert len(seen) == 2
-    for attn, kw, train_out in seen:
+    for attn, kw, train_out in _attention_calls(model, ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu):
         x = kw["hidden_states"][0]
         with torch.inference_mode():
             roll = _rollout_rows(attn, x, lens, prefill, page_size)
