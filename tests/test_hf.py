@@ -38,9 +38,9 @@ def _config(**kw):
 
 def _cast(model, dtype, device):
     """``model.to(dtype, device)`` with HF's RoPE frequencies kept in float32, as ``from_pretrained(dtype=...)``
-    leaves them: ``.to(torch.bfloat16)`` also rounds the ``inv_freq`` buffer, and at position 200 (theta 5000,
-    head_dim 128) HF's angles were then off by up to ~0.5 rad against the exact frequencies (the rlk block
-    computes its frequencies from theta)."""
+    leaves them: ``.to(torch.bfloat16)`` also rounds the ``inv_freq`` buffer, and over 200 positions (theta
+    5000, head_dim 128) HF's rotated q then had elements off by up to 1.09 against float64, so HF's bf16
+    model was no fair reference (the rlk block computes its frequencies from theta)."""
     rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.float().clone()
     model.to(dtype=dtype, device=device)
