@@ -14,7 +14,8 @@ equal to the rollout's; the rest of an HF model (MLP, layer norms, lm_head) stay
 covered by any rlk claim.
 
 What the block computes is the HF attention of the model's config (checked at the patch): full causal
-attention, default RoPE (no scaling) over the whole head, no dropout. Sequences come in one of three
+attention, default RoPE (no scaling) over the whole head, no dropout. Qwen3 and Qwen3-MoE models (whose
+attention is Qwen3's; the experts stay HF's). Sequences come in one of three
 ways, nothing else:
 
 * padding-free packing, as ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
@@ -37,7 +38,11 @@ from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig, _Norm
 from rlk_ops.ops._validate import RlkInputError, short_repr, value_checks_enabled
 
 ATTN_IMPLEMENTATION = "rlk"   # the name registered with transformers' attention and mask interfaces
-_MODEL_TYPES = ("qwen3",)
+# model_type -> transformers' attention class the patch replaces (Qwen3-MoE's attention is Qwen3's)
+_ATTENTION_CLASSES = {
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention"),
+}
 
 
 def _refuse(where: str, msg: str):
@@ -49,8 +54,9 @@ def attention_config(hf_config, split_kv: str = "disabled") -> Qwen3AttentionCon
     ``rope_parameters``). Refuses what the block does not compute: another model type, RoPE scaling or
     partial rotary, sliding-window layers, attention dropout."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _MODEL_TYPES:
-        _refuse("attention_config", f"config.model_type must be one of {list(_MODEL_TYPES)}, got {model_type!r}")
+    if model_type not in _ATTENTION_CLASSES:
+        _refuse("attention_config", f"config.model_type must be one of {list(_ATTENTION_CLASSES)}, got "
+                                    f"{model_type!r}")
     rope = getattr(hf_config, "rope_parameters", None)
     if rope is None:   # transformers 4.x
         rope = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -225,23 +231,26 @@ def _register() -> None:
 
 
 def patch_qwen3(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
-    """Replaces every HF ``Qwen3Attention`` in ``model`` (a transformers Qwen3 model, e.g.
-    ``Qwen3ForCausalLM``) with an ``HFQwen3Attention`` sharing its weights; sets the model's attention
+    """Replaces every HF ``Qwen3Attention`` in ``model`` (a transformers Qwen3 or Qwen3-MoE model, e.g.
+    ``Qwen3ForCausalLM``; ``Qwen3MoeAttention`` there) with an ``HFQwen3Attention`` sharing its weights; sets the model's attention
     implementation to ``"rlk"`` and ``config.use_cache = False``. Returns ``model``. Patch before
     wrapping the model (FSDP, DDP, torch.compile). An adapter on an attention projection (a peft LoRA
     wrapper, added before or after the patch) is refused at the forward: the block reads the projection's
     weight and never calls it, so the adapter would add nothing."""
+    import importlib
+
     from transformers import PreTrainedModel
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as HFAttention
 
     if not isinstance(model, PreTrainedModel):
         _refuse("patch_qwen3", f"model must be a transformers PreTrainedModel (a Qwen3 model), got "
                                f"{type(model).__module__}.{type(model).__qualname__}")
     config = attention_config(model.config, split_kv)
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is HFAttention]
+    module, class_name = _ATTENTION_CLASSES[model.config.model_type]
+    hf_class = getattr(importlib.import_module(module), class_name)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is hf_class]
     if not targets:
         found = sorted({type(m).__qualname__ for m in model.modules() if "Attention" in type(m).__qualname__})
-        _refuse("patch_qwen3", f"model has no transformers Qwen3Attention module to replace (attention modules "
+        _refuse("patch_qwen3", f"model has no transformers {class_name} module to replace (attention modules "
                                f"found: {found or 'none'}; already patched, or wrapped by another library?)")
     _register()
     for name, hf_attn in targets:
