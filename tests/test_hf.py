@@ -67,6 +67,21 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def _assert_model_matches(ref, patched, ids, logits_tol, grad_tol):
+    """Every attention replaced; logits, then every parameter's gradient of the LM loss, within the
+    tolerances of HF's (relative to each tensor's largest value)."""
+    assert all(type(layer.self_attn) is HFQwen3Attention for layer in patched.model.layers)
+    want = ref(ids, labels=ids, use_cache=False)
+    got = patched(ids, labels=ids)
+    assert _rel(got.logits, want.logits) < logits_tol
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p_ref), (name2, p) in zip(ref.named_parameters(), patched.named_parameters()):
+        assert name == name2
+        if p_ref.grad is not None or p.grad is not None:   # (a Qwen3-MoE expert no token was routed to has none)
+            assert _rel(p.grad, p_ref.grad) < grad_tol, name
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_logits_and_gradients_match_transformers(bias):
     """float64: HF computes cos/sin from fp32 angles, as rlk::rope does, so the two agree to ~1e-7 (measured:
@@ -74,16 +89,8 @@ def test_logits_and_gradients_match_transformers(bias):
     (interleaved RoPE, norm order, theta, GQA grouping, a missing bias) is orders of magnitude more, and eps
     1e-6 in place of the config's 1e-5 fails it too."""
     ref, patched = _models(attention_bias=bias)
-    assert all(type(layer.self_attn) is HFQwen3Attention for layer in patched.model.layers)
-    ids = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1))
-    want = ref(ids, labels=ids, use_cache=False)
-    got = patched(ids, labels=ids)
-    assert _rel(got.logits, want.logits) < 1e-6
-    want.loss.backward()
-    got.loss.backward()
-    for (name, p_ref), (name2, p) in zip(ref.named_parameters(), patched.named_parameters()):
-        assert name == name2
-        assert _rel(p.grad, p_ref.grad) < 1e-5, name
+    _assert_model_matches(ref, patched, torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)),
+                          1e-6, 1e-5)
 
 
 def test_qwen3_moe_logits_and_gradients_match_transformers():
@@ -100,18 +107,9 @@ def test_qwen3_moe_logits_and_gradients_match_transformers():
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
-    patched = copy.deepcopy(ref)
-    patch_qwen3(patched)
-    assert all(type(layer.self_attn) is HFQwen3Attention for layer in patched.model.layers)
-    ids = torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(16))
-    want = ref(ids, labels=ids, use_cache=False)
-    got = patched(ids, labels=ids)
-    assert _rel(got.logits, want.logits) < 2e-6
-    want.loss.backward()
-    got.loss.backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), patched.parameters()):
-        if p_ref.grad is not None or p.grad is not None:   # (an expert no token was routed to has none)
-            assert _rel(p.grad, p_ref.grad) < 1e-5, name
+    patched = patch_qwen3(copy.deepcopy(ref))
+    _assert_model_matches(ref, patched, torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(16)),
+                          2e-6, 1e-5)
 
 
 @pytest.mark.cuda
