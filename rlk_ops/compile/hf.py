@@ -160,11 +160,11 @@ class HFQwen3Attention(Qwen3Attention):
             _refuse(where, "a padded batch runs eagerly only (its packing depends on the mask's values); under "
                            "torch.compile pack the sequences padding-free (cu_seq_lens_q / cu_seq_lens_k) or pass "
                            "rows without padding")
-        keep = attention_mask.to(torch.bool).reshape(b * s)
-        index = keep.nonzero().squeeze(1)
+        keep = attention_mask.to(torch.bool)
+        index = keep.reshape(b * s).nonzero().squeeze(1)
         out = hidden_states.new_zeros(b * s, hidden)
         if index.numel():
-            lengths = attention_mask.to(torch.bool).sum(1)
+            lengths = keep.sum(1)
             cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
             rows = self.forward_train(hidden_states.reshape(b * s, hidden).index_select(0, index),
                                       positions.index_select(0, index), cu_seqlens)
