@@ -84,9 +84,7 @@ def main():
     inv_freq = rotary.inv_freq.float().clone()
     hf.to(torch.bfloat16)
     rotary.inv_freq, rotary.original_inv_freq = inv_freq, inv_freq.clone()   # (as from_pretrained keeps them)
-    rlk = copy.deepcopy(hf)
-    rlk.config = copy.deepcopy(hf.config)
-    rlk.model.config = rlk.config
+    rlk = copy.deepcopy(hf)   # (with its own config, which its submodules share: the patch changes it)
     patch_qwen3(rlk)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).cuda()
     t0 = time.time()
