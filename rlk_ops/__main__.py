@@ -76,6 +76,16 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 parser.error(f"--{flag} {path}: the folder {folder} does not exist")
+    if args.command == "demo" and args.hf_model is not None:
+        if args.layers is not None:
+            parser.error(f"--layers {args.layers} with --hf-model: the checkpoint's config gives the layer count")
+        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
+            parser.error(f"--hf-model {args.hf_model}: expected a folder holding a transformers checkpoint "
+                         f"(config.json and the weights, as save_pretrained writes them), found no config.json")
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            parser.error("--hf-model needs transformers: pip install transformers (the test extra pins it)")
     if args.command == "demo":
         from rlk_ops.meta.contract import SplitKVPolicy
 
@@ -120,10 +130,11 @@ def _demo(args) -> int:
 
     if args.no_strict:
         rlk_ops.set_strict_mode(False)
-    report = demo.run(device=args.device, layers=args.layers, sequences=args.sequences, split_kv=args.split_kv,
-                      chunk=args.chunk, page_size=args.page_size, max_running=args.max_running, seed=args.seed,
-                      greedy=args.greedy, backward=not args.no_backward, progress=not args.quiet,
-                      compile=args.compile)
+    report = demo.run(device=args.device, layers=args.layers or 2, sequences=args.sequences,
+                      split_kv=args.split_kv, chunk=args.chunk, page_size=args.page_size,
+                      max_running=args.max_running, seed=args.seed, greedy=args.greedy,
+                      backward=not args.no_backward, progress=not args.quiet, compile=args.compile,
+                      hf_model=args.hf_model)
     print(demo.summary(report))
     if args.json is not None and not _write_json(report, args.json, "--json", indent=2):
         return 2
@@ -222,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train-vs-rollout bitwise check")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=_at_most(MAX_LAYERS, "a layer count"), default=2)
+    p.add_argument("--layers", type=_at_most(MAX_LAYERS, "a layer count"), default=None,
+                   help="the demo model's layer count (default 2)")
+    p.add_argument("--hf-model", default=None, metavar="DIR",
+                   help="a local transformers Qwen3 checkpoint folder to run in place of the demo model (bf16, "
+                        "every stage on rlk ops: rlk_ops.compile.hf_model; needs transformers)")
     p.add_argument("--sequences", type=_at_most(MAX_SEQUENCES, "a sequence count"), default=8)
     p.add_argument("--split-kv", type=_split_kv, default="disabled",
                    help="disabled | canonical (= canonical:768) | canonical:C (training and rollout must share "

@@ -65,10 +65,9 @@ def make_requests(n: int, vocab: int, seed: int, min_prompt: int = 20, max_promp
     return reqs
 
 
-def rescore(model: TinyQwen3, results, device) -> tuple[list[torch.Tensor], Trace, list[int]]:
-    """One packed teacher-forced forward over every sequence (all tokens but the last
-    generated one, which the rollout never fed back). Returns per-sequence log-probs
-    of the generated tokens, the trace, and each sequence's start row."""
+def _packed(results, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list[int]]:
+    """Every sequence's tokens but the last generated one (which the rollout never fed back), packed:
+    tokens, positions, cu_seqlens (int32), the longest length and each sequence's start row."""
     seqs = [r.tokens[:-1] for r in results]
     starts, total = [], 0
     for s in seqs:
@@ -77,14 +76,42 @@ def rescore(model: TinyQwen3, results, device) -> tuple[list[torch.Tensor], Trac
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
     cu = torch.tensor([*starts, total], dtype=torch.int32, device=device)
-    trace = Trace()
-    with torch.no_grad():
-        logits = model.forward_train(tokens, positions, cu, max(len(s) for s in seqs), trace=trace)
+    return tokens, positions, cu, max(len(s) for s in seqs), starts
+
+
+def _generated_logprobs(logits: torch.Tensor, results, starts: list[int]) -> list[torch.Tensor]:
+    """Per sequence: the log-probs of its generated tokens, from the packed rows that predict them."""
     logps = []
     for r, st in zip(results, starts):
         rows = torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + st  # logits that predict each generated token
         logps.append(token_logprobs(logits[rows], torch.tensor(r.generated)))
-    return logps, trace, starts
+    return logps
+
+
+def rescore(model: TinyQwen3, results, device) -> tuple[list[torch.Tensor], Trace, list[int]]:
+    """One packed teacher-forced forward over every sequence (all tokens but the last
+    generated one, which the rollout never fed back). Returns per-sequence log-probs
+    of the generated tokens, the trace, and each sequence's start row."""
+    tokens, positions, cu, longest, starts = _packed(results, device)
+    trace = Trace()
+    with torch.no_grad():
+        logits = model.forward_train(tokens, positions, cu, longest, trace=trace)
+    return _generated_logprobs(logits, results, starts), trace, starts
+
+
+def _hf_forward_check(model, results, device) -> dict:
+    """The trainer's own call on an HF model (``compile/hf_model.py``): transformers' forward of the
+    patched model over the same packed batch; its log-probs of the generated tokens against the rollout's,
+    bitwise."""
+    from rlk_ops.compile.hf_model import hf_logits
+
+    tokens, positions, cu, _, starts = _packed(results, device)
+    with torch.no_grad():
+        logps = torch.cat(_generated_logprobs(hf_logits(model.hf_model, tokens, positions, cu), results, starts))
+    roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
+    return {"tokens": int(logps.numel()), "mismatched_tokens": int(bits_differ(roll, logps).sum()),
+            "path": "transformers' Qwen3ForCausalLM.forward (patched by patch_qwen3_model), packed padding-free "
+                    "(cu_seq_lens_q / cu_seq_lens_k), vs the rlk rollout"}
 
 
 def _compare(results, train_logps, trace, starts, num_layers):
@@ -120,16 +147,12 @@ def _compare(results, train_logps, trace, starts, num_layers):
 def _backward_check(model, results, device) -> dict:
     """Training backward on the packed batch (a policy-gradient style loss), twice:
     are the weight gradients bitwise equal run to run?"""
-    seqs = [r.tokens[:-1] for r in results]
-    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
-    lens = torch.tensor([len(s) for s in seqs])
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(device)
+    tokens, positions, cu, longest, _ = _packed(results, device)
     targets = torch.tensor([t for r in results for t in r.tokens[1:]], device=device)
     grads = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        logits = model.forward_train(tokens, positions, cu, int(lens.max()))
+        logits = model.forward_train(tokens, positions, cu, longest)
         logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
         (-logp.mean()).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
@@ -141,9 +164,13 @@ def _backward_check(model, results, device) -> dict:
 
 def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
         page_size: int = 16, max_running: int = 4, seed: int = 0, greedy: bool = False, backward: bool = True,
-        negative_control: bool = True, progress: bool = True, compile: bool = False) -> dict:
+        negative_control: bool = True, progress: bool = True, compile: bool = False,
+        hf_model: str | None = None) -> dict:
     """The train-vs-rollout check. ``compile``: the rollout runs under torch.compile (Inductor, through
-    ``model.compiled_rollout``), the trainer eagerly: compiled == eager is part of what is compared."""
+    ``model.compiled_rollout``), the trainer eagerly: compiled == eager is part of what is compared.
+    ``hf_model``: a local folder with a transformers Qwen3 checkpoint, run in place of the demo model
+    (bf16, every stage on rlk ops: ``compile/hf_model.py``; ``layers`` and ``seed`` then leave the weights
+    alone); transformers' own forward of it is compared with the rollout too."""
     positive_ints("demo:", layers=layers, sequences=sequences, chunk=chunk, page_size=page_size,
                   max_running=max_running)
     if not isinstance(compile, bool):
@@ -156,8 +183,14 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
         raise ValueError(f"demo: split_kv must be 'disabled' or 'canonical:C' (a policy both the training "
                          f"forward and the rollout compute), got {split_kv!r}")
     t0 = time.perf_counter()
-    cfg = TinyQwen3Config(num_layers=layers, split_kv=str(policy))
-    model = TinyQwen3(cfg, device=device, seed=seed)
+    if hf_model is None:
+        model = TinyQwen3(TinyQwen3Config(num_layers=layers, split_kv=str(policy)), device=device, seed=seed)
+    else:
+        from rlk_ops.compile.hf_model import load
+
+        model = load(hf_model, device=device, split_kv=str(policy))
+    cfg = model.config
+    layers = cfg.num_layers
     contract = AttentionContract(dtype="bfloat16", head_dim=cfg.head_dim, split_kv=str(policy))
     # Before generating: do the two entry points run the same attention contract?
     # (warm-up compile + provenance of each; meta/binding.py). Strict mode refuses to go on.
@@ -179,6 +212,8 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
         train_logps, trace, starts = rescore(model, results, device)
     t_train = time.perf_counter()
     report = _compare(results, train_logps, trace, starts, layers)
+    if hf_model is not None:
+        report["hf_forward"] = _hf_forward_check(model, results, device)
     records = [dict(r.as_dict(), side="rollout") for r in roll_log.records()] + \
               [dict(r.as_dict(), side="training") for r in train_log.records()]
     fallbacks = [r for r in records if r["fallback"]]
@@ -200,7 +235,7 @@ def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str 
         "provenance": {"strict": rlk_ops.strict_mode(), "records": records, "fallbacks": len(fallbacks),
                        "environment": provenance.environment()},
         "model": {"layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-                  "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "seed": seed,
+                  "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "seed": seed, "hf_model": hf_model,
                   "sampler": "greedy" if greedy else f"gumbel(seed={seed})"},
         "device": device,
         "rollout_compiled": compile,
@@ -246,6 +281,9 @@ def summary(report: dict) -> str:
         f"  {'rlk rollout vs rlk training':<34} {report['tokens']:>7} {report['mismatched_tokens']:>11} "
         f"{d['dlogp']['max']:>12.3g} {d['out']['max']:>12.3g} {d['lse']['max']:>12.3g}",
     ]
+    hf = report.get("hf_forward")
+    if hf:
+        lines.append(f"  {'transformers forward vs rollout':<34} {hf['tokens']:>7} {hf['mismatched_tokens']:>11}")
     nc = report.get("negative_control")
     if nc:
         lines.append(f"  {'negative control (plain rollout)':<34} {nc['tokens']:>7} {nc['mismatched_tokens']:>11} "
@@ -268,12 +306,15 @@ def summary(report: dict) -> str:
 
 
 def _bitwise(report: dict) -> bool:
-    return report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0
+    hf = report.get("hf_forward")
+    return report["mismatched_tokens"] == 0 and report["mismatched_attention_positions"] == 0 and \
+        (hf is None or hf["mismatched_tokens"] == 0)
 
 
 def exit_code(report: dict) -> int:
-    """0: rollout and training agree bitwise (and, where they ran, the training backward's
-    gradients are bitwise equal run to run and the negative control found a mismatch);
+    """0: rollout and training agree bitwise (with an HF model, transformers' own forward too; and,
+    where they ran, the training backward's gradients are bitwise equal run to run and the negative
+    control found a mismatch);
     1: they disagree, or the gradients differ run to run; 3: they agree but the negative control
     (a plain PyTorch rollout) found no mismatch, in tokens or attention positions, so the run did
     not show the check can fail."""

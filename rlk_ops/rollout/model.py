@@ -79,6 +79,14 @@ class _RMSNorm(nn.Module):
     def forward(self, x):
         return rlk_ops.qk_rmsnorm(x, self.weight, self.eps)  # Qwen3RMSNorm over the last dim
 
+    @classmethod
+    def sharing(cls, weight: nn.Parameter, eps: float) -> "_RMSNorm":
+        """A norm over another module's weight ``Parameter`` (shared, not copied)."""
+        norm = cls.__new__(cls)
+        nn.Module.__init__(norm)
+        norm.weight, norm.eps = weight, eps
+        return norm
+
 
 class _MLP(nn.Module):
     def __init__(self, hidden, inter, **f):
@@ -91,6 +99,14 @@ class _MLP(nn.Module):
         check_weight_modules("TinyQwen3 mlp", self, ("gate_proj", "up_proj", "down_proj"), nn.Linear)
         gate_up = rlk_ops.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         return rlk_ops.linear(swiglu(gate_up), self.down_proj.weight)   # an op: compiled bits = eager bits
+
+    @classmethod
+    def sharing(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> "_MLP":
+        """An MLP over another module's ``nn.Linear`` modules (shared, not copied)."""
+        mlp = cls.__new__(cls)
+        nn.Module.__init__(mlp)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
+        return mlp
 
 
 class _Layer(nn.Module):
@@ -141,14 +157,19 @@ class TinyQwen3(nn.Module):
         self._check_setup("TinyQwen3.forward_train", tokens)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            out, attn, lse = layer.self_attn(layer.input_layernorm(h), positions, cu_seqlens, max_seqlen,
-                                             return_attention=True)
+            out, attn, lse = self._train_attention(layer)(layer.input_layernorm(h), positions, cu_seqlens,
+                                                          max_seqlen, return_attention=True)
             if trace is not None:
                 trace.attn.append(attn.detach())
                 trace.lse.append(lse.detach().t())
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return rlk_ops.linear(self.norm(h), self.lm_head.weight)
+
+    @staticmethod
+    def _train_attention(layer: nn.Module):
+        """What ``forward_train`` calls for a layer's attention: the block module itself (its hooks run)."""
+        return layer.self_attn
 
     # ----------------------------------------------------------------- rollout
     def forward_rollout(self, tokens: torch.Tensor, positions: torch.Tensor, cache, seqs: list[int],
