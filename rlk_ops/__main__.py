@@ -82,9 +82,9 @@ def _preflight(parser: argparse.ArgumentParser, args) -> None:
         if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
             parser.error(f"--hf-model {args.hf_model}: expected a folder holding a transformers checkpoint "
                          f"(config.json and the weights, as save_pretrained writes them), found no config.json")
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
             parser.error("--hf-model needs transformers: pip install transformers (the test extra pins it)")
     if args.command == "demo":
         from rlk_ops.meta.contract import SplitKVPolicy
