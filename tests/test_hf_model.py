@@ -274,6 +274,10 @@ def test_after_the_attention_patch_the_same_policy_only():
                                             r"'canonical:128'"):
         patch_qwen3_model(again, split_kv="canonical:128")
     assert type(again.lm_head) is torch.nn.Linear
+    partial = patch_qwen3(copy.deepcopy(ref))
+    partial.model.layers[1].self_attn = copy.deepcopy(ref.model.layers[1].self_attn)
+    with pytest.raises(RlkInputError, match=r"already patched \(1 of 2 layers"):
+        patch_qwen3_model(partial)
 
 
 def test_a_qwen3_moe_model_is_refused_with_the_reason():
