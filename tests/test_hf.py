@@ -214,22 +214,31 @@ def test_padded_rows_are_bitwise_the_sequences_alone(device):
             assert torch.equal(out[r][real[r]], alone)
 
 
-def test_a_padded_batch_is_refused_inside_a_compiled_graph():
-    """The packing's size depends on the mask's values: under fullgraph the block refuses (Dynamo reports
-    the refusal); without fullgraph Dynamo runs the block eagerly at that point and the result is eager's."""
-    _, model = _models(torch.float32)
-    attn = model.model.layers[0].self_attn
-    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(14))
-    mask = torch.ones(2, 6, dtype=torch.bool)
-    mask[0, :2] = False
-
-    def call(x, mask):
-        return attn(x, attention_mask=mask, position_ids=torch.arange(6)[None])[0]
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_padded_batch_compiles_fullgraph_with_eagers_bits(device):
+    """The padded path has static shapes (a stable sort per row, 2B packed sequences): under
+    torch.compile(fullgraph=True) (Inductor on CUDA, the recording AOT backend on CPU) a padded batch gives
+    eager's logits and gradients bitwise, with zeros from the block at the padding; a second mask of the
+    same shape reuses the graph."""
+    _, model = _models(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(14)).to(device)
+    mask, pos = (t.to(device) for t in _padding())
+    weights = torch.randn(4, 12, VOCAB, generator=torch.Generator().manual_seed(17)).to(device)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="a padded batch runs eagerly only"):
-        torch.compile(call, fullgraph=True, backend="eager")(x, mask)
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(call, backend="eager")(x, mask), call(x, mask))
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    runs = []
+    for m in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        logits = m(ids, attention_mask=mask, position_ids=pos).logits
+        (logits.float() * weights * mask[..., None]).sum().backward()
+        runs.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    other = mask.flip(1)   # right padding where there was left padding: new values, the same graph
+    with torch.no_grad():
+        assert torch.equal(compiled(ids, attention_mask=other, position_ids=pos).logits,
+                           model(ids, attention_mask=other, position_ids=pos).logits)
     torch._dynamo.reset()
 
 

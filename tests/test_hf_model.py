@@ -77,8 +77,9 @@ def test_transformers_forward_is_the_rollout_views_training_forward(device):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_each_row_of_transformers_forward_is_its_sequence_alone(device):
-    """Batch invariance of HF's forward itself, once patched whole: rows (one sequence each), a padded
-    batch and a packed row give each sequence's logits bitwise as that sequence run alone."""
+    """Batch invariance of HF's forward itself, once patched whole: rows (one sequence each, with or
+    without an all-ones mask), a padded batch and a packed row give each sequence's logits bitwise as that
+    sequence run alone."""
     _, model = _whole(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(3)).to(device)
     mask, pos = (t.to(device) for t in _padding())
@@ -89,6 +90,7 @@ def test_each_row_of_transformers_forward_is_its_sequence_alone(device):
         rows = model(ids).logits
         for r in range(4):
             assert torch.equal(rows[r], alone(ids[r]))
+        assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits, rows)   # (a tokenizer's mask)
         padded = model(ids, attention_mask=mask, position_ids=pos).logits
         for r in (0, 2, 3):
             assert torch.equal(padded[r][real[r]], alone(ids[r][real[r]]))

@@ -23,8 +23,8 @@ ways, nothing else:
   model call's keyword arguments, which HF hands to every attention layer;
 * one sequence per row, every token real: ``position_ids`` must step by 1 along each row (a reset
   would be a packed row, which HF's own attention masks per sequence);
-* a padded batch (eager only): each row's unmasked tokens are one sequence, packed varlen and put back;
-  padding positions get zeros.
+* a padded batch (``attention_mask``): each row's unmasked tokens are one sequence, packed varlen and
+  put back; padding positions get zeros. Static shapes: eager and under torch.compile alike.
 
 HF's KV cache (generation: use the rlk rollout engine), attention weights and prepared 4-D masks are
 refused with the reason. transformers is imported only by ``patch_qwen3``.
@@ -134,7 +134,7 @@ class HFQwen3Attention(Qwen3Attention):
             _refuse(where, f"position_ids must be a tensor [B, S] or [1, S] with S = {s} (transformers passes "
                            f"the model's), got {got}")
         positions = position_ids.expand(b, s).reshape(b * s)
-        if attention_mask is not None:   # (under the rlk mask implementation: the 2-D mask, when it masks a token)
+        if attention_mask is not None:   # (under the rlk mask implementation: the 2-D mask, see _padding_mask)
             return self._padded(where, hidden_states, positions, attention_mask, cu_seq_lens_q, cu_seq_lens_k), None
         if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
             cu_seqlens = self._packed(where, b, cu_seq_lens_q, cu_seq_lens_k)
@@ -146,8 +146,11 @@ class HFQwen3Attention(Qwen3Attention):
 
     def _padded(self, where, hidden_states, positions, attention_mask, cu_q, cu_k):
         """A padded batch: each row's unmasked tokens are one sequence (in row order, gaps closed up, which
-        is the set of keys HF's causal padding mask leaves each query), packed varlen, run, and put back;
-        masked positions get zeros. Eager only (the packing's size depends on the mask's values)."""
+        is the set of keys HF's causal padding mask leaves each query); padding positions get zeros. Shapes
+        stay static, so this runs under torch.compile too: a stable sort moves each row's tokens in front of
+        its padding, the B x S rows are packed as 2B sequences (row 0's tokens, row 0's padding, row 1's
+        tokens, ...; a row without padding, or of padding only, gives an empty one), run, masked and moved
+        back. Padding attends only to padding, and its rows are discarded (SDPA computes padding too)."""
         b, s, hidden = hidden_states.shape
         if cu_q is not None or cu_k is not None:
             _refuse(where, "attention_mask and cu_seq_lens_q / cu_seq_lens_k together: pass one of them (a padded "
@@ -156,20 +159,17 @@ class HFQwen3Attention(Qwen3Attention):
             _refuse(where, f"attention_mask must be the 2-D padding mask [B, S] = [{b}, {s}] (1 = token, 0 = "
                            f"padding), got {list(getattr(attention_mask, 'shape', [])) or short_repr(attention_mask)}"
                            f" (a prepared 4-D mask is not read: the block's attention is causal per sequence)")
-        if torch.compiler.is_compiling():
-            _refuse(where, "a padded batch runs eagerly only (its packing depends on the mask's values); under "
-                           "torch.compile pack the sequences padding-free (cu_seq_lens_q / cu_seq_lens_k) or pass "
-                           "rows without padding")
         keep = attention_mask.to(torch.bool)
-        index = keep.reshape(b * s).nonzero().squeeze(1)
-        out = hidden_states.new_zeros(b * s, hidden)
-        if index.numel():
-            lengths = keep.sum(1)
-            cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-            rows = self.forward_train(hidden_states.reshape(b * s, hidden).index_select(0, index),
-                                      positions.index_select(0, index), cu_seqlens)
-            out = out.index_copy(0, index, rows)
-        return out.reshape(b, s, hidden)
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)   # each row: its tokens, then padding
+        lengths = keep.sum(1)
+        segments = torch.stack([lengths, s - lengths], 1).reshape(2 * b)
+        cu_seqlens = torch.nn.functional.pad(segments.cumsum(0), (1, 0)).to(torch.int32)
+        index = order[..., None].expand(b, s, hidden)
+        rows = self.forward_train(hidden_states.gather(1, index).reshape(b * s, hidden),
+                                  positions.reshape(b, s).gather(1, order).reshape(b * s), cu_seqlens)
+        real = torch.arange(s, device=keep.device) < lengths[:, None]    # (in the sorted order)
+        rows = torch.where(real[..., None], rows.reshape(b, s, hidden), rows.new_zeros(()))
+        return torch.empty_like(rows).scatter(1, index, rows)
 
     @staticmethod
     def _packed(where, b, cu_q, cu_k):
@@ -217,17 +217,25 @@ def _rows_are_sequences(where: str, position_ids: torch.Tensor) -> None:
 
 
 def _register() -> None:
-    """Registers ``ATTN_IMPLEMENTATION`` with transformers: as a mask implementation it is the one HF
-    uses for FlashAttention (None, or the 2-D padding mask when it masks a token, which the patched layers
-    pack); as an attention function it raises, since only an unpatched attention layer would call it."""
+    """Registers ``ATTN_IMPLEMENTATION`` with transformers: as a mask implementation, ``_padding_mask``
+    (the 2-D padding mask, which the patched layers pack); as an attention function it raises, since only an
+    unpatched attention layer would call it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     def attention(module, *args, **kwargs):
         raise RuntimeError(f"rlk_ops.compile.hf: {type(module).__name__} was not replaced by patch_qwen3 but "
                            f"runs with attn_implementation={ATTN_IMPLEMENTATION!r}")
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
+
+
+def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+    """transformers' mask hook for the rlk implementation: the 2-D padding mask as given (its last
+    ``kv_length`` columns, as HF slices it), None without one; the patched layers pack by it. HF's own
+    FlashAttention hook drops a mask of all ones, a branch on the mask's values that
+    torch.compile(fullgraph=True) cannot trace; an all-ones mask packs to the rows' own sequences."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
 def patch_qwen3(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
