@@ -11,7 +11,7 @@
 and an optimizer built before the patch are unchanged. The rollout side runs the same block
 (``forward_rollout`` over a paged cache), which is what makes the training forward's rows bitwise
 equal to the rollout's; the rest of an HF model (MLP, layer norms, lm_head) stays HF's and is not
-covered by any rlk claim.
+covered by any rlk claim here (``compile/hf_model.py``'s ``patch_qwen3_model`` puts it on rlk ops too).
 
 What the block computes is the HF attention of the model's config (checked at the patch): full causal
 attention, default RoPE (no scaling) over the whole head, no dropout. Qwen3 and Qwen3-MoE models (whose
