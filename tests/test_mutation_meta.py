@@ -124,7 +124,7 @@ def fake_demo(monkeypatch):
     rlk_ops.set_strict_mode(True)
 
 
-def test_demo_cli_passes_its_options_and_returns_the_reports_exit_code(fake_demo, capsys):
+def test_demo_cli_passes_its_options_and_returns_the_reports_exit_code(fake_demo, capsys, tmp_path):
     from rlk_ops.__main__ import main
 
     assert main(["demo"]) == 3   # INCONCLUSIVE is not folded into 1 or 0
@@ -132,14 +132,18 @@ def test_demo_cli_passes_its_options_and_returns_the_reports_exit_code(fake_demo
     # the defaults: chunk 96 (not a multiple of 128), disabled split-KV, progress on, backward on, strict
     assert fake_demo == dict(device="cpu", layers=2, sequences=8, split_kv="disabled", chunk=96, page_size=16,
                              max_running=4, seed=0, greedy=False, backward=True, progress=True, compile=False,
-                             strict=True)
+                             hf_model=None, strict=True)
     fake_demo.clear()
     assert main(["demo", "--layers", "3", "--sequences", "5", "--split-kv", "canonical:256", "--chunk", "40",
                  "--page-size", "8", "--max-running", "2", "--seed", "7", "--greedy", "--compile", "--no-backward",
                  "--no-strict", "--quiet"]) == 3
     assert fake_demo == dict(device="cpu", layers=3, sequences=5, split_kv="canonical:256", chunk=40, page_size=8,
                              max_running=2, seed=7, greedy=True, backward=False, progress=False, compile=True,
-                             strict=False)
+                             hf_model=None, strict=False)
+    fake_demo.clear()
+    (tmp_path / "config.json").write_text("{}")   # (the preflight looks for it; the fake demo loads nothing)
+    assert main(["demo", "--hf-model", str(tmp_path)]) == 3
+    assert fake_demo["hf_model"] == str(tmp_path) and fake_demo["layers"] == 2
 
 
 def test_describe_cli_returns_2_when_its_output_cannot_be_written(monkeypatch, tmp_path, capsys):
