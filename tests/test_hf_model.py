@@ -4,7 +4,7 @@ Against transformers' own model (float64, SDPA): logits and every gradient. HF's
 model gives the rollout view's training logits and gradients bitwise, and each row's logits are those of its
 sequence alone (batch invariance of HF's forward itself). The train-vs-rollout demo runs a saved checkpoint:
 rollout log-probs equal the rlk training forward's and transformers' forward's, bitwise. The model compiles
-with fullgraph=True with no matmul left outside rlk ops; parameters, state-dict keys and tied embeddings are
+with fullgraph=True with no matmul left outside rlk ops, and Inductor keeps eager's logits; parameters, state-dict keys and tied embeddings are
 the model's own; what the patch cannot put on rlk ops is refused before anything changes."""
 import copy
 import json
