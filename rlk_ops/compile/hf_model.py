@@ -178,11 +178,10 @@ def rollout_model(model: nn.Module) -> HFQwen3LM:
 def hf_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """HF's own forward of a patched model over packed sequences (padding-free: one row and
     ``cu_seq_lens_q`` / ``_k``, as ``DataCollatorWithFlattening`` builds them): tokens and positions [T],
-    cu_seqlens int32 [B+1] -> logits [T, vocab]. The call a trainer makes."""
-    cu = cu_seqlens.to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    out = model(input_ids=tokens[None], position_ids=positions[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                max_length_q=longest, max_length_k=longest, use_cache=False)
+    cu_seqlens [B+1] -> logits [T, vocab]. The call a trainer makes (without ``max_length_q`` / ``_k``: the
+    patched layers do not read them, and computing them here was a host sync on CUDA)."""
+    out = model(input_ids=tokens[None], position_ids=positions[None], cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens, use_cache=False)
     return out.logits[0]
 
 
