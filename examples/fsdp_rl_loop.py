@@ -8,8 +8,10 @@ Every rank builds the same transformers Qwen3ForCausalLM from a seed, patched wh
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``) and a bfloat16 rollout copy of its own. Each
 iteration: ``sync_weights(trainer, rollout)``; the rollout engine generates for this rank's prompts (chunked
 prefill, paged decode, continuous batching, seeded sampling); the trainer's forward (FSDP, packed,
-transformers' own call) scores the same tokens; a policy-gradient loss, backward, AdamW step. Claimed, on
-every rank and every iteration: each generated token's log-prob is bitwise the rollout's. Controls: after
+transformers' own call) scores the same tokens through the differentiable ``token_logprobs``; a PPO-style
+loss (advantage times the importance ratio exp(logp - rollout logp)), backward, AdamW step. Claimed, on
+every rank and every iteration: each generated token's log-prob is bitwise the rollout's, so the ratio is
+exactly 1 (torch.log_softmax's log-probs are counted beside, for contrast). Controls: after
 the last step a rollout left unsynced disagrees with the trainer; a second run from the same seeds ends
 with bitwise the same master weights. Rank 0 prints a table; exit status 0 iff every claim held.
 """
@@ -58,19 +60,20 @@ def shard(model, mesh):
 
 
 def trainer_logprobs(trainer, results, device, grad: bool):
-    """The trainer's forward over the rollout's sequences, packed: (log-probs of the generated tokens as the
-    rollout computes them [N], the same through torch's log_softmax for the loss [N], with gradients)."""
+    """The trainer's forward over the rollout's sequences, packed: (log-probs of the generated tokens
+    through ``token_logprobs``, differentiable [N]; the same through torch.log_softmax, for contrast [N])."""
     from rlk_ops.compile.hf_model import hf_logits
-    from rlk_ops.rollout.demo import _generated_logprobs, _packed
+    from rlk_ops.rollout.demo import _packed
+    from rlk_ops.rollout.model import token_logprobs
 
     tokens, positions, cu, _, starts = _packed(results, device)
     with torch.set_grad_enabled(grad):
         logits = hf_logits(trainer, tokens, positions, cu)
-    exact = torch.cat(_generated_logprobs(logits, results, starts))
-    rows = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
-    targets = torch.tensor([t for r in results for t in r.generated], device=device)
-    diff = torch.log_softmax(logits[rows.to(device)].float(), -1).gather(-1, targets[:, None]).squeeze(-1)
-    return exact, diff
+        rows = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
+        targets = torch.tensor([t for r in results for t in r.generated], device=device)
+        logp = token_logprobs(logits[rows.to(device)], targets)
+    plain = torch.log_softmax(logits.detach()[rows.to(device)].float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    return logp, plain
 
 
 def rollout(lm, rank: int, iteration: int, device: str, seed: int):
@@ -97,19 +100,21 @@ def loop(mesh, device: str, iterations: int, seed: int) -> dict:
         sync = sync_weights(trainer, lm)
         results = rollout(lm, dist.get_rank(), it, device, seed)
         roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
-        exact, diff = trainer_logprobs(trainer, results, device, grad=True)
+        logp, plain = trainer_logprobs(trainer, results, device, grad=True)
         advantage = torch.tensor([(-1.0) ** r.seq_id * 0.5 for r in results for _ in r.generated], device=device)
-        loss = -(advantage * diff).mean()
+        ratio = torch.exp(logp - roll.to(device))   # PPO's importance ratio: exactly 1 on-policy
+        loss = -(advantage * ratio).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         rows.append({"iteration": it, "tokens": int(roll.numel()),
-                     "mismatched": int(bits_differ(roll, exact.cpu()).sum()),
-                     "mismatched_torch_log_softmax": int(bits_differ(roll, diff.detach().cpu()).sum()),
+                     "mismatched": int(bits_differ(roll, logp.detach().cpu()).sum()),
+                     "ratio_not_1": int((ratio.detach() != 1).sum()),
+                     "mismatched_torch_log_softmax": int(bits_differ(roll, plain.cpu()).sum()),
                      "synced_tensors": sync["tensors"], "synced_bytes": sync["bytes"],
                      "unsharded": sync["unsharded"], "loss": float(loss.detach())})
-    exact, _ = trainer_logprobs(trainer, results, device, grad=False)   # the last rollout, not synced since
-    stale = int(bits_differ(roll, exact.cpu()).sum())
+    logp, _ = trainer_logprobs(trainer, results, device, grad=False)   # the last rollout, not synced since
+    stale = int(bits_differ(roll, logp.cpu()).sum())
     master = [p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
               for p in trainer.parameters()]
     return {"rows": rows, "stale_mismatched": stale, "stale_tokens": int(roll.numel()), "master": master}
@@ -143,11 +148,13 @@ def main() -> int:
     again = loop(mesh, device, args.iterations, args.seed)
     same_master = all(torch.equal(a, b) for a, b in zip(first["master"], again["master"]))
     same_rows = first["rows"] == again["rows"]
-    per_it = [_sum([r["tokens"], r["mismatched"], r["mismatched_torch_log_softmax"]], device) for r in first["rows"]]
+    per_it = [_sum([r["tokens"], r["mismatched"], r["ratio_not_1"], r["mismatched_torch_log_softmax"]], device)
+              for r in first["rows"]]
     stale = _sum([first["stale_tokens"], first["stale_mismatched"]], device)
     agree = _sum([int(same_master), int(same_rows)], device)
     claims = {
-        "rollout == trainer, every iteration, every rank": all(m == 0 for _, m, _ in per_it),
+        "rollout == trainer, every iteration, every rank": all(m == 0 for _, m, _, _ in per_it),
+        "the importance ratio is exactly 1 on every token": all(r == 0 for _, _, r, _ in per_it),
         "an unsynced rollout disagrees after the step (control)": stale[1] > 0,
         "a second run ends with the same master weights on every rank": agree[0] == world,
         "a second run generates the same tokens with the same counts": agree[1] == world,
@@ -155,11 +162,13 @@ def main() -> int:
     if rank == 0:
         print(f"FSDP2 trainer (float32 master, bfloat16 compute) vs rlk rollout: world {world}, device {device}, "
               f"{args.iterations} iterations")
-        print(f"{'iteration':>9} {'tokens':>7} {'mismatched':>10} {'vs torch.log_softmax':>21} {'synced tensors':>15} "
-              f"{'synced bytes':>13}")
-        for r, (tokens, bad, bad_torch) in zip(first["rows"], per_it):
-            print(f"{r['iteration']:>9} {tokens:>7} {bad:>10} {bad_torch:>21} {r['synced_tensors']:>15} "
-                  f"{r['synced_bytes']:>13}")
+        print(f"{'iteration':>9} {'tokens':>7} {'mismatched':>10} {'ratio != 1':>10} {'torch.log_softmax':>17} "
+              f"{'synced tensors':>14} {'synced bytes':>12}")
+        for r, (tokens, bad, ratio, bad_torch) in zip(first["rows"], per_it):
+            print(f"{r['iteration']:>9} {tokens:>7} {bad:>10} {ratio:>10} {bad_torch:>17} {r['synced_tensors']:>14} "
+                  f"{r['synced_bytes']:>12}")
+        print("(mismatched: the trainer's differentiable log-probs (token_logprobs) against the rollout's, bitwise; "
+              "torch.log_softmax: how many would mismatch computed that way)")
         print(f"control: the last rollout, not synced after the step: {stale[1]} of {stale[0]} tokens mismatched")
         for claim, held in claims.items():
             print(f"{'yes' if held else 'NO ':>4}  {claim}")
@@ -167,8 +176,8 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "device": device, "iterations": args.iterations, "seed": args.seed,
-                           "per_iteration": [dict(r, tokens=t, mismatched=b, mismatched_torch_log_softmax=bt)
-                                             for r, (t, b, bt) in zip(first["rows"], per_it)],
+                           "per_iteration": [dict(r, tokens=t, mismatched=b, ratio_not_1=q, mismatched_torch_log_softmax=bt)
+                                             for r, (t, b, q, bt) in zip(first["rows"], per_it)],
                            "stale": {"tokens": stale[0], "mismatched": stale[1]},
                            "claims": claims, "torch": torch.__version__}, f, indent=1)
     dist.barrier()

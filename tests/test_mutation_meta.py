@@ -168,7 +168,7 @@ def test_describe_cli_returns_2_when_its_output_cannot_be_written(monkeypatch, t
 # ------------------------------------------------------------------ demo: verdicts on synthetic reports
 def _report(**kw):
     rep = {"mismatched_tokens": 0, "mismatched_attention_positions": 0,
-           "training_backward": {"grads_bitwise_run_to_run": True},
+           "training_backward": {"grads_bitwise_run_to_run": True, "loss_logprobs_mismatched_tokens": 0},
            "negative_control": {"mismatched_tokens": 3, "mismatched_attention_positions": 2}}
     rep.update(kw)
     return rep
@@ -192,7 +192,8 @@ def test_demo_backward_check_sees_gradients_that_differ_run_to_run(monkeypatch):
 
     model = TinyQwen3(TinyQwen3Config(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2,
                                       num_kv_heads=1, head_dim=32, vocab_size=32), seed=0)
-    results = [SeqResult(0, [1, 2, 3], generated=[4, 5]), SeqResult(1, [6, 7], generated=[8])]
+    results = [SeqResult(0, [1, 2, 3], generated=[4, 5], logprobs=[-1.0, -2.0]),
+               SeqResult(1, [6, 7], generated=[8], logprobs=[-3.0])]
     assert demo._backward_check(model, results, "cpu")["grads_bitwise_run_to_run"] is True
     real, n = model.forward_train, [0]
 

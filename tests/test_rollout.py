@@ -130,6 +130,10 @@ def test_demo_report_zero_mismatches_and_negative_control(report):
     assert sched["prefill_chunks"] > report["sequences"]  # some prompts took several chunks
     assert len(sched["decode_batch_sizes"]) > 1 and max(sched["admitted_steps"]) > 0
     assert report["training_backward"]["grads_bitwise_run_to_run"] is True
+    # the loss reads the rollout's log-probs through the differentiable token_logprobs, bit for bit, where
+    # torch.log_softmax's differ on some tokens (so the check is not vacuous)
+    assert report["training_backward"]["loss_logprobs_mismatched_tokens"] == 0
+    assert report["training_backward"]["torch_log_softmax_mismatched_tokens"] > 0
 
 
 def test_demo_exit_code_covers_the_backward_and_the_negative_control(report):
@@ -141,6 +145,9 @@ def test_demo_exit_code_covers_the_backward_and_the_negative_control(report):
     bad = copy.deepcopy(report)
     bad["training_backward"]["grads_bitwise_run_to_run"] = False
     assert demo.exit_code(bad) == 1 and "FAIL - the training backward's gradients differ" in demo.summary(bad)
+    loss = copy.deepcopy(report)
+    loss["training_backward"]["loss_logprobs_mismatched_tokens"] = 1
+    assert demo.exit_code(loss) == 1 and "log-probs are not the rollout's" in demo.summary(loss)
     blind = copy.deepcopy(report)
     blind["negative_control"].update(mismatched_tokens=0, mismatched_attention_positions=0)
     assert demo.exit_code(blind) == 3 and "INCONCLUSIVE" in demo.summary(blind)

@@ -84,7 +84,7 @@ def _generated_logprobs(logits: torch.Tensor, results, starts: list[int]) -> lis
     logps = []
     for r, st in zip(results, starts):
         rows = torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + st  # logits that predict each generated token
-        logps.append(token_logprobs(logits[rows], torch.tensor(r.generated)))
+        logps.append(token_logprobs(logits[rows], torch.tensor(r.generated)).cpu())
     return logps
 
 
@@ -145,21 +145,31 @@ def _compare(results, train_logps, trace, starts, num_layers):
 
 
 def _backward_check(model, results, device) -> dict:
-    """Training backward on the packed batch (a policy-gradient style loss), twice:
-    are the weight gradients bitwise equal run to run?"""
-    tokens, positions, cu, longest, _ = _packed(results, device)
+    """Training backward on the packed batch (a policy-gradient style loss over every position's
+    log-prob, through the differentiable ``token_logprobs``), twice: are the weight gradients bitwise
+    equal run to run, and are the log-probs the loss reads at the generated tokens the rollout's, bitwise
+    (an on-policy importance ratio of exactly 1)? For contrast: how many of those ``torch.log_softmax``
+    would give otherwise."""
+    tokens, positions, cu, longest, starts = _packed(results, device)
     targets = torch.tensor([t for r in results for t in r.tokens[1:]], device=device)
+    gen = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
+    roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
     grads = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         logits = model.forward_train(tokens, positions, cu, longest)
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+        logp = token_logprobs(logits, targets)
         (-logp.mean()).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
+    loss_lp = logp.detach().cpu()[gen]
+    torch_lp = torch.log_softmax(logits.detach().float(), -1).gather(-1, targets[:, None]).squeeze(-1).cpu()[gen]
     same = all(torch.equal(a, b) for a, b in zip(*grads))
     norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads[0])))
-    return {"ran": True, "grads_bitwise_run_to_run": same, "grad_norm": norm, "parameters": len(grads[0])}
+    return {"ran": True, "grads_bitwise_run_to_run": same, "grad_norm": norm, "parameters": len(grads[0]),
+            "loss_logprobs": "rlk_model::token_logprobs (differentiable; the rollout's log_softmax bits)",
+            "loss_logprobs_mismatched_tokens": int(bits_differ(roll, loss_lp).sum()),
+            "torch_log_softmax_mismatched_tokens": int(bits_differ(roll, torch_lp).sum())}
 
 
 def run(device: str = "cpu", layers: int = 2, sequences: int = 8, split_kv: str = "disabled", chunk: int = 96,
@@ -293,12 +303,16 @@ def summary(report: dict) -> str:
                  f"(out and lse), mismatched: {report['mismatched_attention_positions']}")
     tb = report.get("training_backward")
     if tb:
-        lines.append(f"  training backward: gradients bitwise equal run to run: {tb['grads_bitwise_run_to_run']}")
+        lines.append(f"  training backward: gradients bitwise equal run to run: {tb['grads_bitwise_run_to_run']}; "
+                     f"the loss's log-probs vs the rollout's: {tb['loss_logprobs_mismatched_tokens']} of "
+                     f"{report['tokens']} tokens mismatched (torch.log_softmax's would be "
+                     f"{tb['torch_log_softmax_mismatched_tokens']})")
     code = exit_code(report)
     lines.append("")
     lines.append("RESULT: " + {0: "PASS - rollout and training log-probs are bitwise identical",
                                1: "FAIL - rollout and training disagree" if not _bitwise(report) else
-                               "FAIL - the training backward's gradients differ run to run",
+                               "FAIL - the training backward's gradients differ run to run, or its loss's "
+                               "log-probs are not the rollout's",
                                3: "INCONCLUSIVE - rollout and training agree, but the negative control found no "
                                   "mismatch: the check did not show it can fail"}[code])
     lines.append(f"({report['seconds']['total']} s)")
@@ -315,10 +329,11 @@ def exit_code(report: dict) -> int:
     """0: rollout and training agree bitwise (with an HF model, transformers' own forward too; and,
     where they ran, the training backward's gradients are bitwise equal run to run and the negative
     control found a mismatch);
-    1: they disagree, or the gradients differ run to run; 3: they agree but the negative control
+    1: they disagree, or the gradients differ run to run, or the loss's log-probs at the generated tokens
+    are not the rollout's; 3: they agree but the negative control
     (a plain PyTorch rollout) found no mismatch, in tokens or attention positions, so the run did
     not show the check can fail."""
     tb, nc = report.get("training_backward"), report.get("negative_control")
-    if not _bitwise(report) or (tb and not tb["grads_bitwise_run_to_run"]):
+    if not _bitwise(report) or (tb and (not tb["grads_bitwise_run_to_run"] or tb["loss_logprobs_mismatched_tokens"])):
         return 1
     return 3 if nc and nc["mismatched_tokens"] == 0 and nc.get("mismatched_attention_positions", 0) == 0 else 0

@@ -105,3 +105,93 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = cat([gate, up], -1); differentiable."""
     return torch.ops.rlk_model.swiglu(gate_up)
+
+
+# ------------------------------------------------------------------ token log-probs
+# rlk_model::token_logprobs(logits [T, V], tokens [T]) -> (logp [T], lse [T])   fp32, on logits' device
+# rlk_model::token_logprobs_bwd(dlogp [T], dlse [T], logits, tokens, lse) -> dlogits [T, V] (logits' dtype)
+#
+# The log-prob of each row's token, log_softmax(logits)[token] = z[token] - lse with z = logits in fp32 and
+# lse = max + log(rowsum(exp(z - max))): the rollout engine's arithmetic (``model.log_softmax``), bit for
+# bit, so the trainer's differentiable log-prob is the rollout's. Computed on the CPU reference path on
+# every device (position-independent exp and log, a row sum in a fixed order: torch.log_softmax's bits
+# depend on the row's place in a vector loop on CPU and on the number of rows on CUDA); on CUDA that moves
+# the logits to the host and the two results back. The backward, d z = dlogp * (onehot(token) - softmax),
+# runs on logits' device: elementwise, with no reduction, so deterministic and batch-invariant there.
+
+
+def _check_logprobs(op: str, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"rlk_model::{op}: logits must be a floating tensor [tokens, vocab], got "
+                         f"{logits.dtype} {list(logits.shape)}")
+    if tokens.dim() != 1 or tokens.shape[0] != logits.shape[0] or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rlk_model::{op}: tokens must be int64 or int32 [{logits.shape[0]}] (one per logits row), "
+                         f"got {tokens.dtype} {list(tokens.shape)}")
+    if tokens.device != logits.device:
+        raise ValueError(f"rlk_model::{op}: tokens must be on logits' device {logits.device}, got {tokens.device}")
+
+
+def _token_values(op: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tokens on the CPU as int64, every value checked in [0, vocab) (else gather read another row's slot or
+    raised an index error naming nothing)."""
+    t = tokens.cpu().long()
+    bad = (t < 0) | (t >= vocab)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"rlk_model::{op}: tokens[{i}] must be in [0, {vocab}) (the vocabulary), got {int(t[i])}")
+    return t
+
+
+@torch.library.custom_op("rlk_model::token_logprobs", mutates_args=())
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    no_forward_ad("rlk_model::token_logprobs")
+    _check_logprobs("token_logprobs", logits, tokens)
+    t = _token_values("token_logprobs", tokens, logits.shape[1])
+    z = logits.float().cpu()
+    m = z.amax(-1, keepdim=True)
+    lse = m.squeeze(-1) + nx.log(nx.rowsum(nx.exp(z - m)))
+    logp = z.gather(-1, t[:, None]).squeeze(-1) - lse
+    return logp.to(logits.device), lse.to(logits.device)
+
+
+@_token_logprobs.register_fake
+def _token_logprobs_fake(logits, tokens):
+    _check_logprobs("token_logprobs", logits, tokens)
+    n = logits.shape[0]
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("rlk_model::token_logprobs_bwd", mutates_args=())
+def _token_logprobs_bwd(dlogp: torch.Tensor, dlse: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor,
+                        lse: torch.Tensor) -> torch.Tensor:
+    _check_logprobs("token_logprobs_bwd", logits, tokens)
+    n = logits.shape[0]
+    for name, t in (("dlogp", dlogp), ("dlse", dlse), ("lse", lse)):
+        if t.dtype != torch.float32 or list(t.shape) != [n] or t.device != logits.device:
+            raise ValueError(f"rlk_model::token_logprobs_bwd: {name} must be float32 [{n}] on {logits.device}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+    # d logp / d z = onehot(token) - p and d lse / d z = p, p = exp(z - lse): one product per element, then
+    # the token's element gets dlogp added (one add): no reduction anywhere
+    dz = (dlse - dlogp)[:, None] * torch.exp(logits.float() - lse[:, None])
+    dz.scatter_add_(-1, tokens.long()[:, None], dlogp[:, None])
+    return dz.to(logits.dtype)
+
+
+@_token_logprobs_bwd.register_fake
+def _token_logprobs_bwd_fake(dlogp, dlse, logits, tokens, lse):
+    _check_logprobs("token_logprobs_bwd", logits, tokens)
+    return logits.new_empty(logits.shape)
+
+
+def _setup_logprobs(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _backward_logprobs(ctx, dlogp, dlse):
+    logits, tokens, lse = ctx.saved_tensors
+    dlogp = torch.zeros_like(lse) if dlogp is None else dlogp.contiguous()
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
+    return torch.ops.rlk_model.token_logprobs_bwd(dlogp, dlse, logits, tokens, lse), None
+
+
+_token_logprobs.register_autograd(_backward_logprobs, setup_context=_setup_logprobs)

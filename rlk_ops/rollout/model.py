@@ -57,11 +57,14 @@ class TinyQwen3Config:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] per row, fp32, on the CPU reference (see module doc)."""
-    z = logits.detach().float().cpu()
-    m = z.amax(-1, keepdim=True)
-    lse = m.squeeze(-1) + nx.log(nx.rowsum(nx.exp(z - m)))
-    return z.gather(-1, tokens.cpu().long()[:, None]).squeeze(-1) - lse
+    """log_softmax(logits)[token] per row: logits [T, V], tokens [T] -> fp32 [T] on logits' device, the
+    rollout's ``log_softmax`` bits at the token (computed on the CPU reference path: module doc).
+    Differentiable (``rlk_model::token_logprobs``, ``glue.py``), so a trainer's loss reads the log-probs the
+    rollout sampled with, bit for bit: an on-policy importance ratio exp(logp - rollout_logp) is exactly 1."""
+    for name, value in (("logits", logits), ("tokens", tokens)):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"token_logprobs: {name} must be a tensor, got {type(value).__name__}")
+    return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device))[0]
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
