@@ -9,8 +9,8 @@ the trainer's forward reads: the same rounding of each master weight, gathered w
 copies them so:
 
 * a module sharded by ``fully_shard`` (FSDP2): ``unshard()`` (its all-gather, in the policy's
-  ``param_dtype``, the tensors its forward reads), copy, ``reshard()``; one module at a time, innermost
-  first, so at most one module's group is held whole besides the rollout copy;
+  ``param_dtype``, the tensors its forward reads), copy, ``reshard()``; one module at a time (``unshard`` is
+  not recursive), so at most one module's parameters are held whole besides the rollout copy;
 * any other DTensor parameter (tensor parallel): ``full_tensor()``;
 * a plain parameter: as it is.
 
@@ -124,10 +124,11 @@ def _group_of(dtensors: list[torch.Tensor]):
 
 
 def _problem(trainer_params, trainer_ties, rollout_params, rollout_ties, compute) -> str | None:
-    missing = [n for n in trainer_params if n not in rollout_params]
-    extra = [n for n in rollout_params if n not in trainer_params]
+    t_names, r_names = [*trainer_params, *trainer_ties], [*rollout_params, *rollout_ties]
+    missing = [n for n in t_names if n not in r_names]
+    extra = [n for n in r_names if n not in t_names]
     if missing or extra:
-        return (f"the rollout model's parameters must be the trainer's: "
+        return ("the rollout model's parameters must be the trainer's: "
                 + (f"missing from the rollout: {missing[:6]}{' ...' if len(missing) > 6 else ''}" if missing else "")
                 + ("; " if missing and extra else "")
                 + (f"not in the trainer: {extra[:6]}{' ...' if len(extra) > 6 else ''}" if extra else ""))
@@ -193,7 +194,7 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
 
     fsdp = _fsdp_module_type()
     fsdp_modules = [(n, m) for n, m in trainer.named_modules() if fsdp is not None and isinstance(m, fsdp)]
-    for prefix, m in reversed(fsdp_modules):    # innermost first: then an outer module's own parameters only
+    for prefix, m in fsdp_modules:   # unshard() is not recursive: an inner module's parameters stay sharded DTensors
         m.unshard()
         try:
             for raw, p in m.named_parameters(prefix=prefix):
