@@ -14,6 +14,7 @@ every rank and every iteration: each generated token's log-prob is bitwise the r
 exactly 1 (torch.log_softmax's log-probs are counted beside, for contrast). Controls: after
 the last step a rollout left unsynced disagrees with the trainer; a second run from the same seeds ends
 with bitwise the same master weights. Rank 0 prints a table; exit status 0 iff every claim held.
+``--compile``: each decoder layer runs under torch.compile (Inductor), then is sharded.
 """
 from __future__ import annotations
 
@@ -88,11 +89,14 @@ def rollout(lm, rank: int, iteration: int, device: str, seed: int):
         return engine.run(requests)
 
 
-def loop(mesh, device: str, iterations: int, seed: int) -> dict:
+def loop(mesh, device: str, iterations: int, seed: int, compile: bool = False) -> dict:
     from rlk_ops.meta.drift import bits_differ
     from rlk_ops.rollout.weights import sync_weights
 
     trainer, lm = build(device, seed)
+    if compile:   # each decoder layer under Inductor, then sharded (torchtitan's order)
+        for layer in trainer.model.layers:
+            layer.compile(dynamic=True)
     trainer = shard(trainer, mesh)
     opt = torch.optim.AdamW(trainer.parameters(), lr=3e-2, weight_decay=0.0)
     rows = []
@@ -130,6 +134,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="the trainer under torch.compile (Inductor)")
     parser.add_argument("--json", default=None, help="rank 0 writes the table's numbers here")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -144,8 +149,8 @@ def main() -> int:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device, (world,))
-    first = loop(mesh, device, args.iterations, args.seed)
-    again = loop(mesh, device, args.iterations, args.seed)
+    first = loop(mesh, device, args.iterations, args.seed, args.compile)
+    again = loop(mesh, device, args.iterations, args.seed, args.compile)
     same_master = all(torch.equal(a, b) for a, b in zip(first["master"], again["master"]))
     same_rows = first["rows"] == again["rows"]
     per_it = [_sum([r["tokens"], r["mismatched"], r["ratio_not_1"], r["mismatched_torch_log_softmax"]], device)
@@ -159,9 +164,14 @@ def main() -> int:
         "a second run ends with the same master weights on every rank": agree[0] == world,
         "a second run generates the same tokens with the same counts": agree[1] == world,
     }
+    graphs = 0
+    if args.compile:   # (else the claims could hold on layers that fell back to eager)
+        from torch._dynamo.utils import counters
+        graphs = int(counters["stats"]["unique_graphs"])
+        claims["the trainer's layers ran as compiled graphs"] = _sum([int(graphs > 0)], device)[0] == world
     if rank == 0:
-        print(f"FSDP2 trainer (float32 master, bfloat16 compute) vs rlk rollout: world {world}, device {device}, "
-              f"{args.iterations} iterations")
+        print(f"FSDP2 trainer (float32 master, bfloat16 compute{', torch.compile' if args.compile else ''}) vs rlk "
+              f"rollout: world {world}, device {device}, {args.iterations} iterations")
         print(f"{'iteration':>9} {'tokens':>7} {'mismatched':>10} {'ratio != 1':>10} {'torch.log_softmax':>17} "
               f"{'synced tensors':>14} {'synced bytes':>12}")
         for r, (tokens, bad, ratio, bad_torch) in zip(first["rows"], per_it):
@@ -176,6 +186,7 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"world": world, "device": device, "iterations": args.iterations, "seed": args.seed,
+                       "compile": args.compile, "compiled_graphs_rank0": graphs,
                            "per_iteration": [dict(r, tokens=t, mismatched=b, ratio_not_1=q, mismatched_torch_log_softmax=bt)
                                              for r, (t, b, q, bt) in zip(first["rows"], per_it)],
                            "stale": {"tokens": stale[0], "mismatched": stale[1]},

@@ -40,11 +40,11 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _example(tmp_path, nproc):
+def _example(tmp_path, nproc, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "localhost:0", str(ROOT / "examples" / "fsdp_rl_loop.py"),
-           "--json", str(tmp_path / "loop.json")]
+           "--json", str(tmp_path / "loop.json"), *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "loop.json").read_text())
@@ -64,10 +64,19 @@ def test_fsdp2_rl_loop_trainer_log_probs_are_the_rollouts(tmp_path):
     assert sum(r["mismatched_torch_log_softmax"] for r in report["per_iteration"]) > 0
 
 
+@pytest.mark.distributed
+def test_fsdp2_rl_loop_with_compiled_layers(tmp_path):
+    """Each decoder layer under Inductor (then sharded): the trainer's log-probs are still the rollout's."""
+    report = _example(tmp_path, 2, "--compile")
+    assert report["compile"] and report["compiled_graphs_rank0"] > 0
+    assert report["claims"]["the trainer's layers ran as compiled graphs"]
+
+
 @CUDA
 @pytest.mark.cuda
-def test_fsdp2_rl_loop_on_one_gpu(tmp_path):
-    assert _example(tmp_path, 1)["device"] == "cuda"
+@pytest.mark.parametrize("args", [(), ("--compile",)])
+def test_fsdp2_rl_loop_on_one_gpu(tmp_path, args):
+    assert _example(tmp_path, 1, *args)["device"] == "cuda"
 
 
 def test_a_plain_trainer_is_copied_and_ties_and_views_are_followed():
