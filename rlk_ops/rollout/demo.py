@@ -145,25 +145,25 @@ def _compare(results, train_logps, trace, starts, num_layers):
 
 
 def _backward_check(model, results, device) -> dict:
-    """Training backward on the packed batch (a policy-gradient style loss over every position's
-    log-prob, through the differentiable ``token_logprobs``), twice: are the weight gradients bitwise
-    equal run to run, and are the log-probs the loss reads at the generated tokens the rollout's, bitwise
-    (an on-policy importance ratio of exactly 1)? For contrast: how many of those ``torch.log_softmax``
-    would give otherwise."""
+    """Training backward on the packed batch (a policy-gradient style loss over the generated tokens'
+    log-probs, through the differentiable ``token_logprobs``), twice: are the weight gradients bitwise
+    equal run to run, and are the log-probs the loss reads the rollout's, bitwise (an on-policy
+    importance ratio of exactly 1)? For contrast: how many of those ``torch.log_softmax`` would give
+    otherwise."""
     tokens, positions, cu, longest, starts = _packed(results, device)
-    targets = torch.tensor([t for r in results for t in r.tokens[1:]], device=device)
     gen = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
+    targets = torch.tensor([t for r in results for t in r.generated], device=device)
     roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
     grads = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        logits = model.forward_train(tokens, positions, cu, longest)
+        logits = model.forward_train(tokens, positions, cu, longest)[gen.to(device)]
         logp = token_logprobs(logits, targets)
         (-logp.mean()).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
-    loss_lp = logp.detach().cpu()[gen]
-    torch_lp = torch.log_softmax(logits.detach().float(), -1).gather(-1, targets[:, None]).squeeze(-1).cpu()[gen]
+    loss_lp = logp.detach().cpu()
+    torch_lp = torch.log_softmax(logits.detach().float(), -1).gather(-1, targets[:, None]).squeeze(-1).cpu()
     same = all(torch.equal(a, b) for a, b in zip(*grads))
     norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads[0])))
     return {"ran": True, "grads_bitwise_run_to_run": same, "grad_norm": norm, "parameters": len(grads[0]),
