@@ -20,11 +20,11 @@ from test_hf import CUDA, CUDA_SIZES, VOCAB, _assert_model_matches, _cast, _conf
 
 import rlk_ops  # noqa: E402
 from rlk_ops.compile.hf import HFQwen3Attention, patch_qwen3  # noqa: E402
-from rlk_ops.compile.hf_model import (HFQwen3LM, RlkLinear, hf_logits, load, patch_qwen3_model,  # noqa: E402
-                                      rollout_model)
+from rlk_ops.compile.hf_model import (EAGER_BITS, HFQwen3LM, RlkLinear, hf_logits, load,  # noqa: E402
+                                      patch_qwen3_model, rollout_model)
 from rlk_ops.ops._validate import RlkInputError  # noqa: E402
 from rlk_ops.rollout import demo  # noqa: E402
-from rlk_ops.rollout.model import _MLP, _RMSNorm  # noqa: E402
+from rlk_ops.rollout.model import _MLP, RlkEmbedding, _RMSNorm, token_logprobs  # noqa: E402
 
 
 def _whole(dtype=torch.float64, device="cpu", **kw):
@@ -50,7 +50,8 @@ def test_whole_model_matches_transformers(bias):
     for layer in model.model.layers:
         assert (type(layer.input_layernorm), type(layer.post_attention_layernorm), type(layer.mlp),
                 type(layer.self_attn)) == (_RMSNorm, _RMSNorm, _MLP, HFQwen3Attention)
-    assert (type(model.model.norm), type(model.lm_head)) == (_RMSNorm, RlkLinear)
+    assert (type(model.model.norm), type(model.lm_head), type(model.model.embed_tokens)) == \
+        (_RMSNorm, RlkLinear, RlkEmbedding)
     ids = torch.randint(0, VOCAB, (3, 29), generator=torch.Generator().manual_seed(1))
     _assert_model_matches(ref, model, ids, 1e-6, 1e-5)
 
@@ -245,31 +246,40 @@ def test_compiles_fullgraph_with_every_matmul_an_rlk_op():
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_inductor_keeps_the_logits_and_its_gradients_run_to_run(device):
+def test_inductor_keeps_the_logits_and_with_eager_bits_the_gradients(device):
     """Under torch.compile(fullgraph=True) with Inductor, a padded batch and a packed row give eager's
-    logits bitwise: what Inductor generates itself (the embedding gather, the residual adds, the padding's
-    sort and moves) does not round differently, and every other stage is an opaque rlk op. The gradients
-    are bitwise equal between two compiled steps; they are not eager's (on CPU: Inductor sums the residual
-    stream's gradients in fp32 where eager rounds each add to bf16, and accumulates the embedding's its own
-    way), so a compiled trainer is deterministic but not eager's, in its gradients only."""
+    logits bitwise: what Inductor generates itself (the residual adds, the padding's sort and moves) does
+    not round differently, and every other stage is an opaque op (the embedding and the loss's log-probs
+    too). With ``EAGER_BITS`` (Inductor's ``emulate_precision_casts``) the gradients are eager's bitwise, over
+    a batch of many repeated token ids; without it Inductor sums the residual stream's gradients in fp32
+    where eager rounds each add, so they are not (but are bitwise step to step)."""
     _, model = _whole(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(9)).to(device)
     mask, pos = (t.to(device) for t in _padding())
-    tokens, positions, cu = _packed([20, 9, 1], device, seed=10)
+    tokens, positions, cu = _packed([200, 90, 50, 1], device, seed=10)   # 341 tokens of 96 ids: repeats
+    assert tokens.unique().numel() < tokens.numel() // 3
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        logits = hf_logits(m, tokens, positions, cu)
+        (-token_logprobs(logits[:-1], tokens[1:]).mean()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = step(model)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
     with torch.no_grad():
         assert torch.equal(compiled(ids, attention_mask=mask, position_ids=pos).logits,
                            model(ids, attention_mask=mask, position_ids=pos).logits)
-    steps = []
-    for m in (compiled, compiled, model):
-        model.zero_grad(set_to_none=True)
-        logits = hf_logits(m, tokens, positions, cu)
-        (logits.float().square().mean()).backward()
-        steps.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    first, second = step(compiled), step(compiled)
+    assert torch.equal(first[0], eager[0]) and torch.equal(second[0], eager[0])
+    assert all(torch.equal(first[1][n], second[1][n]) for n in eager[1])
+    assert not all(torch.equal(first[1][n], eager[1][n]) for n in eager[1])   # (what EAGER_BITS is for)
     torch._dynamo.reset()
-    assert torch.equal(steps[0][0], steps[2][0]) and torch.equal(steps[1][0], steps[2][0])
-    assert all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1]))
+    same = step(torch.compile(model, fullgraph=True, backend="inductor", options=EAGER_BITS))
+    torch._dynamo.reset()
+    assert torch.equal(same[0], eager[0])
+    assert [n for n in eager[1] if not torch.equal(same[1][n], eager[1][n])] == []
 
 
 def test_what_cannot_run_whole_on_rlk_ops_is_refused_before_any_change():
@@ -300,6 +310,13 @@ def test_what_cannot_run_whole_on_rlk_ops_is_refused_before_any_change():
         patch_qwen3_model(whole)
     with pytest.raises(RlkInputError, match="must be a transformers Qwen3ForCausalLM"):
         patch_qwen3_model(ref.model)   # (the base model: no lm_head)
+    for name, value in (("max_norm", 1.0), ("scale_grad_by_freq", True), ("sparse", True)):
+        odd = copy.deepcopy(ref)
+        setattr(odd.model.embed_tokens, name, value)
+        with pytest.raises(RlkInputError, match=rf"model.embed_tokens.{name} must be .* \(the rlk embedding does not "
+                                                rf"support it\), got {value}"):
+            patch_qwen3_model(odd)
+        assert type(odd.model.layers[0].self_attn) is not HFQwen3Attention
 
 
 def test_after_the_attention_patch_the_same_policy_only():

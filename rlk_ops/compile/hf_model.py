@@ -16,9 +16,13 @@ lm_head alone, so a token's logits there still depend on what else is in the bat
   the ``rlk_model::swiglu`` op, ``rlk::linear``;
 * ``lm_head`` by ``RlkLinear`` (an ``nn.Linear`` whose forward is ``rlk::linear``).
 
-What HF's forward still computes itself is the embedding lookup (a gather), the residual adds (one
-rounding each; IEEE addition commutes, so HF's ``residual + x`` is the demo model's ``x + residual``) and
-the RoPE cos/sin table, which no patched module reads.
+* ``embed_tokens`` by ``RlkEmbedding`` (``rlk_model::embedding``: the gather, and a backward whose sums over
+  repeated ids are fixed, so eager and torch.compile agree).
+
+What HF's forward still computes itself is the residual adds (one rounding each; IEEE addition commutes,
+so HF's ``residual + x`` is the demo model's ``x + residual``) and the RoPE cos/sin table, which no patched
+module reads. Under Inductor the logits are eager's; with ``torch.compile(..., options=EAGER_BITS)`` the
+gradients are too.
 
 ``rollout_model(model)`` is an ``HFQwen3LM``: a ``TinyQwen3`` whose modules are the patched model's
 (nothing copied), so the rollout engine, ``compiled_rollout``, the binding check and the demo run it
@@ -36,7 +40,13 @@ from torch import nn
 import rlk_ops
 from rlk_ops.compile.hf import HFQwen3Attention, _refuse, attention_config, patch_qwen3
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
-from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, _MLP, _RMSNorm
+from rlk_ops.rollout.model import RlkEmbedding, TinyQwen3, TinyQwen3Config, _MLP, _RMSNorm
+
+
+# torch.compile(model, options=EAGER_BITS): Inductor rounds every intermediate to its dtype where eager does,
+# so a model patched whole trains with eager's gradients bitwise (without it Inductor keeps the residual
+# stream's gradient sums in fp32; the logits are eager's either way). tests/test_hf_model.py.
+EAGER_BITS = {"emulate_precision_casts": True}
 
 
 class RlkLinear(nn.Linear):
@@ -70,7 +80,8 @@ def _replaced(model: nn.Module, hf) -> list[tuple[str, nn.Module, type]]:
         out += [(f"model.layers.{i}.input_layernorm", layer.input_layernorm, hf.Qwen3RMSNorm),
                 (f"model.layers.{i}.post_attention_layernorm", layer.post_attention_layernorm, hf.Qwen3RMSNorm),
                 (f"model.layers.{i}.mlp", layer.mlp, hf.Qwen3MLP)]
-    return out + [("model.norm", model.model.norm, hf.Qwen3RMSNorm), ("lm_head", model.lm_head, nn.Linear)]
+    return out + [("model.norm", model.model.norm, hf.Qwen3RMSNorm), ("lm_head", model.lm_head, nn.Linear),
+                  ("model.embed_tokens", model.model.embed_tokens, nn.Embedding)]
 
 
 def patch_qwen3_model(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
@@ -95,6 +106,11 @@ def patch_qwen3_model(model: nn.Module, *, split_kv: str = "disabled") -> nn.Mod
                            f"forward would be bypassed, since the rlk modules read the weights)")
     if model.lm_head.bias is not None:   # (HF's Qwen3 head has none; a model edited to have one is refused)
         _refuse(where, "lm_head must have no bias (Qwen3's has none)")
+    emb = model.model.embed_tokens
+    for name, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+        if getattr(emb, name) != off:
+            _refuse(where, f"model.embed_tokens.{name} must be {off} (the rlk embedding does not support it), got "
+                           f"{getattr(emb, name)!r}")
     for i, layer in enumerate(model.model.layers):
         for name in ("gate_proj", "up_proj", "down_proj"):
             proj = getattr(layer.mlp, name)
@@ -120,6 +136,7 @@ def patch_qwen3_model(model: nn.Module, *, split_kv: str = "disabled") -> nn.Mod
     norm = model.model.norm
     model.model.norm = _RMSNorm.sharing(norm.weight, norm.variance_epsilon).train(norm.training)
     model.lm_head = RlkLinear(model.lm_head).train(model.lm_head.training)
+    model.model.embed_tokens = RlkEmbedding.sharing(model.model.embed_tokens)
     return model
 
 
@@ -136,7 +153,7 @@ class HFQwen3LM(TinyQwen3):
         if not isinstance(model, hf.Qwen3ForCausalLM):
             _refuse(where, f"model must be a transformers Qwen3ForCausalLM patched by patch_qwen3_model, got "
                            f"{_type_name(model)}")
-        want = {hf.Qwen3RMSNorm: _RMSNorm, hf.Qwen3MLP: _MLP, nn.Linear: RlkLinear}
+        want = {hf.Qwen3RMSNorm: _RMSNorm, hf.Qwen3MLP: _MLP, nn.Linear: RlkLinear, nn.Embedding: RlkEmbedding}
         attn = [(f"model.layers.{i}.self_attn", layer.self_attn, HFQwen3Attention)
                 for i, layer in enumerate(model.model.layers)]
         for path, m, kind in attn + [(p, m, want[k]) for p, m, k in _replaced(model, hf)]:

@@ -195,3 +195,94 @@ def _backward_logprobs(ctx, dlogp, dlse):
 
 
 _token_logprobs.register_autograd(_backward_logprobs, setup_context=_setup_logprobs)
+
+
+# ------------------------------------------------------------------ the embedding
+# rlk_model::embedding(weight [V, D], ids [...], padding_idx) -> [..., D]       a gather (exact)
+# rlk_model::embedding_bwd(dout [..., D], ids, num_weights, padding_idx) -> dweight [V, D] (dout's dtype)
+#
+# The backward sums each id's rows of dout in fp32, in ascending position order, and rounds once (the row of
+# padding_idx, if not -1, stays 0, as nn.Embedding's). As an op, eager and torch.compile run the same
+# kernel: Inductor lowered nn.Embedding's backward to a scatter-add of its own, whose sums of repeated ids
+# differed from eager's (tests/test_hf_model.py). The sum is index_put_ with accumulate=True under
+# torch.use_deterministic_algorithms (set for that call alone): on CPU a serial loop in position order
+# (without the mode ATen adds in parallel, atomically), on CUDA the sorted, segment-ordered kernel.
+
+
+def _check_embedding(op: str, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"rlk_model::{op}: weight must be a floating tensor [num_embeddings, dim], got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rlk_model::{op}: ids must be int64 or int32 token ids, got {ids.dtype}")
+    if ids.device != weight.device:
+        raise ValueError(f"rlk_model::{op}: ids must be on weight's device {weight.device}, got {ids.device}")
+    if not -1 <= padding_idx < weight.shape[0]:
+        raise ValueError(f"rlk_model::{op}: padding_idx must be -1 (none) or in [0, {weight.shape[0]}), got "
+                         f"{padding_idx}")
+
+
+def _check_ids(op: str, ids: torch.Tensor, num: int) -> None:
+    from rlk_ops.ops import _validate as V
+
+    if not ids.numel() or not V.value_checks_enabled(ids, op):
+        return
+    bad = (ids < 0) | (ids >= num)
+    if V.on_device(ids) and V.all_clear(bad):
+        return
+    if bool(bad.any()):
+        i = V.first_bad(bad.cpu())
+        raise ValueError(f"rlk_model::{op}: {V.fmt_index('ids', i)} = {int(ids[i])} is not a token id; token ids "
+                         f"must be in [0, {num}) (the embedding's rows)")
+
+
+@torch.library.custom_op("rlk_model::embedding", mutates_args=())
+def _embedding(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    no_forward_ad("rlk_model::embedding")
+    _check_embedding("embedding", weight, ids, padding_idx)
+    _check_ids("embedding", ids, weight.shape[0])
+    return weight.index_select(0, ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+
+
+@_embedding.register_fake
+def _embedding_fake(weight, ids, padding_idx):
+    _check_embedding("embedding", weight, ids, padding_idx)
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+@torch.library.custom_op("rlk_model::embedding_bwd", mutates_args=())
+def _embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
+    if list(dout.shape[:-1]) != list(ids.shape) or dout.dim() < 1 or not dout.is_floating_point():
+        raise ValueError(f"rlk_model::embedding_bwd: dout must be a floating tensor [*ids.shape, dim] = "
+                         f"[{', '.join(map(str, ids.shape))}, dim], got {dout.dtype} {list(dout.shape)}")
+    _check_embedding("embedding_bwd", dout.new_empty(num_weights, dout.shape[-1]), ids, padding_idx)
+    rows = dout.reshape(-1, dout.shape[-1]).float()
+    acc = torch.zeros(num_weights, dout.shape[-1], dtype=torch.float32, device=dout.device)
+    mode, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        acc.index_put_((ids.reshape(-1).long(),), rows, accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn)
+    if padding_idx >= 0:
+        acc[padding_idx] = 0
+    return acc.to(dout.dtype)
+
+
+@_embedding_bwd.register_fake
+def _embedding_bwd_fake(dout, ids, num_weights, padding_idx):
+    return dout.new_empty(num_weights, dout.shape[-1])
+
+
+def _setup_embedding(ctx, inputs, output):
+    weight, ids, padding_idx = inputs
+    ctx.save_for_backward(ids)
+    ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
+
+
+def _backward_embedding(ctx, dout):
+    (ids,) = ctx.saved_tensors
+    return torch.ops.rlk_model.embedding_bwd(dout.contiguous(), ids, ctx.num_weights, ctx.padding_idx), None, None
+
+
+_embedding.register_autograd(_backward_embedding, setup_context=_setup_embedding)

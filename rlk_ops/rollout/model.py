@@ -91,6 +91,36 @@ class _RMSNorm(nn.Module):
         return norm
 
 
+class RlkEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose forward is ``rlk_model::embedding`` (``glue.py``): the same gather, and a
+    backward whose sums over repeated ids are fixed, so eager and torch.compile give the same gradient. Not
+    supported (refused): ``max_norm`` (it renormalises the weight in place), ``scale_grad_by_freq``,
+    ``sparse``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check()
+        return torch.ops.rlk_model.embedding(self.weight, ids, -1 if self.padding_idx is None else self.padding_idx)
+
+    def _check(self, where: str = "RlkEmbedding") -> None:
+        for name, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+            if getattr(self, name) != off:
+                raise V.RlkInputError(f"{where}: {name} must be {off} (the rlk embedding does not support it), got "
+                                      f"{getattr(self, name)!r}")
+
+    @classmethod
+    def sharing(cls, emb: nn.Embedding) -> "RlkEmbedding":
+        """An rlk embedding over another ``nn.Embedding``'s weight ``Parameter`` (shared, not copied) and its
+        settings; refuses the settings it does not support."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                     "sparse"):
+            setattr(new, name, getattr(emb, name))
+        new._check("RlkEmbedding.sharing")
+        new.weight = emb.weight
+        return new.train(emb.training)
+
+
 class _MLP(nn.Module):
     def __init__(self, hidden, inter, **f):
         super().__init__()
@@ -133,7 +163,7 @@ class TinyQwen3(nn.Module):
         super().__init__()
         self.config = cfg = cfg or TinyQwen3Config()
         f = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **f)
+        self.embed_tokens = RlkEmbedding(cfg.vocab_size, cfg.hidden_size, **f)
         self.layers = nn.ModuleList(_Layer(cfg, **f) for _ in range(cfg.num_layers))
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **f)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **f)
