@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 from test_hf import CUDA, CUDA_SIZES, VOCAB, _assert_model_matches, _cast, _config, _models, _padding  # noqa: E402
@@ -251,8 +252,9 @@ def test_inductor_keeps_the_logits_and_with_eager_bits_the_gradients(device):
     logits bitwise: what Inductor generates itself (the residual adds, the padding's sort and moves) does
     not round differently, and every other stage is an opaque op (the embedding and the loss's log-probs
     too). With ``EAGER_BITS`` (Inductor's ``emulate_precision_casts``) the gradients are eager's bitwise, over
-    a batch of many repeated token ids; without it Inductor sums the residual stream's gradients in fp32
-    where eager rounds each add, so they are not (but are bitwise step to step)."""
+    a batch of many repeated token ids, from torch 2.13 (on 2.11 the first layer's still differ); without it
+    Inductor sums the residual stream's gradients in fp32 where eager rounds each add, so they are not (but
+    are bitwise step to step)."""
     _, model = _whole(torch.bfloat16, device, **(CUDA_SIZES if device == "cuda" else {}))
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(9)).to(device)
     mask, pos = (t.to(device) for t in _padding())
@@ -279,7 +281,11 @@ def test_inductor_keeps_the_logits_and_with_eager_bits_the_gradients(device):
     same = step(torch.compile(model, fullgraph=True, backend="inductor", options=EAGER_BITS))
     torch._dynamo.reset()
     assert torch.equal(same[0], eager[0])
-    assert [n for n in eager[1] if not torch.equal(same[1][n], eager[1][n])] == []
+    differ = [n for n in eager[1] if not torch.equal(same[1][n], eager[1][n])]
+    if TORCH >= (2, 13):
+        assert differ == []
+    else:   # measured on torch 2.11 (CPU): the first layer's and the embedding's still differ; if this starts
+        assert differ, "EAGER_BITS now gives eager's gradients on this torch too: claim it"   # to hold, say so
 
 
 def test_what_cannot_run_whole_on_rlk_ops_is_refused_before_any_change():
