@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine after the FA4 install (.gpu/fa4a, .gpu/fa4b) and transformers' wheels (.gpu/hf):
 #   send .gpu/hf, run: bash .gpu/hf/install.sh > /dev/null && bash benchmarks/rl_loop_cuda.sh COMMIT
-#   1. the CUDA lanes of tests/test_hf_model.py (but the demo's, run in session 45), tests/test_hf.py and
-#      tests/test_weight_sync.py -> $OUT/tests_cuda.log
-#   2. examples/fsdp_rl_loop.py on one GPU (NCCL, world 1) -> $OUT/fsdp_rl_loop.{txt,json}
+#   1. the CUDA lanes of tests/test_hf_model.py (but the demo's, run in session 45), tests/test_hf.py,
+#      tests/test_weight_sync.py (the FSDP2 loop on one GPU, eager and compiled), tests/test_token_logprobs.py
+#      and tests/test_embedding_op.py -> $OUT/tests_cuda.log
+#   2. examples/fsdp_rl_loop.py on one GPU (NCCL, world 1), eager and --compile -> $OUT/fsdp_rl_loop{,_compile}.{txt,json}
 #   3. the training-step benchmark's lanes (benchmarks/hf_train_step.py) -> $OUT/hf_train_step.{txt,json}
 set -u -o pipefail
 source /opt/rlk/env.sh
@@ -11,13 +12,15 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 { echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
-tests="tests/test_hf.py"
-[ -f tests/test_weight_sync.py ] && tests="$tests tests/test_weight_sync.py"
+tests="tests/test_hf.py tests/test_weight_sync.py tests/test_token_logprobs.py tests/test_embedding_op.py"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider -m cuda tests/test_hf_model.py -k "not demo" $tests \
   > "$OUT/tests_cuda.log" 2>&1; echo "tests rc=$?"; tail -3 "$OUT/tests_cuda.log"
-timeout 150 python3 -m torch.distributed.run --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint localhost:0 \
-  examples/fsdp_rl_loop.py --json "$OUT/fsdp_rl_loop.json" > "$OUT/fsdp_rl_loop.txt" 2>&1; echo "fsdp rl loop rc=$?"
-grep -v Warning "$OUT/fsdp_rl_loop.txt" | tail -12
+for c in "" "--compile"; do
+  tag=fsdp_rl_loop${c:+_compile}
+  timeout 150 python3 -m torch.distributed.run --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint localhost:0 \
+    examples/fsdp_rl_loop.py $c --json "$OUT/$tag.json" > "$OUT/$tag.txt" 2>&1; echo "$tag rc=$?"
+  grep -v Warning "$OUT/$tag.txt" | tail -9
+done
 [ "${SKIP_TRAIN_STEP:-0}" = 1 ] && exit 0
 timeout 200 python3 -m benchmarks.hf_train_step --out "$OUT/hf_train_step.json" --steps 5 --warmup 2 \
   > "$OUT/hf_train_step.txt" 2>&1; echo "train step rc=$?"; tail -8 "$OUT/hf_train_step.txt"

@@ -106,11 +106,7 @@ def patch_qwen3_model(model: nn.Module, *, split_kv: str = "disabled") -> nn.Mod
                            f"forward would be bypassed, since the rlk modules read the weights)")
     if model.lm_head.bias is not None:   # (HF's Qwen3 head has none; a model edited to have one is refused)
         _refuse(where, "lm_head must have no bias (Qwen3's has none)")
-    emb = model.model.embed_tokens
-    for name, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
-        if getattr(emb, name) != off:
-            _refuse(where, f"model.embed_tokens.{name} must be {off} (the rlk embedding does not support it), got "
-                           f"{getattr(emb, name)!r}")
+    RlkEmbedding.check_settings(f"rlk_ops.compile.hf.{where}", model.model.embed_tokens, "model.embed_tokens.")
     for i, layer in enumerate(model.model.layers):
         for name in ("gate_proj", "up_proj", "down_proj"):
             proj = getattr(layer.mlp, name)

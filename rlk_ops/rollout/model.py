@@ -102,10 +102,16 @@ class RlkEmbedding(nn.Embedding):
         return torch.ops.rlk_model.embedding(self.weight, ids, -1 if self.padding_idx is None else self.padding_idx)
 
     def _check(self, where: str = "RlkEmbedding") -> None:
+        self.check_settings(where, self)
+
+    @staticmethod
+    def check_settings(where: str, emb: nn.Embedding, path: str = "") -> None:
+        """Refuses an embedding setting the rlk embedding does not support, naming it (``path``: the
+        module's, as a prefix)."""
         for name, off in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
-            if getattr(self, name) != off:
-                raise V.RlkInputError(f"{where}: {name} must be {off} (the rlk embedding does not support it), got "
-                                      f"{getattr(self, name)!r}")
+            if getattr(emb, name) != off:
+                raise V.RlkInputError(f"{where}: {path}{name} must be {off} (the rlk embedding does not support "
+                                      f"it), got {getattr(emb, name)!r}")
 
     @classmethod
     def sharing(cls, emb: nn.Embedding) -> "RlkEmbedding":

@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlk_ops.ops._validate import RlkInputError
-
-# Wrapper modules that add a path segment without changing the model (the same set as the binding check's)
+# wrapper modules that add a path segment without changing the model (the binding check's set)
 from rlk_ops.compile.boundary import _WRAPPER_SEGMENTS
+from rlk_ops.ops._validate import RlkInputError
 
 WHERE = "sync_weights"
 
@@ -154,7 +153,8 @@ def _problem(trainer_params, trainer_ties, rollout_params, rollout_ties, compute
 def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     """Copies into ``rollout``'s parameters the values ``trainer``'s forward computes with (module doc).
     Collective when the trainer has DTensor parameters (FSDP2 or tensor parallel): every rank of its mesh
-    calls it. Returns counts: {"tensors", "elements", "bytes", "fsdp_modules", "gathered", "plain"}."""
+    calls it. Returns counts: {"tensors", "elements", "bytes" (copied), "fsdp_modules" (unsharded and
+    resharded), "unsharded", "gathered", "plain" (tensors copied each way)}."""
     for arg, m in (("trainer", trainer), ("rollout", rollout)):
         if not isinstance(m, nn.Module):
             raise RlkInputError(f"{WHERE}: {arg} must be a torch.nn.Module, got {type(m).__module__}."
