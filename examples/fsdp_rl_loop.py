@@ -68,18 +68,15 @@ def shard(model, mesh):
 
 def trainer_logprobs(trainer, results, device, grad: bool):
     """The trainer's forward over the rollout's sequences, packed: (log-probs of the generated tokens
-    through ``token_logprobs``, differentiable [N]; the same through torch.log_softmax, for contrast [N])."""
+    through ``completion_logprobs``, differentiable [N]; the same through torch.log_softmax, for contrast [N])."""
     from rlk_ops.compile.hf_model import hf_logits
-    from rlk_ops.rollout.demo import _packed
-    from rlk_ops.rollout.model import token_logprobs
+    from rlk_ops.rollout.scoring import completion_logprobs, pack
 
-    tokens, positions, cu, _, starts = _packed(results, device)
+    batch = pack([r.tokens for r in results], [len(r.prompt) for r in results], device)
     with torch.set_grad_enabled(grad):
-        logits = hf_logits(trainer, tokens, positions, cu)
-        rows = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
-        targets = torch.tensor([t for r in results for t in r.generated], device=device)
-        logp = token_logprobs(logits[rows.to(device)], targets)
-    plain = torch.log_softmax(logits.detach()[rows.to(device)].float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+        logits = hf_logits(trainer, batch.tokens, batch.positions, batch.cu_seqlens)
+        logp = completion_logprobs(logits, batch)
+    plain = torch.log_softmax(logits.detach()[batch.rows].float(), -1).gather(-1, batch.targets[:, None]).squeeze(-1)
     return logp, plain
 
 

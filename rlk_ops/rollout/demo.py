@@ -27,7 +27,8 @@ from rlk_ops.meta.contract import AttentionContract, SplitKVPolicy
 from rlk_ops.meta.drift import bits_differ, drift_stats
 from rlk_ops.ops._validate import positive_ints
 from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
-from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, compiled_rollout, token_logprobs
+from rlk_ops.rollout.model import TinyQwen3, TinyQwen3Config, Trace, compiled_rollout
+from rlk_ops.rollout.scoring import PackedBatch, completion_logprobs, pack, split
 from rlk_ops.rollout.plain import plain_forward_rollout, plain_log_softmax
 
 
@@ -65,38 +66,21 @@ def make_requests(n: int, vocab: int, seed: int, min_prompt: int = 20, max_promp
     return reqs
 
 
-def _packed(results, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list[int]]:
-    """Every sequence's tokens but the last generated one (which the rollout never fed back), packed:
-    tokens, positions, cu_seqlens (int32), the longest length and each sequence's start row."""
-    seqs = [r.tokens[:-1] for r in results]
-    starts, total = [], 0
-    for s in seqs:
-        starts.append(total)
-        total += len(s)
-    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(len(s)) for s in seqs]).to(device)
-    cu = torch.tensor([*starts, total], dtype=torch.int32, device=device)
-    return tokens, positions, cu, max(len(s) for s in seqs), starts
-
-
-def _generated_logprobs(logits: torch.Tensor, results, starts: list[int]) -> list[torch.Tensor]:
-    """Per sequence: the log-probs of its generated tokens, from the packed rows that predict them."""
-    logps = []
-    for r, st in zip(results, starts):
-        rows = torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + st  # logits that predict each generated token
-        logps.append(token_logprobs(logits[rows], torch.tensor(r.generated)).cpu())
-    return logps
+def _batch(results, device) -> PackedBatch:
+    """Every sequence's tokens but the last generated one (which the rollout never fed back), packed, with
+    the rows that predict its generated tokens (``scoring.pack``)."""
+    return pack([r.tokens for r in results], [len(r.prompt) for r in results], device)
 
 
 def rescore(model: TinyQwen3, results, device) -> tuple[list[torch.Tensor], Trace, list[int]]:
     """One packed teacher-forced forward over every sequence (all tokens but the last
     generated one, which the rollout never fed back). Returns per-sequence log-probs
     of the generated tokens, the trace, and each sequence's start row."""
-    tokens, positions, cu, longest, starts = _packed(results, device)
+    batch = _batch(results, device)
     trace = Trace()
     with torch.no_grad():
-        logits = model.forward_train(tokens, positions, cu, longest, trace=trace)
-    return _generated_logprobs(logits, results, starts), trace, starts
+        logits = model.forward_train(batch.tokens, batch.positions, batch.cu_seqlens, batch.longest, trace=trace)
+    return split(completion_logprobs(logits, batch).cpu(), batch), trace, list(batch.starts)
 
 
 def _hf_forward_check(model, results, device) -> dict:
@@ -105,9 +89,10 @@ def _hf_forward_check(model, results, device) -> dict:
     bitwise."""
     from rlk_ops.compile.hf_model import hf_logits
 
-    tokens, positions, cu, _, starts = _packed(results, device)
+    batch = _batch(results, device)
     with torch.no_grad():
-        logps = torch.cat(_generated_logprobs(hf_logits(model.hf_model, tokens, positions, cu), results, starts))
+        logps = completion_logprobs(hf_logits(model.hf_model, batch.tokens, batch.positions, batch.cu_seqlens),
+                                    batch).cpu()
     roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
     return {"tokens": int(logps.numel()), "mismatched_tokens": int(bits_differ(roll, logps).sum()),
             "path": "transformers' Qwen3ForCausalLM.forward (patched by patch_qwen3_model), packed padding-free "
@@ -150,20 +135,19 @@ def _backward_check(model, results, device) -> dict:
     equal run to run, and are the log-probs the loss reads the rollout's, bitwise (an on-policy
     importance ratio of exactly 1)? For contrast: how many of those ``torch.log_softmax`` would give
     otherwise."""
-    tokens, positions, cu, longest, starts = _packed(results, device)
-    gen = torch.cat([torch.arange(len(r.prompt) - 1, len(r.tokens) - 1) + s for r, s in zip(results, starts)])
-    targets = torch.tensor([t for r in results for t in r.generated], device=device)
+    batch = _batch(results, device)
     roll = torch.tensor([lp for r in results for lp in r.logprobs], dtype=torch.float32)
     grads = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        logits = model.forward_train(tokens, positions, cu, longest)[gen.to(device)]
-        logp = token_logprobs(logits, targets)
+        logits = model.forward_train(batch.tokens, batch.positions, batch.cu_seqlens, batch.longest)
+        logp = completion_logprobs(logits, batch)
         (-logp.mean()).backward()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     loss_lp = logp.detach().cpu()
-    torch_lp = torch.log_softmax(logits.detach().float(), -1).gather(-1, targets[:, None]).squeeze(-1).cpu()
+    torch_lp = torch.log_softmax(logits.detach()[batch.rows].float(), -1).gather(-1, batch.targets[:, None]) \
+        .squeeze(-1).cpu()
     same = all(torch.equal(a, b) for a, b in zip(*grads))
     norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads[0])))
     return {"ran": True, "grads_bitwise_run_to_run": same, "grad_norm": norm, "parameters": len(grads[0]),
