@@ -71,6 +71,18 @@ def test_rows_are_independent_and_run_to_run_in_both_directions(device):
     assert torch.equal(z.grad, full)
 
 
+def test_rows_past_one_step_of_the_chunked_sum_are_the_rows_alone():
+    """row_lse sums a few rows at a time (1 MiB of fp32 a step: 873 rows at vocab 300): rows on both sides
+    of a step boundary, and the rollout's log_softmax over the same rows, give each row's bits alone."""
+    z, t = _logits(rows=1800, vocab=300, seed=4), _tokens(rows=1800, vocab=300, seed=5)
+    lp = token_logprobs(z, t)
+    full = log_softmax(z)
+    assert torch.equal(lp, full[torch.arange(1800), t])
+    for r in (0, 872, 873, 874, 1745, 1746, 1799):
+        assert torch.equal(token_logprobs(z[r:r + 1], t[r:r + 1]), lp[r:r + 1])
+        assert torch.equal(log_softmax(z[r:r + 1])[0], full[r])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ops_pass_opcheck(dtype):
     z, t = _logits(dtype=dtype), _tokens()

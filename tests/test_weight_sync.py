@@ -178,3 +178,33 @@ def _fsdp_body(rank, world):
 @pytest.mark.distributed
 def test_fsdp2_sync_gathers_the_compute_dtype_and_a_refusal_reaches_every_rank():
     run_workers(_fsdp_body, 2)
+
+
+def _hsdp_body(rank, world):
+    """FSDP2 over a 2-D (replicate, shard) mesh spanning every rank (HSDP): the verdicts go over the default
+    group, and every rank gets the whole compute-dtype weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    trainer, rollout = _model(torch.float32), _model(seed=1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(trainer, mesh=mesh, mp_policy=policy)
+    report = sync_weights(trainer, rollout)
+    full = _model(torch.float32)
+    assert report["unsharded"] == report["tensors"] and report["fsdp_modules"] == 1
+    assert all(torch.equal(rollout.get_parameter(n), p.to(torch.bfloat16)) for n, p in full.named_parameters())
+    bad = _model(torch.float32 if rank == 0 else torch.bfloat16, seed=1)
+    from rlk_ops.distributed.checks import DistributedInputError
+    try:
+        sync_weights(trainer, bad)
+    except DistributedInputError as e:
+        assert "rank 0 rejected its input" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+
+
+@pytest.mark.distributed
+def test_hsdp_mesh_sync():
+    run_workers(_hsdp_body, 2)
+

@@ -27,10 +27,9 @@ from torch import nn
 import rlk_ops
 from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
-from rlk_ops.kernels.cpu import numerics as nx
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
-from rlk_ops.rollout.glue import silu, swiglu  # noqa: F401 (silu: the model's, re-exported)
+from rlk_ops.rollout.glue import row_lse, silu, swiglu  # noqa: F401 (silu: the model's, re-exported)
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim, fp32, on the CPU reference path (the rollout engine's log-probs)."""
     z = logits.detach().float().cpu()
-    m = z.amax(-1, keepdim=True)
-    return z - (m + nx.log(nx.rowsum(nx.exp(z - m)))[..., None])
+    return z - row_lse(z).reshape(*z.shape[:-1], 1)
 
 
 class _RMSNorm(nn.Module):
