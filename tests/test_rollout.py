@@ -102,6 +102,33 @@ def test_rollout_is_batch_invariant_across_schedules():
         assert x.logprobs == y.logprobs
 
 
+def test_a_stop_token_ends_its_sequence_and_the_rest_runs_on():
+    """A sequence ends when it generates one of its stop tokens (kept, with its log-prob, finish_reason
+    "stop"); the others run to max_new_tokens ("length") with the same tokens and log-probs as without any
+    stop (batch invariance: the ended sequence leaving the batch changes no bit of the others); the trainer's
+    packed rescoring of the shorter sequence is still the rollout's bitwise; pages all come back."""
+    model = _tiny(2)
+    free = _run(model, max_running=3)[1]
+    stop = free[1].generated[2]   # sequence 1's third token: with it as a stop token, sequence 1 ends there
+    reqs = [Request(r.seq_id, r.prompt, r.max_new_tokens, stop_tokens=[stop] if r.seq_id == 1 else [])
+            for r in _requests()]
+    eng = RolloutEngine(model, cache_for(model, reqs, 8, 3), max_running=3, chunk=17, sampler=Sampler(5))
+    results = eng.run(reqs)
+    cut = free[1].generated.index(stop) + 1
+    assert results[1].generated == free[1].generated[:cut] and results[1].logprobs == free[1].logprobs[:cut]
+    assert results[1].finish_reason == "stop" and len(results[1].generated) < reqs[1].max_new_tokens
+    for a, b in zip(results, free):
+        if a.seq_id != 1:
+            assert (a.generated, a.logprobs, a.finish_reason) == (b.generated, b.logprobs, "length")
+    logps, _, _ = demo.rescore(model, results, "cpu")
+    assert all(torch.equal(lp, torch.tensor(r.logprobs)) for lp, r in zip(logps, results))
+    assert eng.cache.free_pages == eng.cache.num_pages
+    # a replay (forced tokens) is not cut by a stop token
+    forced = [Request(1, free[1].prompt, len(free[1].generated), forced=free[1].generated, stop_tokens=[stop])]
+    replay = RolloutEngine(model, cache_for(model, forced, 8, 1)).run(forced)[0]
+    assert replay.generated == free[1].generated and replay.finish_reason == "length"
+
+
 def test_rejects_bad_requests():
     model = _tiny()
     eng = RolloutEngine(model, cache_for(model, _requests(), 8, 2))
@@ -371,6 +398,8 @@ def _engine(num_pages=3, page_size=4, **kw):
     ([Request(0, [1, 2], 2, forced=[5, -1])], r"request 0: forced\[1\] = -1 is not a token id"),
     ([Request(0, [1, 2], 1, forced=[1.5])], r"request 0: forced\[0\] = 1.5 is not a token id"),
     ([Request(0, [1, 2], 1.5)], r"request 0: needs a non-empty prompt and an int max_new_tokens >= 1"),
+    ([Request(0, [1, 2], 2, stop_tokens=[3, 64])], r"request 0: stop_tokens\[1\] = 64 is not a token id in \[0, 64\)"),
+    ([Request(0, [1, 2], 2, stop_tokens=7)], r"request 0: stop_tokens must be a list or tuple of token ids, got int"),
     ([Request(0, list(range(10)), 4)], r"request 0: needs 13 cached tokens = 4 pages of 4, but the cache has 3"),
     # a tensor prompt once failed on its truth value, None on len()
     ([Request(1, torch.tensor([1, 2, 3]), 2)], r"request 1: prompt must be a list of token ids, got Tensor"),

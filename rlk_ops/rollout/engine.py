@@ -8,8 +8,11 @@ decoding sequences, which changes as sequences finish and join). A finished
 sequence releases its pages at once, so a waiting one can take them.
 
 Tokens are chosen greedily or by a seeded Gumbel-max sampler keyed by (sequence,
-position), so the choice never depends on the batch. With ``forced`` tokens a request
-replays given tokens instead (used to score the negative control on the same tokens).
+position), so the choice never depends on the batch. A sequence ends at ``max_new_tokens`` or
+when it generates one of its request's ``stop_tokens`` (an end-of-sequence id; kept as its last
+token, with its log-prob; ``finish_reason`` says which). With ``forced`` tokens a request
+replays given tokens instead (used to score the negative control on the same tokens; stop
+tokens do not end a replay).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     forced: list[int] | None = None
+    stop_tokens: list[int] | tuple[int, ...] = ()   # generating one of these ends the sequence (it is kept)
 
 
 @dataclass
@@ -45,6 +49,7 @@ class SeqResult:
     lse: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # position -> per-layer [Hq]
     admitted_step: int = -1
     finished_step: int = -1
+    finish_reason: str = ""   # "stop" (a stop token was generated) or "length" (max_new_tokens reached)
 
     @property
     def tokens(self) -> list[int]:
@@ -193,7 +198,10 @@ class RolloutEngine:
                                  f"{len(r.prompt)} prompt tokens and max_new_tokens {r.max_new_tokens!r}")
             if r.forced is not None and len(r.forced) < r.max_new_tokens:
                 raise ValueError(f"request {r.seq_id}: {len(r.forced)} forced tokens < max_new_tokens {r.max_new_tokens}")
-            for name, toks in (("prompt", r.prompt), ("forced", r.forced or [])):
+            if not isinstance(r.stop_tokens, (list, tuple)):
+                raise ValueError(f"request {r.seq_id}: stop_tokens must be a list or tuple of token ids, got "
+                                 f"{type(r.stop_tokens).__name__}")
+            for name, toks in (("prompt", r.prompt), ("forced", r.forced or []), ("stop_tokens", r.stop_tokens)):
                 for i, t in enumerate(toks):
                     if not _integer(t) or t < 0 or (vocab is not None and t >= vocab):
                         raise ValueError(f"request {r.seq_id}: {name}[{i}] = {t!r} is not a token id in "
@@ -271,8 +279,10 @@ class RolloutEngine:
                 log.decode = [res.seq_id for res in seqs]
             still = []
             for req, res in running:
-                if len(res.generated) >= req.max_new_tokens:
+                stopped = req.forced is None and bool(res.generated) and res.generated[-1] in req.stop_tokens
+                if stopped or len(res.generated) >= req.max_new_tokens:
                     res.finished_step = step
+                    res.finish_reason = "stop" if stopped else "length"
                     self.cache.release(res.seq_id)
                     done[res.seq_id] = res
                     log.finished.append(res.seq_id)
