@@ -5,7 +5,9 @@
 #      tests/test_weight_sync.py (the FSDP2 loop on one GPU, eager and compiled), tests/test_token_logprobs.py
 #      and tests/test_embedding_op.py -> $OUT/tests_cuda.log
 #   2. examples/fsdp_rl_loop.py on one GPU (NCCL, world 1), eager and --compile -> $OUT/fsdp_rl_loop{,_compile}.{txt,json}
-#   3. the training-step benchmark's lanes (benchmarks/hf_train_step.py) -> $OUT/hf_train_step.{txt,json}
+#   3. token_logprobs and the embedding op against torch's on the GPU (benchmarks/logprobs_cost.py)
+#      -> $OUT/logprobs_cost_cuda.{txt,json}
+#   4. the training-step benchmark's lanes (benchmarks/hf_train_step.py) -> $OUT/hf_train_step.{txt,json}
 set -u -o pipefail
 source /opt/rlk/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -21,6 +23,8 @@ for c in "" "--compile"; do
     examples/fsdp_rl_loop.py $c --json "$OUT/$tag.json" > "$OUT/$tag.txt" 2>&1; echo "$tag rc=$?"
   grep -v Warning "$OUT/$tag.txt" | tail -9
 done
+timeout 120 python3 -m benchmarks.logprobs_cost --device cuda --out "$OUT/logprobs_cost_cuda.json" \
+  > "$OUT/logprobs_cost_cuda.txt" 2>&1; echo "logprobs cost rc=$?"; tail -6 "$OUT/logprobs_cost_cuda.txt"
 [ "${SKIP_TRAIN_STEP:-0}" = 1 ] && exit 0
 timeout 200 python3 -m benchmarks.hf_train_step --out "$OUT/hf_train_step.json" --steps 5 --warmup 2 \
   > "$OUT/hf_train_step.txt" 2>&1; echo "train step rc=$?"; tail -8 "$OUT/hf_train_step.txt"
