@@ -208,3 +208,28 @@ def _hsdp_body(rank, world):
 def test_hsdp_mesh_sync():
     run_workers(_hsdp_body, 2)
 
+
+
+def _tp_body(rank, world):
+    """A tensor-parallel attention block (``ParallelQwen3Attention``: DTensor projections over a tp mesh)
+    synced into a plain block: the rollout gets the whole weights the sharded block was built from."""
+    import copy as _copy
+
+    from rlk_ops.compile import Qwen3Attention
+    from rlk_ops.compile.examples import init_block
+    from rlk_ops.distributed import ParallelQwen3Attention, init_mesh
+
+    small = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    block = init_block(Qwen3Attention(**small))
+    want = {n: p.detach().clone() for n, p in block.named_parameters()}
+    pblock = ParallelQwen3Attention(_copy.deepcopy(block), init_mesh(tp=world, cp=1))
+    assert any(type(p).__name__ == "DTensor" for p in pblock.parameters())
+    rollout = Qwen3Attention(**small)
+    report = sync_weights(pblock, rollout)
+    assert report["gathered"] > 0 and report["fsdp_modules"] == 0
+    assert all(torch.equal(rollout.get_parameter(n), w) for n, w in want.items())
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_block_syncs_whole():
+    run_workers(_tp_body, 2)
