@@ -382,3 +382,33 @@ def test_rlk_linear_shares_the_weight_and_is_rlk_linear():
     x = torch.randn(3, 8)
     assert torch.equal(lin(x), rlk_ops.linear(x, base.weight, base.bias))
     assert list(RlkLinear(torch.nn.Linear(8, 5, bias=False)).state_dict()) == ["weight"]
+
+
+def test_generate_runs_the_rollout_engine_with_the_trainers_bits():
+    """``generate`` on a model patched whole: the rollout engine's tokens and log-probs, which the trainer's
+    packed forward (``completion_logprobs``) gives back bitwise; the model's eos id ends a sequence; greedy
+    is repeatable; transformers' own generate is refused, naming this one."""
+    from rlk_ops.compile.hf_model import generate
+    from rlk_ops.rollout.scoring import completion_logprobs, pack
+
+    _, model = _whole(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 2)]
+    results = generate(model, prompts, 6, stop_tokens=[], seed=3)
+    assert [r.prompt for r in results] == prompts and all(len(r.generated) == 6 for r in results)
+    batch = pack([r.tokens for r in results], [len(r.prompt) for r in results])
+    with torch.no_grad():
+        logp = completion_logprobs(hf_logits(model, batch.tokens, batch.positions, batch.cu_seqlens), batch)
+    assert torch.equal(logp, torch.tensor([lp for r in results for lp in r.logprobs]))
+    eos = results[1].generated[1]
+    model.generation_config.eos_token_id = eos
+    cut = generate(model, prompts, 6, seed=3)   # stop_tokens=None: the model's eos id
+    assert cut[1].finish_reason == "stop" and cut[1].generated == results[1].generated[:results[1].generated.index(eos) + 1]
+    greedy = generate(model, prompts, 4, seed=None, stop_tokens=[])
+    assert [r.generated for r in greedy] == [r.generated for r in generate(model, prompts, 4, seed=None, stop_tokens=[])]
+    with pytest.raises(RlkInputError, match=r"hf_model.generate\(model, prompts, max_new_tokens\)"):
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2)
+    with pytest.raises(RlkInputError, match="prompts must be a non-empty list"):
+        generate(model, [], 3)
+    with pytest.raises(RlkInputError, match="patch_qwen3_model"):
+        generate(_models(torch.bfloat16)[0], prompts, 3)   # not patched

@@ -121,7 +121,9 @@ class HFQwen3Attention(Qwen3Attention):
         where = "HFQwen3Attention.forward"
         if past_key_values is not None or cache is not None:
             _refuse(where, "HF's KV cache is not supported: the rlk block is the training forward here (call the "
-                           "model with use_cache=False; generation runs on the rlk rollout engine)")
+                           "model with use_cache=False; generation runs on the rlk rollout engine: "
+                           "rlk_ops.compile.hf_model.generate(model, prompts, max_new_tokens) for a model patched "
+                           "by patch_qwen3_model)")
         if kwargs.get("output_attentions"):
             _refuse(where, "output_attentions=True: the rlk attention does not form attention weights")
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:

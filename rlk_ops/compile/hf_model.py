@@ -198,6 +198,32 @@ def hf_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, c
     return out.logits[0]
 
 
+def generate(model: nn.Module, prompts, max_new_tokens: int, *, stop_tokens=None, seed: int | None = 0,
+             temperature: float = 1.0, page_size: int = 16, max_running: int = 8, chunk: int = 512) -> list:
+    """Generates with a model patched by ``patch_qwen3_model`` on the rlk rollout engine (transformers'
+    ``generate`` is refused: HF's KV cache): ``prompts`` (lists of token ids) -> one ``SeqResult`` per prompt,
+    in order, with the generated tokens, their log-probs (the trainer's ``completion_logprobs`` of the same
+    tokens, bitwise) and ``finish_reason``. ``stop_tokens``: the ids that end a sequence; None takes the
+    model's ``generation_config.eos_token_id`` (or its config's), [] none. ``seed``: the Gumbel-max sampler's
+    (None: greedy). A paged cache for ``max_running`` sequences at a time is made for the call."""
+    from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
+
+    lm = model if isinstance(model, HFQwen3LM) else rollout_model(model)
+    if stop_tokens is None:
+        eos = getattr(getattr(lm.hf_model, "generation_config", None), "eos_token_id", None)
+        eos = getattr(lm.hf_model.config, "eos_token_id", None) if eos is None else eos
+        stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        _refuse("generate", f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    requests = [Request(i, list(p) if isinstance(p, (list, tuple)) else p, max_new_tokens, stop_tokens=stop_tokens)
+                for i, p in enumerate(prompts)]
+    device = lm.embed_tokens.weight.device
+    engine = RolloutEngine(lm, cache_for(lm, requests, page_size, max_running, device), max_running=max_running,
+                           chunk=chunk, sampler=Sampler(seed, temperature))
+    with torch.inference_mode():
+        return engine.run(requests)
+
+
 def load(path: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
          split_kv: str = "disabled") -> HFQwen3LM:
     """A Qwen3 checkpoint from a local folder (``save_pretrained``'s layout), patched whole, as the
