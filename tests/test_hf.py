@@ -265,7 +265,13 @@ def test_parameters_are_shared_not_copied():
     fresh = transformers.Qwen3ForCausalLM(copy.deepcopy(ref.config)).to(torch.float64)
     fresh.load_state_dict(model.state_dict(), strict=True)
     assert _rel(fresh(ids, use_cache=False).logits, model(ids).logits) < 1e-6
-    assert model.config.use_cache is False and model.config._attn_implementation == "rlk"
+    assert model.config._attn_implementation == "rlk"
+    # the config's use_cache is the model's own (a saved checkpoint keeps it); a call that does not pass it runs
+    # without HF's cache, the base model's too, and one that asks for the cache is refused
+    assert model.config.use_cache is ref.config.use_cache is True
+    assert model.model(ids).past_key_values is None
+    with pytest.raises(RlkInputError, match="HF's KV cache is not supported"):
+        model(ids, use_cache=True)
 
 
 def test_activation_checkpointing_recomputes_the_same_bits():

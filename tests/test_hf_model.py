@@ -208,6 +208,7 @@ def test_parameters_state_dict_and_tied_embeddings_are_the_models_own(checkpoint
     opt.step()
     assert not torch.equal(model.model.layers[0].post_attention_layernorm.weight, norm)
     model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True   # (the patch leaves it)
     fresh = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert type(fresh.lm_head) is torch.nn.Linear
     assert ((fresh(ids).logits - model(ids).logits).abs().max() < 1e-4)

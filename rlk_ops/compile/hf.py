@@ -243,7 +243,8 @@ def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask
 def patch_qwen3(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
     """Replaces every HF ``Qwen3Attention`` in ``model`` (a transformers Qwen3 or Qwen3-MoE model, e.g.
     ``Qwen3ForCausalLM``; ``Qwen3MoeAttention`` there) with an ``HFQwen3Attention`` sharing its weights; sets the model's attention
-    implementation to ``"rlk"`` and ``config.use_cache = False``. Returns ``model``. Patch before
+    implementation to ``"rlk"``, and makes a call that does not pass ``use_cache`` run without HF's KV cache
+    (a forward pre-hook; the config's ``use_cache`` is left as it was). Returns ``model``. Patch before
     wrapping the model (FSDP, DDP, torch.compile). An adapter on an attention projection (a peft LoRA
     wrapper, added before or after the patch) is refused at the forward: the block reads the projection's
     weight and never calls it, so the adapter would add nothing."""
@@ -267,5 +268,15 @@ def patch_qwen3(model: nn.Module, *, split_kv: str = "disabled") -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, HFQwen3Attention.from_hf(hf_attn, config))
     model.config._attn_implementation = ATTN_IMPLEMENTATION
-    model.config.use_cache = False
+    # a call that does not say use_cache runs without HF's KV cache (which the block refuses); the config's
+    # use_cache is left as it was, so a checkpoint saved after the patch keeps it (before session 46 the
+    # patch set it to False, and save_pretrained wrote that)
+    for m in [model, *(m for m in model.modules() if isinstance(m, PreTrainedModel) and m is not model)]:
+        m.register_forward_pre_hook(_no_cache_unless_asked, with_kwargs=True)
     return model
+
+
+def _no_cache_unless_asked(module, args, kwargs):
+    if kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
