@@ -126,6 +126,10 @@ def test_sharing_shares_the_weight_and_settings():
     (lambda w, i, d: torch.ops.rlk_model.embedding(w, i, 11), "padding_idx must be -1 (none) or in [0, 11), got 11"),
     (lambda w, i, d: torch.ops.rlk_model.embedding_bwd(d[:, :3], i, 11, -1),
      "dout must be a floating tensor [*ids.shape, dim] = [5, 37, dim], got torch.bfloat16 [5, 3, 24]"),
+    (lambda w, i, d: torch.ops.rlk_model.embedding_bwd(d, i, 11, 11),
+     "num_weights must be >= 1 and padding_idx -1 (none) or in [0, num_weights), got num_weights 11, padding_idx 11"),
+    (lambda w, i, d: torch.ops.rlk_model.embedding_bwd(d, i.float(), 11, -1),
+     "ids must be int64 or int32 token ids on dout's device cpu, got torch.float32 on cpu"),
 ])
 def test_bad_input_is_named(call, fragment):
     weight, ids, dout = _case()

@@ -1,7 +1,9 @@
-"""The demo model's SwiGLU as custom ops (namespace ``rlk_model``): opaque to torch.compile.
+"""The model glue around the rlk ops as custom ops (namespace ``rlk_model``): opaque to torch.compile.
 
     rlk_model::swiglu(gate_up [..., 2I]) -> [..., I]        silu(gate) * up, gate_up's dtype
     rlk_model::swiglu_bwd(dout [..., I], gate_up) -> [..., 2I]
+    rlk_model::token_logprobs, _bwd                          the log-prob at a token (below)
+    rlk_model::embedding, _bwd                               the embedding gather and its fixed-order sums (below)
 
 ``silu(x)`` is x * sigmoid(x) in fp32 (fp64 for fp64) with position-independent exp
 (``numerics.exp``), rounded once to x's dtype; the product is one IEEE multiply in that dtype. Written as plain torch code in
@@ -116,8 +118,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 # bit, so the trainer's differentiable log-prob is the rollout's. Computed on the CPU reference path on
 # every device (position-independent exp and log, a row sum in a fixed order: torch.log_softmax's bits
 # depend on the row's place in a vector loop on CPU and on the number of rows on CUDA); on CUDA that moves
-# the logits to the host and the two results back. The backward, d z = dlogp * (onehot(token) - softmax),
-# runs on logits' device: elementwise, with no reduction, so deterministic and batch-invariant there.
+# the logits to the host and the two results back. The backward, d z = dlogp * (onehot(token) - softmax) +
+# dlse * softmax, runs on logits' device: elementwise, with no reduction, so deterministic and batch-invariant.
 
 
 _CHUNK_ELEMENTS = 1 << 18   # logits elements per step of row_lse (1 MiB of fp32)
@@ -271,7 +273,12 @@ def _embedding_bwd(dout: torch.Tensor, ids: torch.Tensor, num_weights: int, padd
     if list(dout.shape[:-1]) != list(ids.shape) or dout.dim() < 1 or not dout.is_floating_point():
         raise ValueError(f"rlk_model::embedding_bwd: dout must be a floating tensor [*ids.shape, dim] = "
                          f"[{', '.join(map(str, ids.shape))}, dim], got {dout.dtype} {list(dout.shape)}")
-    _check_embedding("embedding_bwd", dout.new_empty(num_weights, dout.shape[-1]), ids, padding_idx)
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device != dout.device:
+        raise ValueError(f"rlk_model::embedding_bwd: ids must be int64 or int32 token ids on dout's device "
+                         f"{dout.device}, got {ids.dtype} on {ids.device}")
+    if num_weights < 1 or not -1 <= padding_idx < num_weights:
+        raise ValueError(f"rlk_model::embedding_bwd: num_weights must be >= 1 and padding_idx -1 (none) or in "
+                         f"[0, num_weights), got num_weights {num_weights}, padding_idx {padding_idx}")
     rows = dout.reshape(-1, dout.shape[-1]).float()
     # fp32 sums for the ids present only (the whole table in fp32 cost 3x nn.Embedding's backward at vocab 151936)
     present, slot = torch.unique(ids.reshape(-1).long(), sorted=True, return_inverse=True)
