@@ -6,12 +6,7 @@
 #      single pass, page 128 canonical -> $OUT/demo_hf_*.json
 #   3. a training step, SDPA vs rlk attention vs every stage on rlk (benchmarks/hf_train_step.py)
 #      -> $OUT/hf_train_step.json, $OUT/hf_train_step_profile.txt
-set -u -o pipefail
-source /opt/rlk/env.sh
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
+source "$(dirname "$0")/_hf_gpu_env.sh" "${1:-unknown}"
 timeout 240 python3 -m pytest -q -rA -p no:cacheprovider tests/test_hf_model.py tests/test_hf.py \
   > "$OUT/test_hf_cuda.log" 2>&1; echo "tests rc=$?"; tail -3 "$OUT/test_hf_cuda.log"
 python3 -m benchmarks.make_hf_checkpoint /tmp/qwen3-0.6b --shape qwen3-0.6b

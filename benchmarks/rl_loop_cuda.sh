@@ -8,12 +8,7 @@
 #   3. token_logprobs and the embedding op against torch's on the GPU (benchmarks/logprobs_cost.py)
 #      -> $OUT/logprobs_cost_cuda.{txt,json}
 #   4. the training-step benchmark's lanes (benchmarks/hf_train_step.py) -> $OUT/hf_train_step.{txt,json}
-set -u -o pipefail
-source /opt/rlk/env.sh
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-{ echo "commit ${1:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
+source "$(dirname "$0")/_hf_gpu_env.sh" "${1:-unknown}"
 tests="tests/test_hf.py tests/test_weight_sync.py tests/test_token_logprobs.py tests/test_embedding_op.py"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider -m cuda tests/test_hf_model.py -k "not demo" $tests \
   > "$OUT/tests_cuda.log" 2>&1; echo "tests rc=$?"; tail -3 "$OUT/tests_cuda.log"

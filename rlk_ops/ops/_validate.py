@@ -239,6 +239,20 @@ def value_checks_enabled(t: torch.Tensor, op: str = "") -> bool:
     return True
 
 
+def token_ids_in_range(where: str, name: str, ids: torch.Tensor, num: int, what: str) -> None:
+    """Every value of the integer tensor ``ids`` in [0, ``num``) (``what`` names the range), checked as the
+    ops check their index values (``value_checks_enabled``); else RlkInputError naming the first bad one."""
+    if not ids.numel() or not value_checks_enabled(ids, where):
+        return
+    bad = (ids < 0) | (ids >= num)
+    if on_device(ids) and all_clear(bad):
+        return
+    if bool(bad.any()):
+        i = first_bad(bad.cpu())
+        raise RlkInputError(f"{where}: {fmt_index(name, i)} = {int(ids[i])} is not a token id; token ids must be in "
+                            f"[0, {num}) ({what})")
+
+
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors (on one device) may share a byte: their address spans [first, last
     element] intersect (exact for contiguous tensors, conservative for strided ones). Addresses,

@@ -243,15 +243,7 @@ def _check_embedding(op: str, weight: torch.Tensor, ids: torch.Tensor, padding_i
 def _check_ids(op: str, ids: torch.Tensor, num: int) -> None:
     from rlk_ops.ops import _validate as V
 
-    if not ids.numel() or not V.value_checks_enabled(ids, op):
-        return
-    bad = (ids < 0) | (ids >= num)
-    if V.on_device(ids) and V.all_clear(bad):
-        return
-    if bool(bad.any()):
-        i = V.first_bad(bad.cpu())
-        raise ValueError(f"rlk_model::{op}: {V.fmt_index('ids', i)} = {int(ids[i])} is not a token id; token ids "
-                         f"must be in [0, {num}) (the embedding's rows)")
+    V.token_ids_in_range(f"rlk_model::{op}", "ids", ids, num, "the embedding's rows")
 
 
 @torch.library.custom_op("rlk_model::embedding", mutates_args=())

@@ -259,15 +259,7 @@ class TinyQwen3(nn.Module):
         if tokens.device != self.embed_tokens.weight.device:
             raise V.RlkInputError(f"{where}: tokens must be on the model's device "
                                   f"{self.embed_tokens.weight.device}, got {tokens.device}")
-        if not tokens.numel() or not V.value_checks_enabled(tokens, where):
-            return
-        bad = (tokens < 0) | (tokens >= vocab)
-        if V.on_device(tokens) and V.all_clear(bad):
-            return
-        if bool(bad.any()):
-            i = V.first_bad(bad.cpu())
-            raise V.RlkInputError(f"{where}: {V.fmt_index('tokens', i)} = {int(tokens[i])} is not a token id; "
-                                  f"token ids must be in [0, {vocab}) (the vocabulary)")
+        V.token_ids_in_range(where, "tokens", tokens, vocab, "the vocabulary")
 
     def check_paged_inputs(self, tokens, k_caches, v_caches) -> None:
         """``forward_paged``'s tokens [B, Sq] and caches: one K and one V cache per layer, each
