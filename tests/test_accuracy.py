@@ -41,6 +41,37 @@ def test_exp_is_finite_up_to_the_largest_float(dtype):
     assert nx.exp(torch.tensor([top * 1.0001], dtype=dtype)).item() == math.inf
 
 
+def _exp_allocating(x):
+    """numerics.exp as written before session 46, every step a new tensor (the in-place version must give
+    these bits: the same IEEE operations in the same order)."""
+    dt = x.dtype
+    _, _, emin, _, _ = nx._FLOAT_LAYOUT[dt]
+    lo, hi = emin * math.log(2.0), math.log(torch.finfo(dt).max)
+    xc = x.clamp(lo, hi)
+    n = torch.round(xc * nx._LOG2E)
+    r = (xc - n * nx._LN2_HI[dt]) - n * nx._LN2_LO[dt]
+    p = torch.full_like(r, nx._EXP_COEFFS[dt][0])
+    for c in nx._EXP_COEFFS[dt][1:]:
+        p = p * r + c
+    half = torch.floor(n * 0.5)
+    y = (p * nx._pow2(half, dt)) * nx._pow2(n - half, dt)
+    y = torch.where(x < lo, torch.zeros_like(y), y)
+    y = torch.where(x > hi, torch.full_like(y, math.inf), y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
+def test_exp_in_place_is_the_allocating_transcription_bitwise(dtype, bits):
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(1 << 16, generator=g, dtype=dtype) * s for s in (0.01, 1, 10, 100)] +
+                  [torch.linspace(-800, 800, 1 << 16, dtype=dtype),
+                   torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 88.72, 88.73, -87.34, -103.98, -745.2,
+                                 709.79, 709.8, 1e-30], dtype=dtype)])
+    keep = x.clone()
+    assert torch.equal(nx.exp(x).view(bits), _exp_allocating(x).view(bits))
+    assert torch.equal(x.view(bits), keep.view(bits))   # the input is not written
+
+
 def test_sincos_accuracy():
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     angle = (torch.arange(0, 40000, 7).double()[:, None] * inv_freq).float()

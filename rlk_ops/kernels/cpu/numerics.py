@@ -85,19 +85,21 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     _, _, emin, emax, _ = _FLOAT_LAYOUT[dt]
     lo = emin * math.log(2.0)  # below: flush to 0 (results under the smallest normal)
     hi = math.log(torch.finfo(dt).max)  # above: inf (emax * log(2), before, gave inf from 88.03 in fp32)
+    # (in place where a temporary is done with: the same IEEE operations in the same order, so the same
+    # bits, 1.5x faster than allocating each step; session 46)
     xc = x.clamp(lo, hi)
     n = torch.round(xc * _LOG2E)
-    r = (xc - n * _LN2_HI[dt]) - n * _LN2_LO[dt]
+    r = xc.sub_(n * _LN2_HI[dt]).sub_(n * _LN2_LO[dt])        # (xc - n * hi) - n * lo
     coeffs = _EXP_COEFFS[dt]
     p = torch.full_like(r, coeffs[0])
     for c in coeffs[1:]:
-        p = p * r + c
+        p.mul_(r).add_(c)                                      # p * r + c
     # 2**n in two exact factors: n reaches emax + 1 just under hi, where one factor would be inf
     # (each product is exact while normal, so the bits are p * 2**n rounded once, as before)
     half = torch.floor(n * 0.5)
-    y = (p * _pow2(half, dt)) * _pow2(n - half, dt)
-    y = torch.where(x < lo, torch.zeros_like(y), y)
-    y = torch.where(x > hi, torch.full_like(y, math.inf), y)
+    y = p.mul_(_pow2(half, dt)).mul_(_pow2(n.sub_(half), dt))  # (p * 2**half) * 2**(n - half)
+    y.masked_fill_(x < lo, 0.0)
+    y.masked_fill_(x > hi, math.inf)
     return torch.where(torch.isnan(x), x, y)
 
 
