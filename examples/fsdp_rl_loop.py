@@ -139,7 +139,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="the trainer under torch.compile (Inductor)")
+    parser.add_argument("--compile", action="store_true", help="each trainer layer under torch.compile (Inductor, "
+                        "EAGER_BITS), and an eager run compared with it")
     parser.add_argument("--json", default=None, help="rank 0 writes the table's numbers here")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
