@@ -71,3 +71,21 @@ def test_bad_input_to_completion_logprobs_is_named():
     with pytest.raises(RlkInputError, match="batch must be pack\\(\\)'s PackedBatch, got tuple"):
         completion_logprobs(torch.zeros(2, 7), (b.tokens,))
     assert isinstance(b, PackedBatch)
+
+
+def test_a_tempered_rollout_records_the_tempered_log_probs():
+    """A sampler at temperature T draws from softmax(logits / T): the engine records that distribution's
+    log-probs, which the trainer's completion_logprobs(..., T) gives back bitwise; a custom logprobs function
+    that cannot take the temperature is refused rather than recording another distribution's."""
+    model = _model()
+    g = torch.Generator().manual_seed(1)
+    requests = [Request(i, torch.randint(0, 50, (n,), generator=g).tolist(), 6) for i, n in enumerate([4, 11])]
+    results = RolloutEngine(model, cache_for(model, requests, 8, 2), sampler=Sampler(2, temperature=0.6)).run(requests)
+    batch = pack([r.tokens for r in results], [len(r.prompt) for r in results])
+    logits = model.forward_train(batch.tokens, batch.positions, batch.cu_seqlens, batch.longest)
+    recorded = torch.tensor([lp for r in results for lp in r.logprobs])
+    assert torch.equal(completion_logprobs(logits, batch, 0.6).detach(), recorded)
+    assert not torch.equal(completion_logprobs(logits, batch).detach(), recorded)
+    with pytest.raises(ValueError, match="logprobs must then take a temperature= argument"):
+        RolloutEngine(model, cache_for(model, requests, 8, 2), sampler=Sampler(2, temperature=0.6),
+                      logprobs=lambda x: x.float().log_softmax(-1))

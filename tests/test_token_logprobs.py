@@ -136,3 +136,32 @@ def test_bad_backward_input_is_named():
         torch.ops.rlk_model.token_logprobs_bwd(torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16), z, t, lse)
     with pytest.raises(ValueError, match=r"dlogp must be float32 \[3\] on cpu, got torch.float32 \[4\]"):
         torch.ops.rlk_model.token_logprobs_bwd(torch.zeros(4), torch.zeros(3), z, t, lse)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_temperature_divides_the_logits_in_fp32_on_both_sides(device):
+    """log_softmax(logits / T): the trainer's token_logprobs and the rollout's log_softmax give the same bits
+    (the division in fp32 on the host for both), accurate against float64, with the exact gradient."""
+    z = _logits(device=device).requires_grad_(True)
+    t = _tokens(device=device)
+    lp = token_logprobs(z, t, 0.7)
+    assert torch.equal(lp.detach().cpu(), log_softmax(z, 0.7)[torch.arange(7), t.cpu()])
+    assert not torch.equal(lp.detach(), token_logprobs(z, t).detach())
+    zd = z.detach().double().requires_grad_(True)
+    ref = torch.log_softmax(zd / 0.7, -1)[torch.arange(7, device=device), t]
+    assert torch.allclose(lp.detach().double(), ref, rtol=1e-6, atol=1e-5)
+    w = torch.linspace(-1, 2, 7, device=device)
+    (w * lp).sum().backward()
+    (w.double() * ref).sum().backward()
+    assert torch.allclose(z.grad.double(), zd.grad, rtol=2e-2, atol=1e-2)   # (bf16 gradient)
+    torch.library.opcheck(torch.ops.rlk_model.token_logprobs, (z.detach().float().requires_grad_(True), t, 0.7))
+
+
+@pytest.mark.parametrize("t, got", [(0, "0"), (-1.0, "-1.0"), (float("nan"), "nan"), (float("inf"), "inf"),
+                                    (True, "True"), ("1", "'1'")])
+def test_a_bad_temperature_is_named(t, got):
+    z, tok = _logits(rows=2, vocab=5), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=rf"temperature must be a finite number > 0, got {got}"):
+        token_logprobs(z, tok, t)
+    with pytest.raises(ValueError, match=rf"temperature must be a finite number > 0, got {got}"):
+        log_softmax(z, t)

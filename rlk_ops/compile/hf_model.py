@@ -205,7 +205,9 @@ def generate(model: nn.Module, prompts, max_new_tokens: int, *, stop_tokens=None
     in order, with the generated tokens, their log-probs (the trainer's ``completion_logprobs`` of the same
     tokens, bitwise) and ``finish_reason``. ``stop_tokens``: the ids that end a sequence; None takes the
     model's ``generation_config.eos_token_id`` (or its config's), [] none. ``seed``: the Gumbel-max sampler's
-    (None: greedy). A paged cache for ``max_running`` sequences at a time is made for the call."""
+    (None: greedy); ``temperature``: it samples from softmax(logits / T) and records that distribution's
+    log-probs (``completion_logprobs(..., temperature=T)``'s bits). A paged cache for ``max_running``
+    sequences at a time is made for the call."""
     from rlk_ops.rollout.engine import Request, RolloutEngine, Sampler, cache_for
 
     lm = model if isinstance(model, HFQwen3LM) else rollout_model(model)

@@ -8,7 +8,9 @@ decoding sequences, which changes as sequences finish and join). A finished
 sequence releases its pages at once, so a waiting one can take them.
 
 Tokens are chosen greedily or by a seeded Gumbel-max sampler keyed by (sequence,
-position), so the choice never depends on the batch. A sequence ends at ``max_new_tokens`` or
+position), so the choice never depends on the batch. With a temperature T the sampler draws from
+softmax(logits / T), and the recorded log-probs are that distribution's (``log_softmax(logits, T)``;
+a trainer's ``token_logprobs(logits, tokens, T)`` gives the same bits). A sequence ends at ``max_new_tokens`` or
 when it generates one of its request's ``stop_tokens`` (an end-of-sequence id; kept as its last
 token, with its log-prob; ``finish_reason`` says which). With ``forced`` tokens a request
 replays given tokens instead (used to score the negative control on the same tokens; stop
@@ -17,6 +19,7 @@ tokens do not end a replay).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import numbers
 from collections import deque
@@ -128,6 +131,13 @@ class RolloutEngine:
         self.sampler = sampler or Sampler()
         self.forward = forward or type(model).forward_rollout  # called as forward(model, ...)
         self.logprobs = logprobs or log_softmax
+        # the sampler's temperature (a custom sampler without one: 1): what the recorded log-probs are of
+        self.temperature = float(getattr(self.sampler, "temperature", 1.0))
+        if self.temperature != 1.0 and logprobs is not None and \
+                "temperature" not in inspect.signature(logprobs).parameters:
+            raise ValueError(f"RolloutEngine: the sampler draws at temperature {self.temperature}, so the recorded "
+                             f"log-probs must be softmax(logits / T)'s; logprobs must then take a temperature= "
+                             f"argument (as rlk_ops.rollout.model.log_softmax does)")
         self.on_token = on_token
         self.log: list[StepLog] = []
 
@@ -151,9 +161,16 @@ class RolloutEngine:
                 s.lse[st + j] = [x[row] for x in lse]
                 row += 1
         b, sq, v = logits.shape
-        return self.logprobs(logits.reshape(b * sq, v)).reshape(b, sq, v)
+        flat = logits.reshape(b * sq, v)
+        logp = self.logprobs(flat).reshape(b, sq, v)
+        if self.temperature == 1.0:
+            return logp, logp
+        # a tempered sampler draws from softmax(logits / T): its log-probs are recorded (the sampler's
+        # scores keep their bits: argmax(logp / T + gumbel) picks the tokens it picked before)
+        return logp, self.logprobs(flat, temperature=self.temperature).reshape(b, sq, v)
 
-    def _emit(self, s: SeqResult, req: Request, logp_row: torch.Tensor) -> None:
+    def _emit(self, s: SeqResult, req: Request, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        logp_row, record_row = rows
         position = len(s.tokens)
         if req.forced is not None:
             token = req.forced[len(s.generated)]
@@ -168,7 +185,7 @@ class RolloutEngine:
                                  f"[0, {logp_row.shape[-1]}) (the vocabulary)")
             token = int(token)
         s.generated.append(token)
-        s.logprobs.append(float(logp_row[token]))
+        s.logprobs.append(float(record_row[token]))
         if self.on_token:
             self.on_token(1)
 
@@ -265,17 +282,17 @@ class RolloutEngine:
                 cached = self.cache.length(res.seq_id)
                 if cached < len(res.prompt):  # chunked prefill, one chunk per step
                     stop = min(len(res.prompt), cached + self.chunk)
-                    logp = self._run([res], [res.prompt[cached:stop]], [cached])
+                    logp, rec = self._run([res], [res.prompt[cached:stop]], [cached])
                     log.prefill.append((res.seq_id, cached, stop))
                     if stop == len(res.prompt):
-                        self._emit(res, req, logp[0, -1])
+                        self._emit(res, req, (logp[0, -1], rec[0, -1]))
                 else:
                     decoding.append((req, res))
             if decoding:
                 seqs = [res for _, res in decoding]
-                logp = self._run(seqs, [[res.tokens[-1]] for res in seqs], [len(res.tokens) - 1 for res in seqs])
+                logp, rec = self._run(seqs, [[res.tokens[-1]] for res in seqs], [len(res.tokens) - 1 for res in seqs])
                 for i, (req, res) in enumerate(decoding):
-                    self._emit(res, req, logp[i, 0])
+                    self._emit(res, req, (logp[i, 0], rec[i, 0]))
                 log.decode = [res.seq_id for res in seqs]
             still = []
             for req, res in running:

@@ -23,6 +23,8 @@ are not rlk ops: no backend choice, no determinism spec beyond "the same torch c
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_ops.kernels.cpu import numerics as nx
@@ -110,10 +112,12 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ token log-probs
-# rlk_model::token_logprobs(logits [T, V], tokens [T]) -> (logp [T], lse [T])   fp32, on logits' device
-# rlk_model::token_logprobs_bwd(dlogp [T], dlse [T], logits, tokens, lse) -> dlogits [T, V] (logits' dtype)
+# rlk_model::token_logprobs(logits [T, V], tokens [T], temperature) -> (logp [T], lse [T])   fp32, logits' device
+# rlk_model::token_logprobs_bwd(dlogp [T], dlse [T], logits, tokens, lse, temperature) -> dlogits [T, V]
 #
-# The log-prob of each row's token, log_softmax(logits)[token] = z[token] - lse with z = logits in fp32 and
+# The log-prob of each row's token, log_softmax(logits / T)[token] = z[token] - lse with z = logits in fp32
+# divided by the temperature T on the host (a sampler drawing from softmax(logits / T) has these
+# log-probs; at T = 1, z = logits) and
 # lse = max + log(rowsum(exp(z - max))): the rollout engine's arithmetic (``model.log_softmax``), bit for
 # bit, so the trainer's differentiable log-prob is the rollout's. Computed on the CPU reference path on
 # every device (position-independent exp and log, a row sum in a fixed order: torch.log_softmax's bits
@@ -161,55 +165,70 @@ def _token_values(op: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return t
 
 
+def tempered(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / temperature in z's dtype (one IEEE division per element; z itself at temperature 1)."""
+    return z if temperature == 1.0 else z / temperature
+
+
+def _check_temperature(op: str, temperature: float) -> None:
+    if not (isinstance(temperature, float) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"rlk_model::{op}: temperature must be a finite float > 0, got {temperature!r}")
+
+
 @torch.library.custom_op("rlk_model::token_logprobs", mutates_args=())
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     no_forward_ad("rlk_model::token_logprobs")
     _check_logprobs("token_logprobs", logits, tokens)
+    _check_temperature("token_logprobs", temperature)
     t = _token_values("token_logprobs", tokens, logits.shape[1])
-    z = logits.float().cpu()
+    z = tempered(logits.float().cpu(), temperature)
     lse = row_lse(z)
     logp = z.gather(-1, t[:, None]).squeeze(-1) - lse
     return logp.to(logits.device), lse.to(logits.device)
 
 
 @_token_logprobs.register_fake
-def _token_logprobs_fake(logits, tokens):
+def _token_logprobs_fake(logits, tokens, temperature=1.0):
     _check_logprobs("token_logprobs", logits, tokens)
+    _check_temperature("token_logprobs", temperature)
     n = logits.shape[0]
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
 @torch.library.custom_op("rlk_model::token_logprobs_bwd", mutates_args=())
 def _token_logprobs_bwd(dlogp: torch.Tensor, dlse: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor,
-                        lse: torch.Tensor) -> torch.Tensor:
+                        lse: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     _check_logprobs("token_logprobs_bwd", logits, tokens)
+    _check_temperature("token_logprobs_bwd", temperature)
     n = logits.shape[0]
     for name, t in (("dlogp", dlogp), ("dlse", dlse), ("lse", lse)):
         if t.dtype != torch.float32 or list(t.shape) != [n] or t.device != logits.device:
             raise ValueError(f"rlk_model::token_logprobs_bwd: {name} must be float32 [{n}] on {logits.device}, got "
                              f"{t.dtype} {list(t.shape)} on {t.device}")
-    # d logp / d z = onehot(token) - p and d lse / d z = p, p = exp(z - lse): one product per element, then
-    # the token's element gets dlogp added (one add): no reduction anywhere
-    dz = (dlse - dlogp)[:, None] * torch.exp(logits.float() - lse[:, None])
+    # with z = logits / T: d logp / d z = onehot(token) - p and d lse / d z = p, p = exp(z - lse); one product
+    # per element, the token's element gets dlogp added (one add), then 1/T: no reduction anywhere
+    dz = (dlse - dlogp)[:, None] * torch.exp(tempered(logits.float(), temperature) - lse[:, None])
     dz.scatter_add_(-1, tokens.long()[:, None], dlogp[:, None])
-    return dz.to(logits.dtype)
+    return tempered(dz, temperature).to(logits.dtype)
 
 
 @_token_logprobs_bwd.register_fake
-def _token_logprobs_bwd_fake(dlogp, dlse, logits, tokens, lse):
+def _token_logprobs_bwd_fake(dlogp, dlse, logits, tokens, lse, temperature=1.0):
     _check_logprobs("token_logprobs_bwd", logits, tokens)
     return logits.new_empty(logits.shape)
 
 
 def _setup_logprobs(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], output[1])
+    ctx.temperature = inputs[2]
 
 
 def _backward_logprobs(ctx, dlogp, dlse):
     logits, tokens, lse = ctx.saved_tensors
     dlogp = torch.zeros_like(lse) if dlogp is None else dlogp.contiguous()
     dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-    return torch.ops.rlk_model.token_logprobs_bwd(dlogp, dlse, logits, tokens, lse), None
+    return torch.ops.rlk_model.token_logprobs_bwd(dlogp, dlse, logits, tokens, lse, ctx.temperature), None, None
 
 
 _token_logprobs.register_autograd(_backward_logprobs, setup_context=_setup_logprobs)

@@ -18,6 +18,7 @@ changed its bits as plain code), and each residual add is one rounding whose res
 """
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
-from rlk_ops.rollout.glue import row_lse, silu, swiglu  # noqa: F401 (silu: the model's, re-exported)
+from rlk_ops.rollout.glue import row_lse, silu, swiglu, tempered  # noqa: F401 (silu: the model's, re-exported)
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,28 @@ class TinyQwen3Config:
                                     self.rope_theta, self.rms_norm_eps, split_kv=self.split_kv)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] per row: logits [T, V], tokens [T] -> fp32 [T] on logits' device, the
-    rollout's ``log_softmax`` bits at the token (computed on the CPU reference path: module doc).
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[token] per row: logits [T, V], tokens [T] -> fp32 [T] on logits'
+    device, the rollout's ``log_softmax`` bits at the token (computed on the CPU reference path: module doc).
     Differentiable (``rlk_model::token_logprobs``, ``glue.py``), so a trainer's loss reads the log-probs the
-    rollout sampled with, bit for bit: an on-policy importance ratio exp(logp - rollout_logp) is exactly 1."""
+    rollout sampled with, bit for bit: an on-policy importance ratio exp(logp - rollout_logp) is exactly 1.
+    ``temperature``: the rollout sampler's (its recorded log-probs are the tempered distribution's)."""
     for name, value in (("logits", logits), ("tokens", tokens)):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"token_logprobs: {name} must be a tensor, got {type(value).__name__}")
-    return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device))[0]
+    return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device), _temperature(temperature))[0]
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last dim, fp32, on the CPU reference path (the rollout engine's log-probs)."""
-    z = logits.detach().float().cpu()
+def _temperature(t) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+    return float(t)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) over the last dim, fp32, on the CPU reference path (the rollout
+    engine's log-probs; the division in fp32 on the host, as ``token_logprobs``')."""
+    z = tempered(logits.detach().float().cpu(), _temperature(temperature))
     return z - row_lse(z).reshape(*z.shape[:-1], 1)
 
 

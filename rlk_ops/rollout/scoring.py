@@ -86,16 +86,17 @@ def pack(sequences, prompt_lengths, device="cpu") -> PackedBatch:
         longest=max(b - a for a, b in zip(cu, cu[1:])))
 
 
-def completion_logprobs(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def completion_logprobs(logits: torch.Tensor, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
     """logits [T, vocab] of the packed forward over ``batch`` -> the completion tokens' log-probs [N] (fp32, on
-    logits' device, in sequence order), differentiable (``token_logprobs``)."""
+    logits' device, in sequence order), differentiable (``token_logprobs``); ``temperature``: the rollout
+    sampler's, whose recorded log-probs are softmax(logits / T)'s."""
     if not isinstance(batch, PackedBatch):
         raise RlkInputError(f"completion_logprobs: batch must be pack()'s PackedBatch, got {type(batch).__name__}")
     t = batch.tokens.shape[0]
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != t:
         got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise RlkInputError(f"completion_logprobs: logits must be [{t}, vocab] (one row per packed token), got {got}")
-    return token_logprobs(logits[batch.rows.to(logits.device)], batch.targets.to(logits.device))
+    return token_logprobs(logits[batch.rows.to(logits.device)], batch.targets.to(logits.device), temperature)
 
 
 def split(values: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
