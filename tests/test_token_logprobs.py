@@ -165,3 +165,13 @@ def test_a_bad_temperature_is_named(t, got):
         token_logprobs(z, tok, t)
     with pytest.raises(ValueError, match=rf"temperature must be a finite number > 0, got {got}"):
         log_softmax(z, t)
+
+
+def test_a_temperature_that_overflows_the_logits_is_refused():
+    """logits / 1e-300 is inf in fp32: the log-probs would be NaN (inf - inf), so both sides refuse it."""
+    z, tok = _logits(rows=2, vocab=5), torch.tensor([0, 1])
+    for call in (lambda: token_logprobs(z, tok, 1e-300), lambda: log_softmax(z, 1e-300)):
+        with pytest.raises(ValueError, match=r"temperature 1e-300 overflows logits / temperature in torch.float32 "
+                                             r"\(largest \|logit\| .*\): the log-probs would be NaN"):
+            call()
+

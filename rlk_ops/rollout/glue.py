@@ -165,9 +165,18 @@ def _token_values(op: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return t
 
 
-def tempered(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z / temperature in z's dtype (one IEEE division per element; z itself at temperature 1)."""
-    return z if temperature == 1.0 else z / temperature
+def tempered(z: torch.Tensor, temperature: float, where: str | None = None) -> torch.Tensor:
+    """z / temperature in z's dtype (one IEEE division per element; z itself at temperature 1). With
+    ``where``: a finite z that the division overflows is refused, naming the temperature (the log-probs
+    would be NaN: inf - inf)."""
+    if temperature == 1.0:
+        return z
+    out = z / temperature
+    if where is not None and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(z).all()):
+        raise ValueError(f"{where}: temperature {temperature!r} overflows logits / temperature in {z.dtype} (largest "
+                         f"|logit| {float(z.abs().max())!r}): the log-probs would be NaN; use a larger temperature "
+                         f"(or a greedy sampler)")
+    return out
 
 
 def _check_temperature(op: str, temperature: float) -> None:
@@ -182,7 +191,7 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     _check_logprobs("token_logprobs", logits, tokens)
     _check_temperature("token_logprobs", temperature)
     t = _token_values("token_logprobs", tokens, logits.shape[1])
-    z = tempered(logits.float().cpu(), temperature)
+    z = tempered(logits.float().cpu(), temperature, "rlk_model::token_logprobs")
     lse = row_lse(z)
     logp = z.gather(-1, t[:, None]).squeeze(-1) - lse
     return logp.to(logits.device), lse.to(logits.device)

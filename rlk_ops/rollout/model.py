@@ -77,7 +77,7 @@ def _temperature(t) -> float:
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dim, fp32, on the CPU reference path (the rollout
     engine's log-probs; the division in fp32 on the host, as ``token_logprobs``')."""
-    z = tempered(logits.detach().float().cpu(), _temperature(temperature))
+    z = tempered(logits.detach().float().cpu(), _temperature(temperature), "log_softmax")
     return z - row_lse(z).reshape(*z.shape[:-1], 1)
 
 
