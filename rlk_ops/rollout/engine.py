@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlk_ops.ops._validate import finite, positive_ints, short_repr
+from rlk_ops.ops._validate import positive_ints, short_repr
 from rlk_ops.rollout.cache import CacheFullError, PagedKVCache
-from rlk_ops.rollout.model import Trace, k_weight, log_softmax
+from rlk_ops.rollout.model import Trace, check_temperature, k_weight, log_softmax
 
 
 @dataclass
@@ -66,10 +66,7 @@ class Sampler:
     def __init__(self, seed: int | None = 0, temperature: float = 1.0):
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32):
             raise ValueError(f"Sampler seed must be None (greedy) or an int in [0, 2**32), got {seed!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                temperature > 0 and finite(temperature)):
-            raise ValueError(f"Sampler temperature must be a finite number > 0, got {short_repr(temperature)}")
-        self.seed, self.temperature = seed, temperature
+        self.seed, self.temperature = seed, check_temperature("Sampler ", temperature)
 
     def __call__(self, seq_id: int, position: int, logp: torch.Tensor) -> int:
         if self.seed is None:

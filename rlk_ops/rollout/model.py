@@ -18,7 +18,6 @@ changed its bits as plain code), and each residual add is one rounding whose res
 """
 from __future__ import annotations
 
-import math
 import types
 from dataclasses import dataclass, field
 
@@ -65,19 +64,21 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     for name, value in (("logits", logits), ("tokens", tokens)):
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"token_logprobs: {name} must be a tensor, got {type(value).__name__}")
-    return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device), _temperature(temperature))[0]
+    return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device),
+                                              float(check_temperature("", temperature)))[0]
 
 
-def _temperature(t) -> float:
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
-    return float(t)
+def check_temperature(where: str, t):
+    """A sampling temperature: a finite number > 0 (not a bool); returns it. ``where`` prefixes the error."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (V.finite(t) and t > 0):
+        raise ValueError(f"{where}temperature must be a finite number > 0, got {V.short_repr(t)}")
+    return t
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dim, fp32, on the CPU reference path (the rollout
     engine's log-probs; the division in fp32 on the host, as ``token_logprobs``')."""
-    z = tempered(logits.detach().float().cpu(), _temperature(temperature), "log_softmax")
+    z = tempered(logits.detach().float().cpu(), float(check_temperature("", temperature)), "log_softmax")
     return z - row_lse(z).reshape(*z.shape[:-1], 1)
 
 
