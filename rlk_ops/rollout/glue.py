@@ -23,11 +23,10 @@ are not rlk ops: no backend choice, no determinism spec beyond "the same torch c
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlk_ops.kernels.cpu import numerics as nx
+from rlk_ops.ops import _validate as V
 from rlk_ops.ops._library import no_forward_ad
 
 
@@ -179,9 +178,16 @@ def tempered(z: torch.Tensor, temperature: float, where: str | None = None) -> t
     return out
 
 
+def check_temperature(where: str, t):
+    """A sampling temperature: a finite number > 0 (not a bool); returns it. ``where`` prefixes the error
+    (the Sampler's, the log-prob functions' and these ops' one check)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (V.finite(t) and t > 0):
+        raise ValueError(f"{where}temperature must be a finite number > 0, got {V.short_repr(t)}")
+    return t
+
+
 def _check_temperature(op: str, temperature: float) -> None:
-    if not (isinstance(temperature, float) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"rlk_model::{op}: temperature must be a finite float > 0, got {temperature!r}")
+    check_temperature(f"rlk_model::{op}: ", temperature)
 
 
 @torch.library.custom_op("rlk_model::token_logprobs", mutates_args=())
@@ -269,8 +275,6 @@ def _check_embedding(op: str, weight: torch.Tensor, ids: torch.Tensor, padding_i
 
 
 def _check_ids(op: str, ids: torch.Tensor, num: int) -> None:
-    from rlk_ops.ops import _validate as V
-
     V.token_ids_in_range(f"rlk_model::{op}", "ids", ids, num, "the embedding's rows")
 
 

@@ -29,7 +29,7 @@ from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
-from rlk_ops.rollout.glue import row_lse, silu, swiglu, tempered  # noqa: F401 (silu: the model's, re-exported)
+from rlk_ops.rollout.glue import check_temperature, row_lse, silu, swiglu, tempered  # noqa: F401 (silu: re-exported)
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
             raise ValueError(f"token_logprobs: {name} must be a tensor, got {type(value).__name__}")
     return torch.ops.rlk_model.token_logprobs(logits, tokens.to(logits.device),
                                               float(check_temperature("", temperature)))[0]
-
-
-def check_temperature(where: str, t):
-    """A sampling temperature: a finite number > 0 (not a bool); returns it. ``where`` prefixes the error."""
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (V.finite(t) and t > 0):
-        raise ValueError(f"{where}temperature must be a finite number > 0, got {V.short_repr(t)}")
-    return t
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
