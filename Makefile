@@ -71,7 +71,7 @@ demo: setup $(if $(filter cuda,$(DEVICE)),$(VENV)/.cuda-stamp)
 test: setup $(TRITON_GPU_DIR)/.stamp $(CUTE_GPU_DIR)/.stamp
 	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not cuda" $(PYTEST_ARGS) tests/test_triton_pair_decode.py tests/test_index_checks.py tests/test_mutation_value_checks.py \
-		tests/test_triton_interpret.py tests/test_mutation_pair_decode.py
+		tests/test_triton_interpret.py tests/test_mutation_pair_decode.py tests/test_triton_logprobs.py
 	PYTHONPATH=$(TRITON_GPU_DIR) RLK_SM90_TRITON=$(subst triton==,,$(TRITON_GPU)) $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_sm90_compile.py
 	PYTHONPATH=$(CUTE_GPU_DIR):$(CUTE_GPU_DIR)/nvidia_cutlass_dsl/dsl_packages $(PY) -m pytest -q $(PYTEST_ARGS) tests/test_fa4_walk_compile.py
 

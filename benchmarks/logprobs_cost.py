@@ -1,5 +1,6 @@
 """What the rollout's log-prob arithmetic costs a trainer: ``token_logprobs`` (rlk_model::token_logprobs, the
-rollout engine's bits, computed on the CPU reference path) against ``torch.log_softmax`` + gather, forward and
+rollout engine's bits: on the CPU reference path for CPU logits, the Triton kernel of kernels/triton/logprobs.py
+for CUDA ones) against ``torch.log_softmax`` + gather, forward and
 backward, on the logits' own device. Also the embedding op's backward against ``nn.Embedding``'s.
 
     python -m benchmarks.logprobs_cost [--device cuda] [--out results/.../logprobs_cost.json]

@@ -102,3 +102,30 @@ def test_index_checks_build_for_sm90(kernel_name, consts):
     ptx = kernel.asm["ptx"]
     assert ".target sm_90" in ptx and "atom.global" in ptx
     assert kernel.asm.get("cubin"), "no cubin: ptxas did not assemble the PTX"
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas")
+@pytest.mark.parametrize("tempered", [False, True])
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+def test_logprobs_kernel_builds_for_sm90_without_fma(logits, tempered):
+    """The CUDA log-probs' kernel (rlk_ops/kernels/triton/logprobs.py) assembles for sm90, and its
+    arithmetic is the IEEE steps as written: no fp32 FMA (contraction off), the division rounded
+    (div.rn), exp's rounding by libdevice's rint."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rlk_ops.kernels.triton import logprobs
+
+    fn = logprobs._lse_kernel
+    consts = {"BLOCK_": logprobs.BLOCK, "TEMPERED": tempered, "HAS_TOK": True, "LIBDEVICE": True}
+    types = {"x_ptr": logits, "tok_ptr": "*i64", "lse_ptr": "*fp32", "logp_ptr": "*fp32", "V": "i32",
+             "temperature": "fp32", "c_ptr": "*fp64"}
+    sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": logprobs.NUM_WARPS, "enable_fp_fusion": False})
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90" in ptx and kernel.asm.get("cubin")
+    assert "fma.rn.f32" not in ptx
+    assert ("div.rn.f32" in ptx) == tempered

@@ -83,6 +83,33 @@ def test_rows_past_one_step_of_the_chunked_sum_are_the_rows_alone():
         assert torch.equal(log_softmax(z[r:r + 1])[0], full[r])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_log_probs_stay_on_the_device(monkeypatch):
+    """CUDA logits: the trainer's op and the engine's log_softmax both read the Triton kernel's lse (the
+    host path is not called: it is made to raise here), so they still agree bit for bit, rows alone and in
+    a batch, at a temperature too; the temperature's division is the host's bits (one IEEE division, not
+    ATen's z * (1 / T) for a Python float on CUDA)."""
+    import rlk_ops.rollout.glue as glue
+
+    z, t = _logits(rows=40, vocab=151936, device="cuda"), _tokens(rows=40, vocab=151936, device="cuda")
+    for temp in (0.7, 1.3):
+        assert torch.equal(glue.tempered(z.float(), temp).cpu(), glue.tempered(z.float().cpu(), temp))
+
+    def host(*a):
+        raise AssertionError("the host path ran for CUDA logits")
+
+    monkeypatch.setattr(glue, "row_lse", host)
+    for temp in (1.0, 0.7):
+        lp = token_logprobs(z, t, temp)
+        assert lp.device == z.device
+        full = log_softmax(z, temp)
+        assert torch.equal(lp.cpu(), full[torch.arange(40), t.cpu()])
+        for r in (0, 1, 39):
+            assert torch.equal(token_logprobs(z[r:r + 1], t[r:r + 1], temp), lp[r:r + 1])
+            assert torch.equal(log_softmax(z[r:r + 1], temp)[0], full[r])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_ops_pass_opcheck(dtype):
     z, t = _logits(dtype=dtype), _tokens()
@@ -141,7 +168,7 @@ def test_bad_backward_input_is_named():
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_a_temperature_divides_the_logits_in_fp32_on_both_sides(device):
     """log_softmax(logits / T): the trainer's token_logprobs and the rollout's log_softmax give the same bits
-    (the division in fp32 on the host for both), accurate against float64, with the exact gradient."""
+    (one IEEE division in fp32 for both), accurate against float64, with the exact gradient."""
     z = _logits(device=device).requires_grad_(True)
     t = _tokens(device=device)
     lp = token_logprobs(z, t, 0.7)

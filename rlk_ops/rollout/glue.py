@@ -115,14 +115,18 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 # rlk_model::token_logprobs_bwd(dlogp [T], dlse [T], logits, tokens, lse, temperature) -> dlogits [T, V]
 #
 # The log-prob of each row's token, log_softmax(logits / T)[token] = z[token] - lse with z = logits in fp32
-# divided by the temperature T on the host (a sampler drawing from softmax(logits / T) has these
-# log-probs; at T = 1, z = logits) and
-# lse = max + log(rowsum(exp(z - max))): the rollout engine's arithmetic (``model.log_softmax``), bit for
-# bit, so the trainer's differentiable log-prob is the rollout's. Computed on the CPU reference path on
-# every device (position-independent exp and log, a row sum in a fixed order: torch.log_softmax's bits
-# depend on the row's place in a vector loop on CPU and on the number of rows on CUDA); on CUDA that moves
-# the logits to the host and the two results back. The backward, d z = dlogp * (onehot(token) - softmax) +
-# dlse * softmax, runs on logits' device: elementwise, with no reduction, so deterministic and batch-invariant.
+# divided by the temperature T (one IEEE division per element: a sampler drawing from softmax(logits / T)
+# has these log-probs; at T = 1, z = logits) and lse = max + log(rowsum(exp(z - max))): the rollout engine's
+# arithmetic (``model.log_softmax``), bit for bit, so the trainer's differentiable log-prob is the rollout's.
+# Two paths, chosen by the logits' device, each used by both sides:
+#   * CPU (and any device but CUDA, through the host): ``row_lse``, position-independent exp and log and a
+#     row sum in ATen's fixed order (torch.log_softmax's bits depend on the row's place in a vector loop);
+#   * CUDA: the Triton kernel of kernels/triton/logprobs.py, one program per row (the same exp and log, its
+#     own fixed order; torch.log_softmax's reduction split on CUDA depends on the number of rows), reading
+#     the logits in their dtype on the device: no T x V copy to the host (session 46 made one).
+# The two paths' bits differ (summation order), so a trainer and a rollout compare on the same device type.
+# The backward, d z = dlogp * (onehot(token) - softmax) + dlse * softmax, runs on logits' device:
+# elementwise, with no reduction, so deterministic and batch-invariant.
 
 
 _CHUNK_ELEMENTS = 1 << 18   # logits elements per step of row_lse (1 MiB of fp32)
@@ -164,18 +168,62 @@ def _token_values(op: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return t
 
 
+def check_overflow(z: torch.Tensor, temperature: float, where: str) -> None:
+    """Refuse a temperature at which z / temperature (fp32) overflows while z is finite, naming it (the
+    log-probs would be NaN: inf - inf). One reduction and a division: z / T overflows somewhere iff
+    max |z| / T does (the division is monotone and rounds the same element the same way)."""
+    if temperature == 1.0 or z.numel() == 0 or not bool(torch.isfinite(z).all()):
+        return
+    big = z.detach().abs().amax().to(torch.float32)
+    if not bool(torch.isfinite(big / _divisor(temperature, big))):
+        raise ValueError(f"{where}: temperature {temperature!r} overflows logits / temperature in torch.float32 "
+                         f"(largest |logit| {float(big)!r}): the log-probs would be NaN; use a larger "
+                         f"temperature (or a greedy sampler)")
+
+
+def _divisor(temperature: float, z: torch.Tensor) -> torch.Tensor:
+    """The temperature as a 0-dim tensor of z's dtype on z's device. Dividing by it is one IEEE division
+    per element on every device; dividing a CUDA tensor by a Python float is not (ATen computes
+    z * (1 / T) there, which differs from z / T in about half of the elements)."""
+    return torch.tensor(temperature, dtype=z.dtype, device=z.device)
+
+
 def tempered(z: torch.Tensor, temperature: float, where: str | None = None) -> torch.Tensor:
     """z / temperature in z's dtype (one IEEE division per element; z itself at temperature 1). With
-    ``where``: a finite z that the division overflows is refused, naming the temperature (the log-probs
-    would be NaN: inf - inf)."""
+    ``where``: a finite z that the division overflows is refused, naming the temperature
+    (``check_overflow``)."""
     if temperature == 1.0:
         return z
-    out = z / temperature
-    if where is not None and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(z).all()):
-        raise ValueError(f"{where}: temperature {temperature!r} overflows logits / temperature in {z.dtype} (largest "
-                         f"|logit| {float(z.abs().max())!r}): the log-probs would be NaN; use a larger temperature "
-                         f"(or a greedy sampler)")
-    return out
+    if where is not None:
+        check_overflow(z, temperature, where)
+    return z / _divisor(temperature, z)
+
+
+def _cuda_kernels():
+    """kernels/triton/logprobs.py, or a clear error: on CUDA the log-probs have no other path (the host
+    path's bits differ from the kernel's, so a silent switch would put a trainer and its rollout apart)."""
+    from rlk_ops.kernels.triton import _common
+
+    if _common.INTERPRET:
+        raise RuntimeError("the CUDA log-probs run a Triton kernel, and TRITON_INTERPRET=1 would run it in the "
+                           "interpreter, whose bits are not the GPU's; unset TRITON_INTERPRET")
+    try:
+        from rlk_ops.kernels.triton import logprobs
+    except ImportError as e:
+        raise RuntimeError(f"the CUDA log-probs need triton (kernels/triton/logprobs.py), which cannot be "
+                           f"imported: {e}") from e
+    return logprobs
+
+
+def lse_rows(logits: torch.Tensor, temperature: float, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, lse) of each row of ``logits`` [rows, V] at ``temperature``: z = logits / T in fp32 and its
+    row lse, on the logits' device for CUDA (the Triton kernel; z computed by torch with the kernel's
+    division), on the host otherwise (``row_lse``). The rollout engine's ``log_softmax`` is z - lse."""
+    if logits.device.type == "cuda":
+        check_overflow(logits, temperature, where)
+        return tempered(logits.float(), temperature), _cuda_kernels().row_lse(logits, temperature)
+    z = tempered(logits.float().cpu(), temperature, where)
+    return z, row_lse(z)
 
 
 def check_temperature(where: str, t):
@@ -197,6 +245,9 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     _check_logprobs("token_logprobs", logits, tokens)
     _check_temperature("token_logprobs", temperature)
     t = _token_values("token_logprobs", tokens, logits.shape[1])
+    if logits.device.type == "cuda":
+        check_overflow(logits, temperature, "rlk_model::token_logprobs")
+        return _cuda_kernels().token_logprobs(logits, tokens, temperature)
     z = tempered(logits.float().cpu(), temperature, "rlk_model::token_logprobs")
     lse = row_lse(z)
     logp = z.gather(-1, t[:, None]).squeeze(-1) - lse

@@ -12,7 +12,8 @@ residual adds and the SwiGLU product are elementwise single IEEE operations; SiL
 log-softmax use ``numerics.exp`` / ``numerics.log`` (``torch.nn.functional.silu``
 and ``torch.log_softmax`` on CPU evaluate exp differently in the vector body and the
 scalar tail of a row, and on CUDA ``log_softmax``'s reduction split depends on the
-number of rows), so log-probs are computed by the CPU reference path on every device.
+number of rows), so log-probs are computed by the CPU reference path, or on CUDA by a Triton kernel
+with the same exp and log, one program per row (``glue.lse_rows``; trainer and rollout use the same one).
 And it cannot break compiled == eager: the SwiGLU is an op of its own (``glue.py``: Inductor
 changed its bits as plain code), and each residual add is one rounding whose result an rlk op reads.
 """
@@ -29,7 +30,7 @@ from rlk_ops.compile.block import Qwen3Attention, Qwen3AttentionConfig
 from rlk_ops.compile.module_checks import check_autocast, check_weight_modules
 from rlk_ops.ops import _validate as V
 from rlk_ops.ops._validate import positive_ints
-from rlk_ops.rollout.glue import check_temperature, row_lse, silu, swiglu, tempered  # noqa: F401 (silu: re-exported)
+from rlk_ops.rollout.glue import check_temperature, lse_rows, silu, swiglu  # noqa: F401 (silu: re-exported)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class TinyQwen3Config:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature)[token] per row: logits [T, V], tokens [T] -> fp32 [T] on logits'
-    device, the rollout's ``log_softmax`` bits at the token (computed on the CPU reference path: module doc).
+    device, the rollout's ``log_softmax`` bits at the token (the CPU reference path, or the Triton kernel for
+    CUDA logits: module doc).
     Differentiable (``rlk_model::token_logprobs``, ``glue.py``), so a trainer's loss reads the log-probs the
     rollout sampled with, bit for bit: an on-policy importance ratio exp(logp - rollout_logp) is exactly 1.
     ``temperature``: the rollout sampler's (its recorded log-probs are the tempered distribution's)."""
@@ -69,10 +71,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / temperature) over the last dim, fp32, on the CPU reference path (the rollout
-    engine's log-probs; the division in fp32 on the host, as ``token_logprobs``')."""
-    z = tempered(logits.detach().float().cpu(), float(check_temperature("", temperature)), "log_softmax")
-    return z - row_lse(z).reshape(*z.shape[:-1], 1)
+    """log_softmax(logits / temperature) over the last dim, fp32, on the host (the rollout engine's
+    log-probs, which its sampler reads): z - lse with ``glue.lse_rows``' z and lse, computed on the GPU for
+    CUDA logits (the Triton kernel ``token_logprobs`` uses there) and on the CPU reference path otherwise."""
+    x = logits.detach()
+    z, lse = lse_rows(x.reshape(-1, x.shape[-1]), float(check_temperature("", temperature)), "log_softmax")
+    return (z - lse[:, None]).reshape(*x.shape[:-1], x.shape[-1]).cpu()
 
 
 class _RMSNorm(nn.Module):
