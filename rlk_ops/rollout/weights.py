@@ -122,8 +122,14 @@ def _group_of(dtensors: list[torch.Tensor]):
                         f"every rank")
 
 
-def _problem(trainer_params, trainer_ties, rollout_params, rollout_ties, compute) -> str | None:
-    t_names, r_names = [*trainer_params, *trainer_ties], [*rollout_params, *rollout_ties]
+def _spec(trainer_params: dict, compute: dict[int, torch.dtype]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (whole shape, the dtype the trainer computes with) of each trainer parameter."""
+    return {name: (tuple(p.shape), compute.get(id(p), p.dtype))   # (a DTensor's shape is the whole tensor's)
+            for name, p in trainer_params.items()}
+
+
+def _problem(spec, trainer_ties, rollout_params, rollout_ties) -> str | None:
+    t_names, r_names = [*spec, *trainer_ties], [*rollout_params, *rollout_ties]
     missing = [n for n in t_names if n not in r_names]
     extra = [n for n in r_names if n not in t_names]
     if missing or extra:
@@ -135,12 +141,10 @@ def _problem(trainer_params, trainer_ties, rollout_params, rollout_ties, compute
         return (f"the rollout model must tie the parameters the trainer ties: trainer {trainer_ties or 'none'}, "
                 f"rollout {rollout_ties or 'none'} (alias -> parameter)")
     dtensor = _dtensor_type()
-    for name, p in trainer_params.items():
+    for name, (shape, want) in spec.items():
         r = rollout_params[name]
-        shape = tuple(p.shape)   # (a DTensor's shape is the whole tensor's)
         if tuple(r.shape) != shape:
             return f"rollout parameter {name} must have the trainer's shape {list(shape)}, got {list(r.shape)}"
-        want = compute.get(id(p), p.dtype)
         if r.dtype != want:
             return (f"rollout parameter {name} must be {want}, the dtype the trainer computes with, got {r.dtype}: "
                     f"cast the rollout model to {want} (a rollout computing in another dtype gives other log-probs)")
@@ -149,16 +153,83 @@ def _problem(trainer_params, trainer_ties, rollout_params, rollout_ties, compute
     return None
 
 
+def _plan(trainer: nn.Module, trainer_params: dict) -> list[tuple]:
+    """The order the trainer's whole values come in, fixed before any collective (a receiver in another
+    process reads it first): for each FSDP2 module, ("fsdp", module, [(name, its path in the module)]) for the
+    parameters its state manages (``unshard`` makes those whole; an inner module's stay sharded); then
+    ("gathered" | "plain", name) for each other parameter, in the model's order."""
+    fsdp, dtensor = _fsdp_module_type(), _dtensor_type()
+    name_of = {id(p): name for name, p in trainer_params.items()}
+    planned: set[str] = set()
+    plan: list[tuple] = []
+    for m in trainer.modules():
+        if fsdp is None or not isinstance(m, fsdp):
+            continue
+        managed = {id(fp.sharded_param) for g in _param_groups(m._get_fsdp_state()) for fp in g.fsdp_params}
+        own = []
+        for raw, p in m.named_parameters():
+            if id(p) in managed and name_of[id(p)] not in planned:
+                own.append((name_of[id(p)], raw))
+                planned.add(name_of[id(p)])
+        plan.append(("fsdp", m, own))
+    for name, p in trainer_params.items():
+        if name not in planned:
+            plan.append(("gathered" if dtensor is not None and isinstance(p, dtensor) else "plain", name))
+    return plan
+
+
+def _values(plan: list[tuple], trainer_params: dict):
+    """Yields (name, whole value in the compute dtype, kind) in the plan's order: an FSDP2 module unsharded
+    (its all-gather) for its parameters and resharded after, one module at a time; a DTensor gathered
+    (``full_tensor``, a collective); a plain parameter as it is. Collective: every trainer rank runs it."""
+    dtensor = _dtensor_type()
+    for step in plan:
+        if step[0] == "fsdp":
+            _, m, own = step
+            m.unshard()
+            try:
+                for name, raw in own:
+                    value = m.get_parameter(raw)
+                    if dtensor is not None and isinstance(value, dtensor):
+                        raise RuntimeError(f"{WHERE}: internal error: {name} is still sharded after unshard()")
+                    yield name, value, "unsharded"
+            finally:
+                m.reshard()
+            yield None, None, "fsdp_module"
+        elif step[0] == "gathered":
+            yield step[1], trainer_params[step[1]].full_tensor(), "gathered"
+        else:
+            yield step[1], trainer_params[step[1]], "plain"
+
+
+def _new_report() -> dict:
+    return {"tensors": 0, "elements": 0, "bytes": 0, "fsdp_modules": 0, "unsharded": 0, "gathered": 0, "plain": 0}
+
+
+def _count(report: dict, kind: str, value: torch.Tensor | None) -> None:
+    if kind == "fsdp_module":
+        report["fsdp_modules"] += 1
+        return
+    report[kind] += 1
+    report["tensors"] += 1
+    report["elements"] += value.numel()
+    report["bytes"] += value.numel() * value.element_size()
+
+
+def _check_modules(where: str, **models) -> None:
+    for arg, m in models.items():
+        if not isinstance(m, nn.Module):
+            raise RlkInputError(f"{where}: {arg} must be a torch.nn.Module, got {type(m).__module__}."
+                                f"{type(m).__qualname__}")
+
+
 @torch.no_grad()
 def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     """Copies into ``rollout``'s parameters the values ``trainer``'s forward computes with (module doc).
     Collective when the trainer has DTensor parameters (FSDP2 or tensor parallel): every rank of its mesh
     calls it. Returns counts: {"tensors", "elements", "bytes" (copied), "fsdp_modules" (unsharded and
     resharded), "unsharded", "gathered", "plain" (tensors copied each way)}."""
-    for arg, m in (("trainer", trainer), ("rollout", rollout)):
-        if not isinstance(m, nn.Module):
-            raise RlkInputError(f"{WHERE}: {arg} must be a torch.nn.Module, got {type(m).__module__}."
-                                f"{type(m).__qualname__}")
+    _check_modules(WHERE, trainer=trainer, rollout=rollout)
     rollout = rollout.__dict__.get("hf_model", rollout)   # the rollout engine's view of an HF model
     if rollout is trainer:
         raise RlkInputError(f"{WHERE}: rollout is the trainer itself; the rollout copy must be its own model")
@@ -168,7 +239,8 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     dparams = [p for p in t_params.values() if dtensor is not None and isinstance(p, dtensor)]
     group = _group_of(dparams) if dparams else None
     try:
-        problem = _problem(t_params, t_ties, r_params, r_ties, _fsdp_compute_dtypes(trainer))
+        problem = _problem(_spec(t_params, _fsdp_compute_dtypes(trainer)), t_ties, r_params, r_ties)
+        plan = _plan(trainer, t_params) if problem is None else []
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before any collective
         problem = f"{type(e).__name__}: {e}"
     if dparams:
@@ -177,38 +249,13 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     elif problem is not None:
         raise RlkInputError(f"{WHERE}: {problem}")
 
-    copied: set[str] = set()
-    report = {"tensors": 0, "elements": 0, "bytes": 0, "fsdp_modules": 0, "unsharded": 0, "gathered": 0, "plain": 0}
-
-    def put(name: str, value: torch.Tensor, kind: str) -> None:
-        r = r_params[name]
-        if value.dtype != r.dtype or tuple(value.shape) != tuple(r.shape):   # (checked above: a bug if so)
-            raise RuntimeError(f"{WHERE}: internal error: {name} came as {value.dtype} {list(value.shape)}, the "
-                               f"rollout holds {r.dtype} {list(r.shape)}")
-        r.copy_(value)
-        copied.add(name)
-        report[kind] += 1
-        report["tensors"] += 1
-        report["elements"] += value.numel()
-        report["bytes"] += value.numel() * value.element_size()
-
-    fsdp = _fsdp_module_type()
-    fsdp_modules = [(n, m) for n, m in trainer.named_modules() if fsdp is not None and isinstance(m, fsdp)]
-    for prefix, m in fsdp_modules:   # unshard() is not recursive: an inner module's parameters stay sharded DTensors
-        m.unshard()
-        try:
-            for raw, p in m.named_parameters(prefix=prefix):
-                name = _clean(raw)
-                if name in copied or (dtensor is not None and isinstance(p, dtensor)):
-                    continue   # (a tie, or an inner module's parameter, sharded again)
-                put(name, p, "unsharded")
-        finally:
-            m.reshard()
-        report["fsdp_modules"] += 1
-    for name, p in t_params.items():   # (in the same order on every rank: full_tensor is a collective)
-        if name not in copied:
-            if dtensor is not None and isinstance(p, dtensor):
-                put(name, p.full_tensor(), "gathered")
-            else:
-                put(name, p, "plain")
+    report = _new_report()
+    for name, value, kind in _values(plan, t_params):
+        if name is not None:
+            r = r_params[name]
+            if value.dtype != r.dtype or tuple(value.shape) != tuple(r.shape):   # (checked above: a bug if so)
+                raise RuntimeError(f"{WHERE}: internal error: {name} came as {value.dtype} {list(value.shape)}, "
+                                   f"the rollout holds {r.dtype} {list(r.shape)}")
+            r.copy_(value)
+        _count(report, kind, value)
     return report
