@@ -20,7 +20,7 @@ from test_hf import _cast, _config  # noqa: E402
 
 from rlk_ops.compile.hf_model import patch_qwen3_model, rollout_model  # noqa: E402
 from rlk_ops.ops._validate import RlkInputError  # noqa: E402
-from rlk_ops.rollout.weights import sync_weights  # noqa: E402
+from rlk_ops.rollout.weights import receive_weights, send_weights, sync_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
@@ -233,3 +233,112 @@ def _tp_body(rank, world):
 @pytest.mark.distributed
 def test_a_tensor_parallel_block_syncs_whole():
     run_workers(_tp_body, 2)
+
+
+
+# ------------------------------------------------------------------ send_weights / receive_weights
+def _expect_refusal(fn, fragment, rank):
+    from rlk_ops.distributed.checks import DistributedInputError
+    try:
+        fn()
+    except DistributedInputError as e:
+        assert fragment in str(e), f"rank {rank}: {e}"
+    else:
+        raise AssertionError(f"rank {rank}: no error")
+
+
+def _sender_body(rank, world):
+    """Ranks 0 and 1 train (FSDP2 over their own mesh, float32 master, bfloat16 compute), rank 2 is a rollout
+    worker: it receives the bf16 rounding of the master weights, byte for byte, over a group of {0, 2} and
+    over the default group (where trainer rank 1 takes the values in and drops them); refusals (a float32
+    rollout, a source the ranks disagree on) raise on all three ranks, naming the problem, and change no
+    model."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    trainer_group, wire_group = dist.new_group([0, 1]), dist.new_group([0, 2])   # (every rank creates both)
+    full = _model(torch.float32)
+    want = {n: p.to(torch.bfloat16) for n, p in full.named_parameters()}
+    if rank < 2:
+        trainer = _model(torch.float32)
+        mesh = DeviceMesh.from_group(trainer_group, "cpu")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in trainer.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(trainer, mesh=mesh, mp_policy=policy)
+        for group in (wire_group, None):
+            report = send_weights(trainer, src=0, group=group)
+            assert report["unsharded"] == report["tensors"] == len(want) and report["fsdp_modules"] == 3
+            assert all(type(p).__name__ == "DTensor" for p in trainer.parameters())   # resharded after
+        _expect_refusal(lambda: send_weights(trainer, src=0, group=wire_group),
+                        "rollout parameter model.embed_tokens.weight must be torch.bfloat16", rank)
+        _expect_refusal(lambda: send_weights(trainer, src=0, group=wire_group), "was given src=1", rank)
+    else:
+        for group in (wire_group, None):
+            rollout = _model(seed=1)
+            report = receive_weights(rollout_model(rollout) if group is None else rollout, src=0, group=group)
+            assert report["tensors"] == len(want)
+            assert all(torch.equal(rollout.get_parameter(n), w) for n, w in want.items())
+        bad = _model(torch.float32, seed=1)
+        before = _state(bad)
+        _expect_refusal(lambda: receive_weights(bad, src=0, group=wire_group),
+                        "rank 2 (receive_weights): rollout parameter model.embed_tokens.weight must be torch.bfloat16",
+                        rank)
+        assert _same(before, _state(bad))
+        before = _state(rollout)
+        _expect_refusal(lambda: receive_weights(rollout, src=1, group=wire_group), "was given src=", rank)
+        assert _same(before, _state(rollout))
+
+
+@pytest.mark.distributed
+def test_an_fsdp2_trainer_sends_its_compute_weights_to_a_rollout_process():
+    run_workers(_sender_body, 3)
+
+
+def _plain_sender_body(rank, world):
+    """A one-process trainer (no DTensors: rank 0 alone sends) with tied embeddings, to a rollout rank: the
+    values arrive bitwise in the trainer's dtype and the tie is followed (checked against the manifest: an
+    untied rollout is refused on both ranks); a second trainer rank with a plain model is refused."""
+    trainer = _model(torch.float32, tie_word_embeddings=True)
+    if rank == 0:
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.25)
+        report = send_weights(trainer, src=0)
+        assert report["plain"] == report["tensors"] and report["fsdp_modules"] == 0
+        _expect_refusal(lambda: send_weights(trainer, src=0), "the rollout model must tie the parameters", rank)
+    else:
+        rollout = _model(torch.float32, seed=3, tie_word_embeddings=True)
+        report = receive_weights(rollout, src=0)
+        shifted = {n: p + 0.25 for n, p in trainer.named_parameters()}
+        assert all(torch.equal(rollout.get_parameter(n), w) for n, w in shifted.items())
+        assert rollout.lm_head.weight is rollout.model.embed_tokens.weight
+        untied = _model(torch.float32, seed=3, tie_word_embeddings=False)
+        _expect_refusal(lambda: receive_weights(untied, src=0), "the rollout model must tie the parameters", rank)
+
+
+@pytest.mark.distributed
+def test_a_one_process_trainer_sends_ties_and_bits():
+    run_workers(_plain_sender_body, 2)
+
+
+def _two_senders_body(rank, world):
+    """Both ranks call send_weights with a plain trainer: rank 1 is no source and no FSDP rank, and nobody
+    receives; every rank is told, none waits."""
+    _expect_refusal(lambda: send_weights(_model(), src=0), "rank 1 calls send_weights too", rank)
+
+
+@pytest.mark.distributed
+def test_send_weights_without_a_receiver_is_refused():
+    run_workers(_two_senders_body, 2)
+
+
+def test_send_and_receive_need_torch_distributed():
+    from rlk_ops.distributed.checks import DistributedInputError
+    with pytest.raises(DistributedInputError, match="send_weights: torch.distributed is not initialized"):
+        send_weights(_model(), src=0)
+    with pytest.raises(DistributedInputError, match="receive_weights: torch.distributed is not initialized"):
+        receive_weights(_model(), src=0)
+    with pytest.raises(RlkInputError, match="receive_weights: rollout must be a torch.nn.Module, got builtins.dict"):
+        receive_weights({}, src=0)

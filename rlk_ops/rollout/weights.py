@@ -1,6 +1,7 @@
 """The rollout model's weights: exactly the values the trainer's forward computes with.
 
     sync_weights(trainer, rollout)     # after every optimizer step, on every rank of the trainer's mesh
+    send_weights(trainer, src=, group=) / receive_weights(rollout, src=, group=)   # a rollout in other processes
 
 An RL trainer usually keeps float32 master weights and computes in bfloat16 (FSDP2's
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``), sharded over its ranks; the rollout engine holds
@@ -23,6 +24,11 @@ waiting in an all-gather. A refused call leaves the rollout as it was.
 
 ``rollout`` may be the rollout engine's view (``rlk_ops.compile.hf_model.rollout_model``): its HF model is
 synced. Call it on every rank of the trainer's mesh, between steps (not inside a forward).
+
+``send_weights``/``receive_weights`` move the same values to rollout models in other processes: the
+trainer's ranks produce them in an order fixed before any collective (``_plan``), rank ``src`` broadcasts
+each over ``group`` as bytes, after a manifest that every receiver checks (the same checks) and verdicts
+that reach every rank of the group and of the trainer's mesh.
 """
 from __future__ import annotations
 
@@ -258,4 +264,156 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
                                    f"the rollout holds {r.dtype} {list(r.shape)}")
             r.copy_(value)
         _count(report, kind, value)
+    return report
+
+
+# ------------------------------------------------------------------ to rollout workers in other processes
+SEND, RECEIVE = "send_weights", "receive_weights"
+
+
+def _wire_device(group, device: torch.device) -> torch.device:
+    """Where a value travels: CUDA for an NCCL-only group, the CPU for a gloo-only one, else (a
+    "cpu:gloo,cuda:nccl" group) the sender's device, which the manifest names so that every rank posts
+    its buffer on the same backend."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 (every backend moves bytes; the bits arrive as they left)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _gather_objects(obj, group) -> list:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _exchange(role: str, src: int, problem: str | None, group) -> tuple[list[int], str | None]:
+    """Every rank of ``group`` says its role, the source it was given and its problem; returns the group's
+    ranks and the first problem any rank has (the same on every rank), naming the rank."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    said = _gather_objects((role, src, problem), group)
+    for rank, (r_role, r_src, r_problem) in zip(ranks, said):
+        if r_src != src:
+            return ranks, f"rank {rank} ({r_role}) was given src={r_src}, rank {dist.get_rank()} src={src}"
+        if r_problem is not None:
+            return ranks, f"rank {rank} ({r_role}): {r_problem}"
+    senders = [rank for rank, (r_role, _, _) in zip(ranks, said) if r_role == SEND]
+    if src not in ranks or src not in senders:
+        return ranks, (f"src={src} must be a rank of the group that calls {SEND} (the group's ranks {ranks}; "
+                       f"calling {SEND}: {senders})")
+    if len(senders) == len(ranks):
+        return ranks, f"no rank of the group {ranks} calls {RECEIVE}"
+    return ranks, None
+
+
+@torch.no_grad()
+def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
+    """Sends the values ``trainer``'s forward computes with (as ``sync_weights`` copies them) to rollout
+    models in other processes: rank ``src`` broadcasts each whole value over ``group`` (default: every
+    rank), whose other ranks call ``receive_weights`` (a trainer rank in ``group`` other than ``src`` takes
+    the values in and drops them: give a group of ``src`` and the rollout ranks to save that).
+
+    Every rank of the trainer's mesh calls it (FSDP2's unshard and ``full_tensor`` are collectives over it);
+    a trainer without DTensor parameters is one process, ``src``. Before any value moves: ``src`` sends the
+    manifest (names in sending order, whole shapes, compute dtypes, ties), every receiver checks its model
+    against it as ``sync_weights`` does, and every verdict reaches every rank of ``group`` and of the
+    trainer's mesh, so a refusal raises everywhere, naming the rank and the problem, and changes no model.
+    Returns ``sync_weights``' counts (the tensors src sent)."""
+    _check_modules(SEND, trainer=trainer)
+    from rlk_ops.distributed.checks import DistributedInputError, preflight, require_initialized
+    require_initialized(SEND)
+    dtensor = _dtensor_type()
+    t_params, t_ties = _parameters(trainer)
+    dparams = [p for p in t_params.values() if dtensor is not None and isinstance(p, dtensor)]
+    me = dist.get_rank()
+    problem, tgroup, meshed, plan, spec = None, None, False, [], {}
+    try:
+        if dparams:
+            tgroup, meshed = _group_of(dparams), True   # (a refused mesh: the same verdict on every trainer rank)
+        if not dparams and me != src:
+            problem = (f"the trainer has no DTensor parameters, so it is one process, src={src}; rank {me} calls "
+                       f"{SEND} too")
+        spec = _spec(t_params, _fsdp_compute_dtypes(trainer))
+        plan = _plan(trainer, t_params)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it before any collective
+        problem = f"{type(e).__name__}: {e}"
+    if meshed:
+        try:   # the trainer's ranks agree first (a rank that failed above is named on all of them)
+            preflight(tgroup, SEND, problem, {"parameters": len(t_params), "dtensors": len(dparams)})
+        except DistributedInputError as e:
+            problem = str(e)
+    in_group = group is None or me in dist.get_process_group_ranks(group)
+    verdict = None
+    if in_group:
+        _, verdict = _exchange(SEND, src, problem, group)
+        if verdict is None:
+            order = [n for step in plan for n in ([o[0] for o in step[2]] if step[0] == "fsdp" else [step[1]])]
+            wire = _wire_device(group, next(iter(t_params.values())).device if t_params else torch.device("cpu"))
+            manifest = [{"order": order, "spec": spec, "ties": t_ties, "wire": str(wire)}] if me == src else [None]
+            dist.broadcast_object_list(manifest, src=src, group=group)
+            manifest = manifest[0]
+            verdict = next((v for v in _gather_objects(None, group) if v is not None), None)
+    if meshed:   # the verdict of the group reaches the trainer ranks outside it
+        preflight(tgroup, SEND, verdict if in_group else None, {"parameters": len(t_params)})
+    if verdict is not None:
+        raise DistributedInputError(f"{SEND}: {verdict}")
+
+    report = _new_report()
+    wire = torch.device(manifest["wire"]) if in_group else None
+    for name, value, kind in _values(plan, t_params):
+        if name is not None and in_group:
+            if me == src:
+                buf = _as_bytes(value.detach().to(wire).contiguous())
+            else:
+                buf = torch.empty(value.numel() * value.element_size(), dtype=torch.uint8, device=wire)
+            dist.broadcast(buf, src=src, group=group)
+        _count(report, kind, value)
+    return report
+
+
+@torch.no_grad()
+def receive_weights(rollout: nn.Module, *, src: int, group=None) -> dict:
+    """Receives into ``rollout``'s parameters what ``send_weights`` on rank ``src`` sends over ``group``
+    (every rank of ``group`` but the trainer's calls this). Checked against the sender's manifest before
+    any value moves (``send_weights``): a refusal raises on every rank and leaves this model as it was.
+    ``rollout`` may be the rollout engine's view of an HF model. Returns {"tensors", "elements", "bytes"}."""
+    _check_modules(RECEIVE, rollout=rollout)
+    from rlk_ops.distributed.checks import DistributedInputError, require_initialized
+    require_initialized(RECEIVE)
+    rollout = rollout.__dict__.get("hf_model", rollout)
+    r_params, r_ties = _parameters(rollout)
+    _, verdict = _exchange(RECEIVE, src, None, group)
+    if verdict is None:
+        manifest = [None]
+        dist.broadcast_object_list(manifest, src=src, group=group)
+        manifest = manifest[0]
+        try:
+            mine = _problem(manifest["spec"], manifest["ties"], r_params, r_ties)
+        except Exception as e:  # noqa: BLE001 - the sender must hear of it
+            mine = f"{type(e).__name__}: {e}"
+        if mine is not None:
+            mine = f"rank {dist.get_rank()} ({RECEIVE}): {mine}"
+        verdict = next((v for v in _gather_objects(mine, group) if v is not None), None)
+    if verdict is not None:
+        raise DistributedInputError(f"{RECEIVE}: {verdict}")
+    wire = torch.device(manifest["wire"])
+    report = {"tensors": 0, "elements": 0, "bytes": 0}
+    for name in manifest["order"]:
+        r = r_params[name]
+        direct = r.device == wire and r.is_contiguous()
+        buf = _as_bytes(r.data) if direct else torch.empty(r.numel() * r.element_size(), dtype=torch.uint8,
+                                                            device=wire)
+        dist.broadcast(buf, src=src, group=group)
+        if not direct:
+            r.copy_(buf.view(r.dtype).reshape(r.shape))
+        report["tensors"] += 1
+        report["elements"] += r.numel()
+        report["bytes"] += r.numel() * r.element_size()
     return report
