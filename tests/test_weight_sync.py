@@ -65,6 +65,16 @@ def test_fsdp2_rl_loop_trainer_log_probs_are_the_rollouts(tmp_path):
 
 
 @pytest.mark.distributed
+def test_fsdp2_rl_loop_with_a_rollout_worker_in_its_own_process(tmp_path):
+    """Ranks 0-1 train, rank 2 only rolls out on weights it receives (send_weights/receive_weights) and sends
+    the sequences back: the log-probs still agree bitwise, and the colocated loop on ranks 0-1 ends with the
+    same master weights and tokens (a receiver that drops the values fails that claim and the first)."""
+    report = _example(tmp_path, 3, "--rollout-ranks", "1")
+    assert report["world"] == 3 and report["rollout_ranks"] == 1
+    assert report["claims"]["the colocated loop on the trainer ranks ends with the same master weights and tokens"]
+
+
+@pytest.mark.distributed
 def test_fsdp2_rl_loop_with_compiled_layers(tmp_path):
     """Each decoder layer under Inductor (then sharded): the trainer's log-probs are still the rollout's."""
     report = _example(tmp_path, 2, "--compile")
