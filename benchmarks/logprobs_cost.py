@@ -1,7 +1,8 @@
 """What the rollout's log-prob arithmetic costs a trainer: ``token_logprobs`` (rlk_model::token_logprobs, the
 rollout engine's bits: on the CPU reference path for CPU logits, the Triton kernel of kernels/triton/logprobs.py
 for CUDA ones) against ``torch.log_softmax`` + gather, forward and
-backward, on the logits' own device. Also the embedding op's backward against ``nn.Embedding``'s.
+backward, on the logits' own device; the rollout engine's per-step ``log_softmax`` (rows to the host) against
+torch.log_softmax and the copy. Also the embedding op's backward against ``nn.Embedding``'s.
 
     python -m benchmarks.logprobs_cost [--device cuda] [--out results/.../logprobs_cost.json]
 
@@ -18,7 +19,7 @@ import time
 import torch
 
 import rlk_ops.rollout.glue  # noqa: F401 (registers the rlk_model ops)
-from rlk_ops.rollout.model import RlkEmbedding, token_logprobs
+from rlk_ops.rollout.model import RlkEmbedding, log_softmax, token_logprobs
 
 
 def _time(fn, device: str) -> float:
@@ -58,6 +59,16 @@ def logprobs(rows: int, vocab: int, device: str, repeats: int) -> dict:
             "ratio": round(t_rlk / t_torch, 2)}
 
 
+def engine_log_softmax(rows: int, vocab: int, device: str, repeats: int) -> dict:
+    """A rollout step's log-probs, as the engine reads them (the rows on the host for its sampler):
+    ``rollout.model.log_softmax`` against torch.log_softmax then the copy."""
+    g = torch.Generator().manual_seed(2)
+    z = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).to(device)
+    t_rlk, t_torch = _pair(lambda: log_softmax(z), lambda: torch.log_softmax(z.float(), -1).cpu(), device, repeats)
+    return {"rows": rows, "vocab": vocab, "rlk_ms": round(t_rlk, 3), "torch_ms": round(t_torch, 3),
+            "ratio": round(t_rlk / t_torch, 2)}
+
+
 def embedding(tokens: int, vocab: int, dim: int, device: str, repeats: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
@@ -86,11 +97,15 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "token_logprobs_fwd_bwd": [logprobs(r, v, args.device, args.repeats)
                                          for r, v in ((256, 32768), (256, 151936), (1024, 151936))],
+              "engine_log_softmax": [engine_log_softmax(r, 151936, args.device, args.repeats) for r in (1, 64)],
               "embedding_fwd_bwd": [embedding(t, 151936, 1024, args.device, args.repeats)
                                     for t in (1024, 8192)]}
     print(f"{'':<26} {'shape':>22} {'rlk ms':>9} {'torch ms':>9} {'ratio':>6}")
     for r in report["token_logprobs_fwd_bwd"]:
         print(f"{'token_logprobs fwd+bwd':<26} {str((r['rows'], r['vocab'])):>22} {r['rlk_ms']:>9} {r['torch_ms']:>9} "
+              f"{r['ratio']:>6}")
+    for r in report["engine_log_softmax"]:
+        print(f"{'engine log_softmax (host)':<26} {str((r['rows'], r['vocab'])):>22} {r['rlk_ms']:>9} {r['torch_ms']:>9} "
               f"{r['ratio']:>6}")
     for r in report["embedding_fwd_bwd"]:
         print(f"{'embedding fwd+bwd':<26} {str((r['tokens'], r['vocab'], r['dim'])):>22} {r['rlk_ms']:>9} "
