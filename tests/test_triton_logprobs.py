@@ -73,6 +73,32 @@ def test_the_tokens_log_prob_is_z_at_the_token_minus_lse(device, temperature):
         assert not torch.equal(lse, L.row_lse(z))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_kernel_computes_what_its_doc_says_step_for_step(temperature):
+    """The kernel's arithmetic transcribed in torch: the max, each of the 1024 lanes adding numerics.exp(z - m)
+    tile after tile (the lanes past V adding exp(-inf) = 0), the lanes summed, m + numerics.log(sum), bit for
+    bit. The interpreter's tl.sum is numpy's sum over the lanes (its pairwise order; the GPU's is another), so
+    the transcription sums with numpy. The rows are log-probabilities (lse near 0, where one ulp of the sum
+    shows in lse): a lane scaled by 1 + 2^-23 or a lane dropped fails here, which the accuracy test allows."""
+    import numpy as np
+
+    L, v = _kernels(), _vocab("cpu")
+    x = torch.log_softmax(torch.randn(24, v, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3,
+                          -1).float()
+    got = L.row_lse(x, temperature)
+    for r in range(x.shape[0]):
+        z = glue.tempered(x[r], temperature)
+        m = z.max()
+        acc = torch.zeros(L.BLOCK)
+        for v0 in range(0, v, L.BLOCK):
+            tile = torch.full((L.BLOCK,), float("-inf"))
+            tile[:min(L.BLOCK, v - v0)] = z[v0:v0 + L.BLOCK]
+            acc = acc + nx.exp(tile - m)
+        total = torch.tensor([float(np.sum(acc.numpy()))], dtype=torch.float32)
+        assert torch.equal(got[r:r + 1], m + nx.log(total)), r
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_are_read_in_their_dtype(device):
     L, v = _kernels(), _vocab(device)

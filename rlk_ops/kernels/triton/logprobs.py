@@ -8,14 +8,14 @@ One program per row (``_lse_kernel``), so a row's bits never depend on how many 
 (run-to-run deterministic). Per row, with z = logits in fp32 divided by the temperature (one IEEE
 division, ``div_rn``; none at 1.0), in two passes over the row:
 
-    m   = max of z                                   (exact in any order; NaN propagates)
+    m   = max of z                                   (exact in any order)
     acc = BLOCK lanes, lane j adds exp(z[v0 + j] - m) for v0 = 0, BLOCK, 2 BLOCK, ... in that order
     lse = m + log(tl.sum(acc))                        the lanes summed in the order BLOCK and NUM_WARPS fix
     logp = z[token] - lse
 
 ``exp`` and ``log`` are ``numerics.exp`` / ``numerics.log`` transcribed (merge.py's ``_exp``/``_log``:
 Cody-Waite + Horner, float64 atanh series, no FMA contraction); the lanes past V read -inf and add
-exp(-inf) = 0. The result is not the CPU reference's bits (``glue.row_lse`` sums a row in ATen's
+exp(-inf) = 0, and a NaN logit makes its lane, the sum and lse NaN (as on the CPU path). The result is not the CPU reference's bits (``glue.row_lse`` sums a row in ATen's
 order), so a trainer and a rollout engine agree bitwise when both run on CUDA (both call this) or
 both on the CPU, which is what ``rlk_model::token_logprobs`` and ``rollout.model.log_softmax`` do.
 
@@ -56,13 +56,9 @@ def _lse_kernel(x_ptr, tok_ptr, lse_ptr, logp_ptr, V, temperature, c_ptr, BLOCK_
     row_ptr = x_ptr + row * V
     lanes = tl.arange(0, BLOCK_)
     m = tl.full([BLOCK_], _NEG_INF, tl.float32)
-    nan = tl.zeros([BLOCK_], tl.int32)
     for v0 in range(0, V, BLOCK_):
-        z = _z(row_ptr, v0 + lanes, V, temperature, TEMPERED)
-        m = tl.maximum(m, z)
-        nan = nan | (z != z).to(tl.int32)
-    mx = tl.max(m, axis=0)
-    mx = tl.where(tl.max(nan, axis=0) > 0, _NEG_INF - _NEG_INF, mx)   # a NaN logit: NaN, as amax
+        m = tl.maximum(m, _z(row_ptr, v0 + lanes, V, temperature, TEMPERED))
+    mx = tl.max(m, axis=0)   # (a NaN logit may be passed over here; its lane's exp(NaN) makes the sum NaN below)
     acc = tl.zeros([BLOCK_], tl.float32)
     for v0 in range(0, V, BLOCK_):
         z = _z(row_ptr, v0 + lanes, V, temperature, TEMPERED)
