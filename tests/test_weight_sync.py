@@ -352,3 +352,69 @@ def test_send_and_receive_need_torch_distributed():
         receive_weights(_model(), src=0)
     with pytest.raises(RlkInputError, match="receive_weights: rollout must be a torch.nn.Module, got builtins.dict"):
         receive_weights({}, src=0)
+
+
+def _mesh_preflight_body(rank, world):
+    """preflight_mesh over a (2, 2) mesh of ranks 0-3 (rank 4 outside it): a problem on rank 3 reaches
+    rank 0, which shares no group with it, in two stages; without problems all proceed; a metadata value
+    that differs is named too."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rlk_ops.distributed.checks import preflight_mesh
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"))
+    if rank == 4:
+        return
+    preflight_mesh(mesh, "x", None, {"n": 7})
+    _expect_refusal(lambda: preflight_mesh(mesh, "x", "bad input" if rank == 3 else None, {"n": 7}),
+                    "x: rank 3 rejected its input: bad input", rank)
+    _expect_refusal(lambda: preflight_mesh(mesh, "x", None, {"n": 8 if rank == 0 else 7}), "x: ranks disagree on n",
+                    rank)
+
+
+@pytest.mark.distributed
+def test_a_mesh_preflight_reaches_every_rank_of_a_2d_mesh_not_spanning_the_job():
+    run_workers(_mesh_preflight_body, 5)
+
+
+def _hsdp_sender_body(rank, world):
+    """An HSDP trainer (FSDP2 over a (1, 2) mesh of ranks 0-1) beside a rollout worker (rank 2): its mesh is
+    2-D and spans 2 of the 3 ranks (refused until session 47); sync_weights on the trainer ranks and
+    send_weights to rank 2 give the bf16 rounding of the master weights, and a refusal on rank 1 reaches
+    rank 0 and the worker."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("replicate", "shard"))   # (every rank)
+    wire = dist.new_group([0, 2])
+    want = {n: p.to(torch.bfloat16) for n, p in _model(torch.float32).named_parameters()}
+    if rank < 2:
+        trainer = _model(torch.float32)
+        fully_shard(trainer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        rollout = _model(seed=1)
+        assert sync_weights(trainer, rollout)["unsharded"] == len(want)
+        assert all(torch.equal(rollout.get_parameter(n), w) for n, w in want.items())
+        send_weights(trainer, src=0, group=wire)
+        bad = _model(torch.float32 if rank == 1 else torch.bfloat16, seed=1)
+        _expect_refusal(lambda: sync_weights(trainer, bad), "sync_weights: rank 1 rejected its input: rollout "
+                        "parameter model.embed_tokens.weight must be torch.bfloat16", rank)
+        import rlk_ops.rollout.weights as W
+        plan = W._plan
+        if rank == 1:   # a problem on trainer rank 1 alone, outside the wire group
+            W._plan = lambda *a: (_ for _ in ()).throw(RuntimeError("no plan here"))
+        try:
+            _expect_refusal(lambda: send_weights(trainer, src=0, group=wire),
+                            "send_weights: rank 1 rejected its input: RuntimeError: no plan here", rank)
+        finally:
+            W._plan = plan
+    else:
+        rollout = _model(seed=1)
+        receive_weights(rollout, src=0, group=wire)
+        assert all(torch.equal(rollout.get_parameter(n), w) for n, w in want.items())
+        _expect_refusal(lambda: receive_weights(rollout, src=0, group=wire),
+                        "send_weights: rank 1 rejected its input: RuntimeError: no plan here", rank)
+
+
+@pytest.mark.distributed
+def test_an_hsdp_trainer_beside_a_rollout_worker():
+    run_workers(_hsdp_sender_body, 3)

@@ -24,6 +24,10 @@ _MSG_BYTES = 480
 _MAX_META = 32
 
 
+# marks a verdict that preflight_mesh carries from one stage into the next: raised as it is
+_RELAYED = "\x1e"
+
+
 class DistributedInputError(RlkInputError):
     """Bad input to a distributed rlk entry point, raised on every rank of the group (an
     ``RlkInputError``, so one ``except`` catches bad input to any rlk function)."""
@@ -101,6 +105,8 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int | f
             n = int(rows[i, 2])
             start = 3 + _MAX_META
             msg = bytes(rows[i, start:start + n].tolist()).decode(errors="replace")
+            if msg.startswith(_RELAYED):
+                raise DistributedInputError(msg[len(_RELAYED):])
             raise DistributedInputError(f"{what}: rank {ranks[i]} rejected its input: {msg}")
     for i in range(ws):
         if int(rows[i, 1]) != len(names):
@@ -123,6 +129,23 @@ def preflight(group, what: str, problem: str | None, metadata: dict[str, int | f
 
         raise DistributedInputError(f"{what}: ranks disagree on {name}: {value(int(col[0]))} on rank "
                                     f"{ranks[0]} but {value(int(col[j]))} on rank {ranks[j]}")
+
+
+def preflight_mesh(mesh, what: str, problem: str | None, metadata: dict[str, int | float],
+                   show: dict[str, Callable[[int | float], str]] | None = None) -> None:
+    """``preflight`` over every rank of a DeviceMesh of any number of dimensions, which need not span the
+    job (an HSDP trainer beside rollout workers): over each dimension's groups in turn, every rank of the
+    mesh taking part in every stage, a verdict raised in one stage carried as this rank's problem into the
+    next (and raised as it is). After the last stage every rank of the mesh has raised, naming the rank
+    that rejected its input, or all agree."""
+    stages = [mesh.get_group(d) for d in range(mesh.ndim)]
+    for d, group in enumerate(stages):
+        try:
+            preflight(group, what, problem, metadata, show)
+        except DistributedInputError as e:
+            if d == len(stages) - 1:
+                raise
+            problem = _RELAYED + str(e)
 
 
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}

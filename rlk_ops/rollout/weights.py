@@ -110,22 +110,14 @@ def _fsdp_compute_dtypes(trainer: nn.Module) -> dict[int, torch.dtype]:
     return out
 
 
-def _group_of(dtensors: list[torch.Tensor]):
-    """The process group spanning the ranks of every DTensor parameter's mesh: the mesh's own group when
-    it is one-dimensional, the default group when the mesh spans every rank."""
+def _mesh_of(dtensors: list[torch.Tensor]):
+    """The mesh of the DTensor parameters (one set of ranks: the verdicts go over it, ``preflight_mesh``)."""
     meshes = {id(t.device_mesh): t.device_mesh for t in dtensors}
     ranks = {tuple(sorted(m.mesh.flatten().tolist())) for m in meshes.values()}
     if len(ranks) != 1:
         raise RlkInputError(f"{WHERE}: the trainer's DTensor parameters live on meshes over different ranks "
                             f"({sorted(ranks)}); sync_weights needs one set of ranks")
-    mesh = next(iter(meshes.values()))
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    if len(next(iter(ranks))) == dist.get_world_size():
-        return None
-    raise RlkInputError(f"{WHERE}: the trainer's mesh is {mesh.ndim}-dimensional over {len(next(iter(ranks)))} of "
-                        f"{dist.get_world_size()} ranks; sync_weights supports a one-dimensional mesh or one over "
-                        f"every rank")
+    return next(iter(meshes.values()))
 
 
 def _spec(trainer_params: dict, compute: dict[int, torch.dtype]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -243,15 +235,15 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     t_params, t_ties = _parameters(trainer)
     r_params, r_ties = _parameters(rollout)
     dparams = [p for p in t_params.values() if dtensor is not None and isinstance(p, dtensor)]
-    group = _group_of(dparams) if dparams else None
+    mesh = _mesh_of(dparams) if dparams else None
     try:
         problem = _problem(_spec(t_params, _fsdp_compute_dtypes(trainer)), t_ties, r_params, r_ties)
         plan = _plan(trainer, t_params) if problem is None else []
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before any collective
         problem = f"{type(e).__name__}: {e}"
     if dparams:
-        from rlk_ops.distributed.checks import preflight
-        preflight(group, WHERE, problem, {"parameters": len(t_params), "dtensors": len(dparams)})
+        from rlk_ops.distributed.checks import preflight_mesh
+        preflight_mesh(mesh, WHERE, problem, {"parameters": len(t_params), "dtensors": len(dparams)})
     elif problem is not None:
         raise RlkInputError(f"{WHERE}: {problem}")
 
@@ -327,16 +319,16 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
     trainer's mesh, so a refusal raises everywhere, naming the rank and the problem, and changes no model.
     Returns ``sync_weights``' counts (the tensors src sent)."""
     _check_modules(SEND, trainer=trainer)
-    from rlk_ops.distributed.checks import DistributedInputError, preflight, require_initialized
+    from rlk_ops.distributed.checks import DistributedInputError, preflight_mesh, require_initialized
     require_initialized(SEND)
     dtensor = _dtensor_type()
     t_params, t_ties = _parameters(trainer)
     dparams = [p for p in t_params.values() if dtensor is not None and isinstance(p, dtensor)]
     me = dist.get_rank()
-    problem, tgroup, meshed, plan, spec = None, None, False, [], {}
+    problem, agreed, mesh, plan, spec = None, None, None, [], {}
     try:
         if dparams:
-            tgroup, meshed = _group_of(dparams), True   # (a refused mesh: the same verdict on every trainer rank)
+            mesh = _mesh_of(dparams)   # (refused: the same verdict on every trainer rank, which then skip the preflights)
         if not dparams and me != src:
             problem = (f"the trainer has no DTensor parameters, so it is one process, src={src}; rank {me} calls "
                        f"{SEND} too")
@@ -344,11 +336,11 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
         plan = _plan(trainer, t_params)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it before any collective
         problem = f"{type(e).__name__}: {e}"
-    if meshed:
+    if mesh is not None:
         try:   # the trainer's ranks agree first (a rank that failed above is named on all of them)
-            preflight(tgroup, SEND, problem, {"parameters": len(t_params), "dtensors": len(dparams)})
+            preflight_mesh(mesh, SEND, problem, {"parameters": len(t_params), "dtensors": len(dparams)})
         except DistributedInputError as e:
-            problem = str(e)
+            problem, agreed = str(e), e
     in_group = group is None or me in dist.get_process_group_ranks(group)
     verdict = None
     if in_group:
@@ -360,10 +352,12 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
             dist.broadcast_object_list(manifest, src=src, group=group)
             manifest = manifest[0]
             verdict = next((v for v in _gather_objects(None, group) if v is not None), None)
-    if meshed:   # the verdict of the group reaches the trainer ranks outside it
-        preflight(tgroup, SEND, verdict if in_group else None, {"parameters": len(t_params)})
+    if mesh is not None:   # the verdict of the group reaches the trainer ranks outside it
+        preflight_mesh(mesh, SEND, verdict if in_group else None, {"parameters": len(t_params)})
     if verdict is not None:
         raise DistributedInputError(f"{SEND}: {verdict}")
+    if agreed is not None or problem is not None:   # (a trainer rank outside the group; the group heard it via src)
+        raise agreed or DistributedInputError(f"{SEND}: {problem}")
 
     report = _new_report()
     wire = torch.device(manifest["wire"]) if in_group else None
