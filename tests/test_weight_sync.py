@@ -344,8 +344,10 @@ def test_send_weights_without_a_receiver_is_refused():
     run_workers(_two_senders_body, 2)
 
 
-def test_send_and_receive_need_torch_distributed():
+def test_send_and_receive_need_torch_distributed(monkeypatch):
     from rlk_ops.distributed.checks import DistributedInputError
+    # (another test in this worker process may have left a process group: CI's loadfile workers run many files)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(DistributedInputError, match="send_weights: torch.distributed is not initialized"):
         send_weights(_model(), src=0)
     with pytest.raises(DistributedInputError, match="receive_weights: torch.distributed is not initialized"):
@@ -418,3 +420,13 @@ def _hsdp_sender_body(rank, world):
 @pytest.mark.distributed
 def test_an_hsdp_trainer_beside_a_rollout_worker():
     run_workers(_hsdp_sender_body, 3)
+
+
+def test_a_world_of_one_has_no_receiver(single_process_group):
+    """One process: send_weights finds nobody calling receive_weights, and says so (no wait)."""
+    from rlk_ops.distributed.checks import DistributedInputError
+    with pytest.raises(DistributedInputError, match=r"send_weights: no rank of the group \[0\] calls receive_weights"):
+        send_weights(_model(), src=0)
+    with pytest.raises(DistributedInputError, match=r"the trainer has no DTensor parameters, so it is one process, "
+                                                    r"src=1; rank 0 calls send_weights too"):
+        send_weights(_model(), src=1)
