@@ -283,7 +283,8 @@ def main() -> int:
     if args.compile:   # (else the claims could hold on layers that fell back to eager)
         from torch._dynamo.utils import counters
         graphs = int(counters["stats"]["unique_graphs"])
-        claims["the trainer's layers ran as compiled graphs"] = _sum([int(graphs > 0)], device)[0] == world
+        claims["the trainer's layers ran as compiled graphs"] = \
+            _sum([int(graphs > 0 and rank < trainers)], device)[0] == trainers   # (a rollout worker compiles nothing)
     if rank == 0:
         print(f"FSDP2 trainer (float32 master, bfloat16 compute{', torch.compile' if args.compile else ''}) vs rlk "
               f"rollout: world {world}, device {device}, {args.iterations} iterations"
