@@ -430,3 +430,18 @@ def test_a_world_of_one_has_no_receiver(single_process_group):
     with pytest.raises(DistributedInputError, match=r"the trainer has no DTensor parameters, so it is one process, "
                                                     r"src=1; rank 0 calls send_weights too"):
         send_weights(_model(), src=1)
+
+
+@pytest.mark.distributed
+def test_the_weight_transfer_benchmark_runs_and_delivers_the_bits(tmp_path):
+    """benchmarks/weight_transfer.py on a small model: both kinds of transfer leave the worker holding the bf16
+    master weights, bitwise (what its committed timing is of)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "wt.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "localhost:0", "-m", "benchmarks.weight_transfer", "--layers", "1", "--hidden", "128",
+           "--vocab", "512", "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["bitwise"] == {"checked": True, "bare": True} and report["tensors"] == 14   # (1 layer: 11; embedding, norm, lm_head)
