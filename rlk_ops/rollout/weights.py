@@ -263,16 +263,21 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
 SEND, RECEIVE = "send_weights", "receive_weights"
 
 
-def _wire_device(group, device: torch.device) -> torch.device:
-    """Where a value travels: CUDA for an NCCL-only group, the CPU for a gloo-only one, else (a
-    "cpu:gloo,cuda:nccl" group) the sender's device, which the manifest names so that every rank posts
-    its buffer on the same backend."""
+def _wire_type(group, device: torch.device) -> str:
+    """Where a value travels: "cuda" for an NCCL-only group, "cpu" for a gloo-only one, else (a
+    "cpu:gloo,cuda:nccl" group) the sender's device type, which the manifest names so that every rank
+    posts its buffer on the same backend."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
+        return "cuda"
     if "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
+        return "cpu"
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def _local(wire_type: str) -> torch.device:
+    """This rank's device of the wire's type (its current CUDA device: the sender's index means nothing here)."""
+    return torch.device("cuda", torch.cuda.current_device()) if wire_type == "cuda" else torch.device("cpu")
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -286,23 +291,23 @@ def _gather_objects(obj, group) -> list:
     return out
 
 
-def _exchange(role: str, src: int, problem: str | None, group) -> tuple[list[int], str | None]:
-    """Every rank of ``group`` says its role, the source it was given and its problem; returns the group's
-    ranks and the first problem any rank has (the same on every rank), naming the rank."""
+def _exchange(role: str, src: int, problem: str | None, group) -> str | None:
+    """Every rank of ``group`` says its role, the source it was given and its problem; returns the first
+    problem any rank has (every rank finds one if any has), naming the rank."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     said = _gather_objects((role, src, problem), group)
     for rank, (r_role, r_src, r_problem) in zip(ranks, said):
         if r_src != src:
-            return ranks, f"rank {rank} ({r_role}) was given src={r_src}, rank {dist.get_rank()} src={src}"
+            return f"rank {rank} ({r_role}) was given src={r_src}, rank {dist.get_rank()} src={src}"
         if r_problem is not None:
-            return ranks, f"rank {rank} ({r_role}): {r_problem}"
+            return f"rank {rank} ({r_role}): {r_problem}"
     senders = [rank for rank, (r_role, _, _) in zip(ranks, said) if r_role == SEND]
     if src not in ranks or src not in senders:
-        return ranks, (f"src={src} must be a rank of the group that calls {SEND} (the group's ranks {ranks}; "
+        return (f"src={src} must be a rank of the group that calls {SEND} (the group's ranks {ranks}; "
                        f"calling {SEND}: {senders})")
     if len(senders) == len(ranks):
-        return ranks, f"no rank of the group {ranks} calls {RECEIVE}"
-    return ranks, None
+        return f"no rank of the group {ranks} calls {RECEIVE}"
+    return None
 
 
 @torch.no_grad()
@@ -344,11 +349,11 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
     in_group = group is None or me in dist.get_process_group_ranks(group)
     verdict = None
     if in_group:
-        _, verdict = _exchange(SEND, src, problem, group)
+        verdict = _exchange(SEND, src, problem, group)
         if verdict is None:
             order = [n for step in plan for n in ([o[0] for o in step[2]] if step[0] == "fsdp" else [step[1]])]
-            wire = _wire_device(group, next(iter(t_params.values())).device if t_params else torch.device("cpu"))
-            manifest = [{"order": order, "spec": spec, "ties": t_ties, "wire": str(wire)}] if me == src else [None]
+            wire = _wire_type(group, next(iter(t_params.values())).device if t_params else torch.device("cpu"))
+            manifest = [{"order": order, "spec": spec, "ties": t_ties, "wire": wire}] if me == src else [None]
             dist.broadcast_object_list(manifest, src=src, group=group)
             manifest = manifest[0]
             verdict = next((v for v in _gather_objects(None, group) if v is not None), None)
@@ -360,7 +365,7 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
         raise agreed or DistributedInputError(f"{SEND}: {problem}")
 
     report = _new_report()
-    wire = torch.device(manifest["wire"]) if in_group else None
+    wire = _local(manifest["wire"]) if in_group else None
     for name, value, kind in _values(plan, t_params):
         if name is not None and in_group:
             if me == src:
@@ -383,7 +388,7 @@ def receive_weights(rollout: nn.Module, *, src: int, group=None) -> dict:
     require_initialized(RECEIVE)
     rollout = rollout.__dict__.get("hf_model", rollout)
     r_params, r_ties = _parameters(rollout)
-    _, verdict = _exchange(RECEIVE, src, None, group)
+    verdict = _exchange(RECEIVE, src, None, group)
     if verdict is None:
         manifest = [None]
         dist.broadcast_object_list(manifest, src=src, group=group)
@@ -397,7 +402,7 @@ def receive_weights(rollout: nn.Module, *, src: int, group=None) -> dict:
         verdict = next((v for v in _gather_objects(mine, group) if v is not None), None)
     if verdict is not None:
         raise DistributedInputError(f"{RECEIVE}: {verdict}")
-    wire = torch.device(manifest["wire"])
+    wire = _local(manifest["wire"])
     report = {"tensors": 0, "elements": 0, "bytes": 0}
     for name in manifest["order"]:
         r = r_params[name]
