@@ -186,13 +186,15 @@ def test_a_temperature_is_one_ieee_division_on_the_host():
     assert not torch.equal(z * (1 / torch.tensor(0.7)), z / 0.7)   # the reciprocal would differ
 
 
-def test_overflow_check_reads_the_largest_logit_in_any_dtype():
+def test_overflow_check_reads_the_largest_finite_logit_in_any_dtype():
     z = torch.tensor([[1.0, -3.0e38, 2.0]])
     with pytest.raises(ValueError, match=r"x: temperature 0\.5 overflows logits / temperature in torch.float32 "
                                          r"\(largest \|logit\| 3\.0000000054977558e\+38\)"):
         glue.check_overflow(z, 0.5, "x")
     glue.check_overflow(z, 1.0, "x")                                # no division at 1
-    glue.check_overflow(torch.tensor([[float("inf"), 1.0]]), 0.5, "x")   # non-finite logits: not this check's
+    glue.check_overflow(torch.tensor([[float("inf"), float("nan"), 1.0]]), 0.5, "x")   # infinities stay
+    with pytest.raises(ValueError, match=r"largest \|logit\| 3\.0000000054977558e\+38"):   # a masked -inf beside it
+        glue.check_overflow(torch.tensor([[float("-inf"), 3.0e38]]), 0.5, "x")
     glue.check_overflow(torch.zeros(0, 4), 0.5, "x")
     with pytest.raises(ValueError, match="overflows"):
         glue.check_overflow(torch.tensor([[3.0e38]]).bfloat16(), 0.5, "x")

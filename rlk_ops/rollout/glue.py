@@ -169,12 +169,14 @@ def _token_values(op: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def check_overflow(z: torch.Tensor, temperature: float, where: str) -> None:
-    """Refuse a temperature at which z / temperature (fp32) overflows while z is finite, naming it (the
-    log-probs would be NaN: inf - inf). One reduction and a division: z / T overflows somewhere iff
-    max |z| / T does (the division is monotone and rounds the same element the same way)."""
-    if temperature == 1.0 or z.numel() == 0 or not bool(torch.isfinite(z).all()):
+    """Refuse a temperature at which z / temperature (fp32) overflows a finite logit, naming it (the
+    log-probs would be NaN: inf - inf). A reduction and a division: z / T overflows at a finite z iff
+    max |finite z| / T does (the division is monotone and rounds the same element the same way).
+    Infinite logits (a masked vocabulary's -inf) stay what they are and are no overflow."""
+    if temperature == 1.0 or z.numel() == 0:
         return
-    big = z.detach().abs().amax().to(torch.float32)
+    z = z.detach()
+    big = torch.where(torch.isfinite(z), z.abs(), 0).amax().to(torch.float32)
     if not bool(torch.isfinite(big / _divisor(temperature, big))):
         raise ValueError(f"{where}: temperature {temperature!r} overflows logits / temperature in torch.float32 "
                          f"(largest |logit| {float(big)!r}): the log-probs would be NaN; use a larger "
