@@ -435,3 +435,30 @@ def test_compare_block_combines_the_ranks_verdicts_and_drift():
     backend reported as "none" on a mesh). Two gloo
     ranks, 1 x 2 mesh; only rank 1's dX differs from the reference."""
     run_workers(_one_rank_drifts_worker, 2)
+
+
+def _mesh_preflight_body(rank, world):
+    """preflight_mesh over a (2, 2) mesh of ranks 0-3 (rank 4 outside it): a problem on rank 3 reaches
+    rank 0, which shares no group with it, in two stages; without problems all proceed; a metadata value
+    that differs is named too."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rlk_ops.distributed.checks import preflight_mesh
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"))
+    if rank == 4:
+        return
+    preflight_mesh(mesh, "x", None, {"n": 7})
+    cases = (("bad input" if rank == 3 else None, {"n": 7}, "x: rank 3 rejected its input: bad input"),
+             (None, {"n": 8 if rank == 0 else 7}, "x: ranks disagree on n"))
+    for problem, meta, fragment in cases:
+        try:
+            preflight_mesh(mesh, "x", problem, meta)
+        except DistributedInputError as e:
+            assert fragment in str(e), f"rank {rank}: {e}"
+        else:
+            raise AssertionError(f"rank {rank}: no error")
+
+
+@pytest.mark.distributed
+def test_a_mesh_preflight_reaches_every_rank_of_a_2d_mesh_not_spanning_the_job():
+    run_workers(_mesh_preflight_body, 5)

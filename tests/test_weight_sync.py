@@ -356,28 +356,6 @@ def test_send_and_receive_need_torch_distributed(monkeypatch):
         receive_weights({}, src=0)
 
 
-def _mesh_preflight_body(rank, world):
-    """preflight_mesh over a (2, 2) mesh of ranks 0-3 (rank 4 outside it): a problem on rank 3 reaches
-    rank 0, which shares no group with it, in two stages; without problems all proceed; a metadata value
-    that differs is named too."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from rlk_ops.distributed.checks import preflight_mesh
-    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"))
-    if rank == 4:
-        return
-    preflight_mesh(mesh, "x", None, {"n": 7})
-    _expect_refusal(lambda: preflight_mesh(mesh, "x", "bad input" if rank == 3 else None, {"n": 7}),
-                    "x: rank 3 rejected its input: bad input", rank)
-    _expect_refusal(lambda: preflight_mesh(mesh, "x", None, {"n": 8 if rank == 0 else 7}), "x: ranks disagree on n",
-                    rank)
-
-
-@pytest.mark.distributed
-def test_a_mesh_preflight_reaches_every_rank_of_a_2d_mesh_not_spanning_the_job():
-    run_workers(_mesh_preflight_body, 5)
-
-
 def _hsdp_sender_body(rank, world):
     """An HSDP trainer (FSDP2 over a (1, 2) mesh of ranks 0-1) beside a rollout worker (rank 2): its mesh is
     2-D and spans 2 of the 3 ranks (refused until session 47); sync_weights on the trainer ranks and
@@ -434,11 +412,11 @@ def test_a_world_of_one_has_no_receiver(single_process_group):
 
 @pytest.mark.distributed
 def test_the_weight_transfer_benchmark_runs_and_delivers_the_bits(tmp_path):
-    """benchmarks/weight_transfer.py on a small model: both kinds of transfer leave the worker holding the bf16
-    master weights, bitwise (what its committed timing is of)."""
+    """benchmarks/weight_transfer.py on a small model (one FSDP2 rank and the worker: the committed timing ran
+    two and the worker): both kinds of transfer leave the worker holding the bf16 master weights, bitwise."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = tmp_path / "wt.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--rdzv-backend", "c10d",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "localhost:0", "-m", "benchmarks.weight_transfer", "--layers", "1", "--hidden", "128",
            "--vocab", "512", "--repeats", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
