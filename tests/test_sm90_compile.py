@@ -129,3 +129,4 @@ def test_logprobs_kernel_builds_for_sm90_without_fma(logits, tempered):
     assert ".target sm_90" in ptx and kernel.asm.get("cubin")
     assert "fma.rn.f32" not in ptx
     assert ("div.rn.f32" in ptx) == tempered
+    assert "cvt.rni" in ptx   # (numerics.exp's round-half-even of x * log2(e), libdevice's rint)
