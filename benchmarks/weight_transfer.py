@@ -93,7 +93,7 @@ def main() -> None:
                 dist.broadcast(W._as_bytes(model.get_parameter(name).data), src=0, group=wire)
 
     if rank < trainers:
-        sent = [n for step in plan for n in ([o[0] for o in step[2]] if step[0] == "fsdp" else [step[1]])]
+        sent = W._plan_names(plan)
         if rank == 0:
             dist.send_object_list([sent], dst=trainers)
     else:

@@ -176,6 +176,16 @@ def _plan(trainer: nn.Module, trainer_params: dict) -> list[tuple]:
     return plan
 
 
+def _plan_names(plan: list[tuple]) -> list[str]:
+    """The parameter names in the order ``_values`` yields them (the manifest's order)."""
+    return [n for step in plan for n in ([name for name, _ in step[2]] if step[0] == "fsdp" else [step[1]])]
+
+
+def _rollout_of(rollout: nn.Module) -> nn.Module:
+    """The model whose parameters receive: the rollout engine's view of an HF model stands for its model."""
+    return rollout.__dict__.get("hf_model", rollout)
+
+
 def _values(plan: list[tuple], trainer_params: dict):
     """Yields (name, whole value in the compute dtype, kind) in the plan's order: an FSDP2 module unsharded
     (its all-gather) for its parameters and resharded after, one module at a time; a DTensor gathered
@@ -228,7 +238,7 @@ def sync_weights(trainer: nn.Module, rollout: nn.Module) -> dict:
     calls it. Returns counts: {"tensors", "elements", "bytes" (copied), "fsdp_modules" (unsharded and
     resharded), "unsharded", "gathered", "plain" (tensors copied each way)}."""
     _check_modules(WHERE, trainer=trainer, rollout=rollout)
-    rollout = rollout.__dict__.get("hf_model", rollout)   # the rollout engine's view of an HF model
+    rollout = _rollout_of(rollout)
     if rollout is trainer:
         raise RlkInputError(f"{WHERE}: rollout is the trainer itself; the rollout copy must be its own model")
     dtensor = _dtensor_type()
@@ -351,7 +361,7 @@ def send_weights(trainer: nn.Module, *, src: int, group=None) -> dict:
     if in_group:
         verdict = _exchange(SEND, src, problem, group)
         if verdict is None:
-            order = [n for step in plan for n in ([o[0] for o in step[2]] if step[0] == "fsdp" else [step[1]])]
+            order = _plan_names(plan)
             wire = _wire_type(group, next(iter(t_params.values())).device if t_params else torch.device("cpu"))
             manifest = [{"order": order, "spec": spec, "ties": t_ties, "wire": wire}] if me == src else [None]
             dist.broadcast_object_list(manifest, src=src, group=group)
@@ -386,7 +396,7 @@ def receive_weights(rollout: nn.Module, *, src: int, group=None) -> dict:
     _check_modules(RECEIVE, rollout=rollout)
     from rlk_ops.distributed.checks import DistributedInputError, require_initialized
     require_initialized(RECEIVE)
-    rollout = rollout.__dict__.get("hf_model", rollout)
+    rollout = _rollout_of(rollout)
     r_params, r_ties = _parameters(rollout)
     verdict = _exchange(RECEIVE, src, None, group)
     if verdict is None:
